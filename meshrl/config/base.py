@@ -50,6 +50,9 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
         return f"{source}: missing required key '{path}'"
     value = first.get("input")
     expected = first["msg"]
+    if kind == "value_error" and isinstance(value, dict):
+        # a cross-field check on a whole section: the message already names the fields
+        return f"{source}: {path}: {expected.removeprefix('Value error, ')}"
     for prefix in ("Input should be ", "Value error, "):
         if expected.startswith(prefix):
             expected = expected[len(prefix):]

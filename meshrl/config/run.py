@@ -1,0 +1,64 @@
+"""The run configuration: every component's section composed into one object."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from meshrl.config.base import Section
+from meshrl.config.generation import GeneratorConfig
+from meshrl.config.learner import LearnerConfig
+from meshrl.config.meshes import MeshesConfig
+from meshrl.config.model import ModelConfig
+from meshrl.config.task import TaskConfig
+from meshrl.config.trainer import TrainerConfig
+
+
+class OutputConfig(Section):
+    """Where results go."""
+
+    dir: str = "runs"
+    """Parent directory of run directories."""
+
+    name: str | None = None
+    """Run directory name under `dir`; None = `<task>-<timestamp>`."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the `tensorboard` package)."""
+
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (needs `wandb` and a login)."""
+
+
+class RewarderConfig(Section):
+    """The Rewarder actor mesh: verifiable rewards."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Deadline for scoring one batch of rollouts."""
+
+
+class RunConfig(Section):
+    """Everything `meshrl train` needs."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+
+    task: TaskConfig = TaskConfig()
+    """Training and evaluation problems."""
+
+    generator: GeneratorConfig = GeneratorConfig()
+    """Sampling engine."""
+
+    learner: LearnerConfig = LearnerConfig()
+    """Optimisation."""
+
+    rewarder: RewarderConfig = RewarderConfig()
+    """Reward computation."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """The training loop."""
+
+    meshes: MeshesConfig = MeshesConfig()
+    """Process layout."""
+
+    output: OutputConfig = OutputConfig()
+    """Results."""

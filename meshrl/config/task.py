@@ -1,0 +1,53 @@
+"""Task configuration: which problems the policy is trained and evaluated on."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from meshrl.config.base import Section
+
+
+class ArithmeticConfig(Section):
+    """Procedurally generated 'What is a OP b?' problems with a disjoint held-out set."""
+
+    min_value: int = 10
+    """Smallest operand."""
+
+    max_value: int = Field(99, ge=0)
+    """Largest operand."""
+
+    operators: list[Literal["+", "-", "*"]] = ["+"]
+    """Operators drawn uniformly per problem."""
+
+    prompt_template: str = "What is {a} {op} {b}?"
+    """User message; `{a}`, `{op}` and `{b}` are substituted."""
+
+    system_prompt: str | None = None
+    """System message; None keeps the chat template's default system prompt."""
+
+    heldout_size: int = Field(200, ge=1)
+    """Problems in the held-out evaluation set, never used for training."""
+
+    seed: int = 0
+    """Seed for the held-out split and the training stream."""
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ArithmeticConfig":
+        if self.min_value > self.max_value:
+            raise ValueError(f"min_value {self.min_value} > max_value {self.max_value}")
+        n = (self.max_value - self.min_value + 1) ** 2 * len(self.operators)
+        if self.heldout_size >= n:
+            raise ValueError(f"heldout_size {self.heldout_size} leaves no training problems (only {n} exist)")
+        return self
+
+
+class TaskConfig(Section):
+    """Which task feeds the run."""
+
+    kind: Literal["arithmetic"] = "arithmetic"
+    """Task family."""
+
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    """Settings of the arithmetic task."""

@@ -1,0 +1,86 @@
+"""Controller (training loop) configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshrl.config.base import Section
+
+
+class LossConfig(Section):
+    """Channel-1 policy-gradient loss (GRPO/DAPO family)."""
+
+    name: Literal["ppo", "importance_sampling", "cispo"] = "ppo"
+    """Token loss: `ppo` (clipped ratio), `importance_sampling` (p/q weighted), `cispo`."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """PPO lower clip: ratio floor 1 - eps_low."""
+
+    eps_high: float = Field(0.2, ge=0.0)
+    """PPO upper clip: ratio ceiling 1 + eps_high (DAPO clip-higher uses 0.28)."""
+
+    cispo_clip_high: float = Field(4.0, gt=0.0)
+    """CISPO upper bound on the stop-gradient ratio."""
+
+    normalize: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
+    """How token losses are aggregated: `token_mean` divides by all valid tokens of the step's batch
+    (DAPO), `sequence_mean` averages per-sequence token means, `sum` keeps the raw sum."""
+
+
+class AdvantageConfig(Section):
+    """Group-relative credit assignment."""
+
+    std_normalize: bool = False
+    """Divide group-centred rewards by the group's std (+eps); off = Dr.GRPO/Tinker default."""
+
+    drop_uniform_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+
+    max_extra_rounds: int = Field(2, ge=0)
+    """With drop_uniform_groups: most extra generation rounds to refill the batch."""
+
+    overlong_cache_tokens: int = Field(0, ge=0)
+    """DAPO overlong shaping window in tokens (0 = off); the limit is sampling.max_new_tokens."""
+
+
+class EvalConfig(Section):
+    """Greedy held-out evaluation."""
+
+    every: int = Field(10, ge=0)
+    """Evaluate every N steps (0 = never during training); also at the start and the end."""
+
+    size: int = Field(200, ge=1)
+    """Held-out problems per evaluation (at most the task's held-out set)."""
+
+    at_start: bool = True
+    """Evaluate before the first step."""
+
+
+class TrainerConfig(Section):
+    """The synchronous GRPO loop run by the controller."""
+
+    steps: int = Field(40, ge=1)
+    """Optimizer steps to run."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    """Distinct problems per step."""
+
+    group_size: int = Field(8, ge=1)
+    """Samples per problem (the GRPO group)."""
+
+    seed: int = 0
+    """Seed of the controller's data order."""
+
+    loss: LossConfig = LossConfig()
+    """Policy-gradient loss."""
+
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage computation."""
+
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+
+    progress: bool = True
+    """Show a progress bar on the terminal."""
