@@ -1,0 +1,238 @@
+"""Per-token log-probabilities and entropies from logits, without a float32 [B, T, V] tensor.
+
+Math (per position, z = logits / temperature, lse = logsumexp_v z_v):
+    log p(y)  = z_y - lse
+    entropy H = -sum_v p_v log p_v = lse - sum_v p_v z_v
+Gradients (used by the hand-written backward passes, g = upstream grad):
+    d log p(y) / d z_v = 1[v = y] - p_v
+    d H        / d z_v = -p_v (log p_v + H)
+and d/d logits = (d/d z) / temperature.
+
+Memory: the forward and backward passes walk over rows (token positions) in chunks of
+``chunk_size``, casting one [chunk, V] slice at a time to float32; nothing of size [B*T, V] is ever
+allocated in float32 except the gradient w.r.t. float32 logits (which autograd needs anyway).  The
+backward pass recomputes the softmax per chunk instead of saving it.
+
+Causal shift: logits at position t predict token t+1.  :func:`causal_shift` and
+:func:`compute_token_logprobs` are the only places in meshrl that perform it on tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CHUNK_SIZE = 1024
+"""Rows (token positions) per chunk: peak extra memory is ~4 * chunk_size * V * 4 bytes."""
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32 for every input dtype except float64, which is kept (for brute-force references)."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def causal_shift(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Align logits [B, T, V] with the tokens they predict: (logits[:, :-1], tokens[:, 1:])."""
+    if logits.shape[:2] != tokens.shape[:2]:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on [B, T]")
+    return logits[:, :-1], tokens[:, 1:]
+
+
+class _ChunkedRowLogprobs(torch.autograd.Function):
+    """log p(target) and entropy for selected rows of a [M, V] logits matrix, chunked over rows."""
+
+    @staticmethod
+    def forward(ctx, logits2d, rows, targets, chunk_size: int, temperature: float):
+        n = rows.shape[0]
+        dtype = _compute_dtype(logits2d)
+        logp = torch.empty(n, dtype=dtype, device=logits2d.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, start + chunk_size)
+            z = logits2d.index_select(0, rows[sl]).to(dtype).div_(temperature)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[sl] = chunk_lse
+            logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - chunk_lse
+            z.sub_(chunk_lse[:, None])  # z is now log p
+            entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
+        ctx.save_for_backward(logits2d, rows, targets, lse, entropy)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits2d, rows, targets, lse, entropy = ctx.saved_tensors
+        grad = torch.zeros_like(logits2d)
+        if grad_logp is None and grad_entropy is None:
+            return grad, None, None, None, None
+        for start in range(0, rows.shape[0], ctx.chunk_size):
+            sl = slice(start, start + ctx.chunk_size)
+            log_p = logits2d.index_select(0, rows[sl]).to(lse.dtype).div_(ctx.temperature).sub_(lse[sl, None])
+            p = log_p.exp()
+            g = torch.zeros_like(p)
+            if grad_logp is not None:
+                g.sub_(p * grad_logp[sl, None])
+                g.scatter_add_(1, targets[sl, None], grad_logp[sl, None].to(g.dtype))
+            if grad_entropy is not None:
+                g.sub_((p * (log_p + entropy[sl, None])).nan_to_num_(0.0) * grad_entropy[sl, None])
+            grad.index_copy_(0, rows[sl], g.div_(ctx.temperature).to(grad.dtype))
+        return grad, None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets), entropy) for logits [..., V] and targets [...]; no shift; float32 outputs.
+
+    Differentiable w.r.t. ``logits`` (both outputs), memory O(chunk_size * V) in float32.
+    (float64 logits are computed and returned in float64, for brute-force references.)
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    if chunk_size < 1 or temperature <= 0:
+        raise ValueError("chunk_size must be >= 1 and temperature > 0")
+    vocab = logits.shape[-1]
+    logits2d = logits.reshape(-1, vocab)
+    flat_targets = targets.reshape(-1).long()
+    rows = torch.arange(flat_targets.shape[0], device=logits.device)
+    logp, entropy = _ChunkedRowLogprobs.apply(logits2d, rows, flat_targets, chunk_size, float(temperature))
+    return logp.view(targets.shape), entropy.view(targets.shape)
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log_softmax(logits / temperature)[..., targets] in float32, chunked (no shift)."""
+    return token_logprobs_and_entropy(logits, targets, chunk_size, temperature)[0]
+
+
+@dataclass
+class TokenLogprobs:
+    """Learner-side per-token outputs for a batch; position t refers to token t+1 of the input."""
+
+    logprobs: torch.Tensor  # [B, T-1] float32
+    entropy: torch.Tensor | None  # [B, T-1] float32, or None when not requested
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> TokenLogprobs:
+    """Log-probability of token t+1 at each position t, from model logits over the input tokens.
+
+    ``logits``: [B, T, V] in any dtype (bf16 is fine); ``tokens``: [B, T] (the model input).
+    Returns float32 [B, T-1].  The shifted logits are never copied: rows are read in place from the
+    contiguous [B*T, V] view, chunk by chunk.
+    """
+    if logits.dim() != 3 or tokens.dim() != 2:
+        raise ValueError(f"expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)}, {tuple(tokens.shape)}")
+    causal_shift(logits, tokens)  # validates shapes; the shift is applied through row indices below
+    batch, length, vocab = logits.shape
+    if length < 2:
+        raise ValueError("need at least 2 positions to predict a next token")
+    logits2d = logits.reshape(batch * length, vocab)
+    positions = torch.arange(length - 1, device=logits.device)
+    rows = (torch.arange(batch, device=logits.device)[:, None] * length + positions[None, :]).reshape(-1)
+    targets = tokens[:, 1:].reshape(-1).long()
+    logp, entropy = _ChunkedRowLogprobs.apply(logits2d, rows, targets, chunk_size, float(temperature))
+    shape = (batch, length - 1)
+    return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)
+
+
+class _ChunkedHiddenLogprobs(torch.autograd.Function):
+    """log p(target) and entropy from hidden states and an lm_head weight, never forming all logits."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, targets, chunk_size: int, temperature: float):
+        n = hidden2d.shape[0]
+        logp = torch.empty(n, dtype=_compute_dtype(hidden2d), device=hidden2d.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, start + chunk_size)
+            z = torch.nn.functional.linear(hidden2d[sl], weight).to(logp.dtype).div_(temperature)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[sl] = chunk_lse
+            logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - chunk_lse
+            z.sub_(chunk_lse[:, None])
+            entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
+        ctx.save_for_backward(hidden2d, weight, targets, lse, entropy)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden2d, weight, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden2d) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        if grad_logp is None and grad_entropy is None:
+            return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        for start in range(0, hidden2d.shape[0], ctx.chunk_size):
+            sl = slice(start, start + ctx.chunk_size)
+            h = hidden2d[sl]
+            log_p = torch.nn.functional.linear(h, weight).to(lse.dtype).div_(ctx.temperature).sub_(lse[sl, None])
+            p = log_p.exp()
+            g = torch.zeros_like(p)
+            if grad_logp is not None:
+                g.sub_(p * grad_logp[sl, None])
+                g.scatter_add_(1, targets[sl, None], grad_logp[sl, None].to(g.dtype))
+            if grad_entropy is not None:
+                g.sub_((p * (log_p + entropy[sl, None])).nan_to_num_(0.0) * grad_entropy[sl, None])
+            g = g.div_(ctx.temperature).to(weight.dtype)  # dL/dz for this chunk, [c, V]
+            if need_h:
+                grad_h[sl] = (g @ weight).to(grad_h.dtype)
+            if need_w:
+                grad_w += (g.t() @ h.to(weight.dtype)).to(grad_w.dtype)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+def compute_token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> TokenLogprobs:
+    """Like :func:`compute_token_logprobs`, from final hidden states [B, T, H] and lm_head [V, H].
+
+    Logits are formed one [chunk, V] block at a time (forward and backward), so full logits never
+    exist; gradients flow to both ``hidden`` and ``lm_head_weight``.  No lm_head bias is supported.
+    """
+    if hidden.dim() != 3 or tokens.shape != hidden.shape[:2]:
+        raise ValueError(f"expected hidden [B, T, H] and tokens [B, T], got {tuple(hidden.shape)}, {tuple(tokens.shape)}")
+    batch, length, width = hidden.shape
+    shifted_hidden = hidden[:, :-1].reshape(-1, width)  # copies [B*(T-1), H] only, never [.., V]
+    targets = tokens[:, 1:].reshape(-1).long()
+    logp, entropy = _ChunkedHiddenLogprobs.apply(
+        shifted_hidden, lm_head_weight, targets, chunk_size, float(temperature)
+    )
+    shape = (batch, length - 1)
+    return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "TokenLogprobs",
+    "causal_shift",
+    "compute_token_logprobs",
+    "compute_token_logprobs_from_hidden",
+    "selective_log_softmax",
+    "token_logprobs_and_entropy",
+]

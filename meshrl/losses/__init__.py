@@ -1,0 +1,29 @@
+"""Token-level, sum-reduced losses for RL post-training (pure functions on tensors).
+
+Every loss returns :class:`LossOutput` (``.loss`` scalar tensor, ``.metrics`` dict of floats).
+Normalisation is the caller's job; :mod:`meshrl.losses.aggregation` provides global-count weights.
+"""
+
+from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregate, aggregation_weights
+from meshrl.losses.base import LossOutput
+from meshrl.losses.distill import IGNORE_INDEX, generalized_jsd, generalized_jsd_topk, jsd_per_token
+from meshrl.losses.preference import dpo, sequence_logprobs
+from meshrl.losses.token_losses import cispo, cross_entropy, importance_sampling, ppo
+
+__all__ = [
+    "Aggregation",
+    "GlobalCounts",
+    "IGNORE_INDEX",
+    "LossOutput",
+    "aggregate",
+    "aggregation_weights",
+    "cispo",
+    "cross_entropy",
+    "dpo",
+    "generalized_jsd",
+    "generalized_jsd_topk",
+    "importance_sampling",
+    "jsd_per_token",
+    "ppo",
+    "sequence_logprobs",
+]

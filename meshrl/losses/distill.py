@@ -1,0 +1,172 @@
+"""Generalized Jensen-Shannon divergence for on-policy (hint) self-distillation (GKD / OPSD / SDPO).
+
+Per token, with S = log_softmax(student_logits / temperature) and T = log_softmax(teacher_logits /
+temperature) (the teacher is detached: no gradient ever reaches it):
+
+    beta = 0:       KL(T || S) = sum_v T_v (log T_v - log S_v)          (forward KL)
+    beta = 1:       KL(S || T) = sum_v S_v (log S_v - log T_v)          (reverse KL)
+    0 < beta < 1:   m = (1 - beta) S + beta T   (computed in log space with logsumexp)
+                    JSD_beta = beta KL(T || m) + (1 - beta) KL(S || m)
+
+(The mixture formula tends to 0 at both ends, so the pure KLs are special-cased, as in TRL's GKD.)
+Tokens with ``labels == -100`` are ignored; the default ``reduction="batchmean"`` divides the sum
+over valid tokens by their number; ``reduction="sum"`` leaves normalisation to the caller (use it
+with a global token count for micro-batch equivalence).
+
+Top-k form.  When the teacher only provides its top-k log-probabilities (indices [..., k], values
+[..., k]), both distributions are *restricted to the teacher's top-k support and renormalised*:
+S_k = log_softmax(student_logits[idx] / temperature), T_k = log_softmax(teacher_values / temperature)
+and the same divergence is taken over the k entries.  This is a proper divergence between two
+distributions on the same support (it is 0 iff they agree there, up to the mass outside), needs no
+guess about how the teacher's remaining mass is spread, and with k = V equals the full-vocabulary
+result.  Dividing normalised log-probs by the temperature and renormalising over the support gives
+exactly softmax(teacher_logits / temperature) restricted to the support, so ``temperature`` is exact
+too.  Metrics report how much probability mass the support carries for each side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshrl.losses.base import LossOutput, masked_mean
+
+IGNORE_INDEX = -100
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """sum_v p_v (log p_v - log q_v) over the last dim, with 0 log 0 = 0."""
+    terms = log_p.exp() * (log_p - log_q)
+    return torch.where(torch.isneginf(log_p), torch.zeros_like(terms), terms).sum(-1)
+
+
+def jsd_per_token(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Generalized JSD between normalised log-distributions on the last dim (see module docstring)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return _kl(teacher_logp, student_logp)
+    if beta == 1.0:
+        return _kl(student_logp, teacher_logp)
+    mixture = torch.logsumexp(
+        torch.stack([student_logp + math.log(1.0 - beta), teacher_logp + math.log(beta)]), dim=0
+    )
+    return beta * _kl(teacher_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
+
+
+def _reduce(
+    per_token: torch.Tensor,
+    valid: torch.Tensor,
+    reduction: str,
+    token_weights: torch.Tensor | None,
+    extra_metrics: dict[str, float],
+) -> LossOutput:
+    values = torch.where(valid, per_token, torch.zeros_like(per_token))
+    if token_weights is not None:
+        if token_weights.shape != valid.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must match {tuple(valid.shape)}")
+        values = values * token_weights.detach().to(values.dtype)
+    total = values.sum()
+    count = int(valid.sum())
+    if reduction == "batchmean":
+        loss = total / max(count, 1)
+    elif reduction == "sum":
+        loss = total
+    else:
+        raise ValueError(f"reduction must be 'batchmean' or 'sum', got {reduction!r}")
+    metrics = {"loss": float(loss.detach()), "jsd_mean": masked_mean(per_token, valid), "num_tokens": float(count)}
+    metrics.update(extra_metrics)
+    return LossOutput(loss, metrics)
+
+
+def generalized_jsd_topk(
+    student_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    token_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """Generalized JSD on the teacher's top-k support (both sides restricted and renormalised).
+
+    ``student_logits`` [..., V]; ``teacher_topk_indices`` / ``teacher_topk_logprobs`` [..., k];
+    ``mask`` [...] (bool/float; nonzero = error-site token to distil), default all tokens.
+    ``token_weights`` [...] optionally scales each token's divergence (e.g. SDPO's IS weight
+    min(exp(logp - logp_old), 2)); it is treated as a constant.
+    Metrics add teacher_topk_mass (teacher mass on the support, assuming its values are normalised
+    full-vocabulary log-probs) and student_topk_mass (student mass on the same support).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if teacher_topk_indices.shape != teacher_topk_logprobs.shape:
+        raise ValueError("teacher_topk_indices and teacher_topk_logprobs must have the same shape")
+    if teacher_topk_indices.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(
+            f"teacher top-k {tuple(teacher_topk_indices.shape)} does not match student logits "
+            f"{tuple(student_logits.shape)} on the leading dims"
+        )
+    dtype = _compute_dtype(student_logits)
+    valid = torch.ones(student_logits.shape[:-1], dtype=torch.bool, device=student_logits.device)
+    if mask is not None:
+        valid = mask.detach() != 0
+    student_scaled = student_logits.to(dtype) / temperature
+    student_support = student_scaled.gather(-1, teacher_topk_indices.long())
+    student_logp = torch.log_softmax(student_support, dim=-1)
+    teacher_values = teacher_topk_logprobs.detach().to(dtype)
+    teacher_logp = torch.log_softmax(teacher_values / temperature, dim=-1)
+    per_token = jsd_per_token(student_logp, teacher_logp, beta)
+    with torch.no_grad():
+        student_mass = (torch.logsumexp(student_support, -1) - torch.logsumexp(student_scaled, -1)).exp()
+        teacher_mass = torch.logsumexp(teacher_values, -1).exp()
+    extra = {
+        "teacher_topk_mass": masked_mean(teacher_mass, valid),
+        "student_topk_mass": masked_mean(student_mass, valid),
+    }
+    return _reduce(per_token, valid, reduction, token_weights, extra)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    reduction: str = "batchmean",
+    token_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """Generalized JSD between student and (detached) teacher logits [..., V]; labels [...] (-100 = skip).
+
+    ``top_k``: restrict to the teacher's top-k tokens (after temperature) and renormalise both sides;
+    identical to :func:`generalized_jsd_topk` fed with the teacher's top-k log-probs.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} logits differ in shape"
+        )
+    if labels.shape != student_logits.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must match logits {tuple(student_logits.shape)} minus V")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    valid = labels != IGNORE_INDEX
+    dtype = _compute_dtype(student_logits)
+    if top_k is not None:
+        if not 1 <= top_k <= student_logits.shape[-1]:
+            raise ValueError(f"top_k must be in [1, V], got {top_k}")
+        # Top-k of teacher_logits / temperature has the same indices as at temperature 1.
+        teacher_logp1 = torch.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
+        values, indices = teacher_logp1.topk(top_k, dim=-1)
+        return generalized_jsd_topk(
+            student_logits, indices, values, valid, beta, temperature, reduction, token_weights
+        )
+    teacher_logp = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
+    student_logp = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    per_token = jsd_per_token(student_logp, teacher_logp, beta)
+    return _reduce(per_token, valid, reduction, token_weights, {})

@@ -1,0 +1,176 @@
+"""Token-level, sum-reduced policy losses (the Tinker built-ins).
+
+Notation per token t: p_t = learner probability of the sampled token (``target_logprobs``,
+differentiable), q_t = sampler probability (``sampling_logprobs``, constant), rho_t = p_t / q_t,
+A_t = advantage (constant; [B] is broadcast over T), w_t = mask (bool, or float weights).
+
+  cross_entropy:        L = -sum_t w_t log p_t
+  importance_sampling:  L = -sum_t w_t rho_t A_t
+  ppo:                  L = -sum_t w_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
+  cispo:                L = -sum_t w_t sg(clip(rho_t, clip_low, clip_high)) A_t log p_t
+
+No mean is taken: normalisation (token-mean over the global batch, per-sequence mean, ...) is done by
+the caller by scaling ``mask`` (see :mod:`meshrl.losses.aggregation`).  Masked positions contribute
+exactly zero loss and zero gradient even when their logprobs are garbage (inf/nan-free by ``where``).
+
+Metrics (Python floats, over tokens with w_t != 0):
+  num_tokens, ratio_mean, ratio_max,
+  kl_sampler_learner_k1 = mean(log q - log p)          (KL(q || p) estimated on samples from q)
+  kl_sampler_learner_k3 = mean(rho - 1 - log rho)      (unbiased, always >= 0)
+  clip_fraction(_low/_high) for ppo and cispo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshrl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
+from meshrl.losses.base import LossOutput, as_weights, broadcast_advantages, masked_max, masked_mean
+
+
+def _check_logprobs(target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor) -> None:
+    if target_logprobs.shape != sampling_logprobs.shape:
+        raise ValueError(
+            f"target_logprobs {tuple(target_logprobs.shape)} and sampling_logprobs "
+            f"{tuple(sampling_logprobs.shape)} must have the same shape"
+        )
+
+
+def _log_ratio(target_logprobs, sampling_logprobs, valid) -> torch.Tensor:
+    """log rho on valid tokens, 0 elsewhere (so exp() stays finite on padding)."""
+    diff = target_logprobs - sampling_logprobs.detach().to(target_logprobs.dtype)
+    return torch.where(valid, diff, torch.zeros_like(diff))
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    lr = log_ratio.detach()
+    r = ratio.detach()
+    return {
+        "num_tokens": float(valid.sum()),
+        "ratio_mean": masked_mean(r, valid),
+        "ratio_max": masked_max(r, valid),
+        "kl_sampler_learner_k1": masked_mean(-lr, valid),
+        "kl_sampler_learner_k3": masked_mean(r - 1.0 - lr, valid),
+    }
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target_tokens: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LossOutput:
+    """L = -sum_t w_t log softmax(logits_t)[target_t].
+
+    ``logits`` [..., V] are already aligned with ``target_tokens`` [...] (Datum convention: position
+    t predicts ``target_tokens[t]``); computed chunked in float32 via :mod:`meshrl.logprobs`.
+    Metrics: nll_sum, weight_sum, nll_mean (weighted), entropy_mean (over w != 0), num_tokens.
+    """
+    logp, entropy = token_logprobs_and_entropy(logits, target_tokens, chunk_size=chunk_size)
+    w, valid = as_weights(weights, logp)
+    nll = torch.where(valid, -logp, torch.zeros_like(logp))
+    loss = (nll * w).sum()
+    weight_sum = float(w.sum())
+    return LossOutput(
+        loss,
+        {
+            "loss": float(loss.detach()),
+            "nll_sum": float(loss.detach()),
+            "weight_sum": weight_sum,
+            "nll_mean": float(loss.detach()) / weight_sum if weight_sum else 0.0,
+            "entropy_mean": masked_mean(entropy, valid),
+            "num_tokens": float(valid.sum()),
+        },
+    )
+
+
+def importance_sampling(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor | float,
+    mask: torch.Tensor | None = None,
+) -> LossOutput:
+    """L = -sum_t w_t rho_t A_t.  At rho = 1 its gradient equals REINFORCE's, -sum_t w_t A_t grad log p_t."""
+    _check_logprobs(target_logprobs, sampling_logprobs)
+    w, valid = as_weights(mask, target_logprobs)
+    adv = broadcast_advantages(advantages, target_logprobs)
+    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
+    ratio = torch.exp(log_ratio)
+    loss = -(ratio * adv * w).sum()
+    metrics = {"loss": float(loss.detach()), **_ratio_metrics(log_ratio, ratio, valid)}
+    return LossOutput(loss, metrics)
+
+
+def ppo(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor | float,
+    mask: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> LossOutput:
+    """L = -sum_t w_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t).
+
+    DAPO clip-higher is ``eps_high=0.28``.  A token is *clipped* (zero gradient) when A > 0 and
+    rho > 1 + eps_high (clip_fraction_high) or A < 0 and rho < 1 - eps_low (clip_fraction_low);
+    clip_fraction is their sum, as a fraction of valid tokens.
+    """
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    _check_logprobs(target_logprobs, sampling_logprobs)
+    w, valid = as_weights(mask, target_logprobs)
+    adv = broadcast_advantages(advantages, target_logprobs)
+    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -(torch.minimum(unclipped, clipped) * w).sum()
+    r = ratio.detach()
+    clipped_high = valid & (adv > 0) & (r > 1.0 + eps_high)
+    clipped_low = valid & (adv < 0) & (r < 1.0 - eps_low)
+    n = max(int(valid.sum()), 1)
+    metrics = {
+        "loss": float(loss.detach()),
+        **_ratio_metrics(log_ratio, ratio, valid),
+        "clip_fraction_high": float(clipped_high.sum()) / n,
+        "clip_fraction_low": float(clipped_low.sum()) / n,
+        "clip_fraction": float((clipped_high | clipped_low).sum()) / n,
+    }
+    return LossOutput(loss, metrics)
+
+
+def cispo(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor | float,
+    mask: torch.Tensor | None = None,
+    clip_low: float = 0.0,
+    clip_high: float = 4.0,
+) -> LossOutput:
+    """L = -sum_t w_t sg(clip(rho_t, clip_low, clip_high)) A_t log p_t  (clip bounds are absolute ratios).
+
+    Unlike PPO no token loses its gradient: the IS weight is clipped and detached instead.
+    clip_fraction counts valid tokens whose ratio lies outside [clip_low, clip_high].
+    """
+    if not 0.0 <= clip_low <= clip_high:
+        raise ValueError(f"need 0 <= clip_low <= clip_high, got {clip_low}, {clip_high}")
+    _check_logprobs(target_logprobs, sampling_logprobs)
+    w, valid = as_weights(mask, target_logprobs)
+    adv = broadcast_advantages(advantages, target_logprobs)
+    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
+    ratio = torch.exp(log_ratio)
+    coef = ratio.detach().clamp(clip_low, clip_high)
+    logp = torch.where(valid, target_logprobs, torch.zeros_like(target_logprobs))
+    loss = -(coef * adv * logp * w).sum()
+    r = ratio.detach()
+    high = valid & (r > clip_high)
+    low = valid & (r < clip_low)
+    n = max(int(valid.sum()), 1)
+    metrics = {
+        "loss": float(loss.detach()),
+        **_ratio_metrics(log_ratio, ratio, valid),
+        "clip_fraction_high": float(high.sum()) / n,
+        "clip_fraction_low": float(low.sum()) / n,
+        "clip_fraction": float((high | low).sum()) / n,
+    }
+    return LossOutput(loss, metrics)
