@@ -1,0 +1,292 @@
+"""Async client for one OpenAI-compatible chat endpoint, with bounded concurrency, retries with
+exponential backoff and full jitter, Retry-After, typed errors, outcome counters and a shared spend
+budget.
+
+The API key is read from the configured environment variable at request time, sent only in the
+Authorization header, and kept out of logs, exception texts and reprs (server error bodies are
+redacted before they are quoted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from meshrl.teachers.config import TeacherEndpointConfig
+
+log = logging.getLogger(__name__)
+
+ErrorKind = Literal[
+    "timeout",
+    "rate_limited",
+    "server_error",
+    "connection",
+    "malformed_json",
+    "bad_schema",
+    "bad_request",
+    "auth",
+    "budget_exhausted",
+]
+RETRYABLE: frozenset[str] = frozenset({"timeout", "rate_limited", "server_error", "connection"})
+"""Error kinds worth another attempt; the others would fail the same way again (or cost money)."""
+
+BODY_QUOTE_CHARS = 200
+"""How much of an unexpected response body an error message quotes (after redaction)."""
+
+
+class TeacherError(Exception):
+    """A teacher call that produced no usable reply. ``kind`` says why (see ``ErrorKind``)."""
+
+    def __init__(self, kind: ErrorKind, teacher: str, detail: str, attempts: int = 0):
+        super().__init__(f"teacher {teacher}: {kind}: {detail} (after {attempts} attempt(s))")
+        self.kind = kind
+        self.teacher = teacher
+        self.detail = detail
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class TeacherReply:
+    """A successful chat completion."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    attempts: int
+    latency_s: float
+
+
+@dataclass
+class Spend:
+    """Tokens and cost accumulated by some set of calls."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+    def add(self, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
+        self.calls += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.cost_usd += cost_usd
+
+
+@dataclass
+class SpendMeter:
+    """Spend shared by several clients: totals per teacher and overall, and a USD budget.
+
+    Once ``total.cost_usd`` reaches ``budget_usd`` (> 0), calls fail fast with ``budget_exhausted``.
+    Calls already in flight when the budget runs out still complete and are recorded, so the
+    overshoot is bounded by the cost of the calls in flight."""
+
+    budget_usd: float = 0.0
+    total: Spend = field(default_factory=Spend)
+    by_teacher: dict[str, Spend] = field(default_factory=dict)
+    rejected_calls: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.budget_usd > 0 and self.total.cost_usd >= self.budget_usd
+
+    def admit(self) -> bool:
+        """True if a new call may start; otherwise counts the rejection."""
+        with self._lock:
+            if self.exhausted:
+                self.rejected_calls += 1
+                return False
+            return True
+
+    def record(self, teacher: str, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
+        with self._lock:
+            self.total.add(prompt_tokens, completion_tokens, cost_usd)
+            self.by_teacher.setdefault(teacher, Spend()).add(prompt_tokens, completion_tokens, cost_usd)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, kind: ErrorKind, detail: str, retry_after_s: float | None = None):
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+        self.retry_after_s = retry_after_s
+
+
+def _redact(text: str, secret: str) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def _retry_after_seconds(headers: httpx.Headers) -> float | None:
+    value = headers.get("retry-after")
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:  # an HTTP date: fall back to our own backoff
+        return None
+    return max(0.0, seconds) if seconds is not None else None
+
+
+def _estimate_tokens(text: str) -> int:
+    """Rough token count (4 characters per token) for endpoints that report no usage."""
+    return (len(text) + 3) // 4
+
+
+class TeacherClient:
+    """Chat client for one teacher endpoint: ``await client.chat(messages)``.
+
+    ``counts`` holds one entry per finished call under its outcome (``ok`` or an error kind), plus
+    ``retries`` (extra attempts made) and ``usage_estimated`` (replies without token usage)."""
+
+    def __init__(self, cfg: TeacherEndpointConfig, meter: SpendMeter | None = None):
+        self.cfg = cfg
+        self.meter = meter if meter is not None else SpendMeter()
+        self.counts: Counter[str] = Counter()
+        self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.timeout_s),
+            limits=httpx.Limits(max_connections=cfg.max_concurrency),
+        )
+
+    def __repr__(self) -> str:
+        return f"TeacherClient(name={self.cfg.name!r}, model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> TeacherClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def chat(self, messages: list[dict[str, Any]]) -> TeacherReply:
+        """Send ``messages`` unchanged and return the reply, or raise ``TeacherError``."""
+        try:
+            reply = await self._chat_with_retries(messages)
+        except TeacherError as e:
+            self.counts[e.kind] += 1
+            log.warning("%s", e)
+            raise
+        self.counts["ok"] += 1
+        return reply
+
+    async def _chat_with_retries(self, messages: list[dict[str, Any]]) -> TeacherReply:
+        cfg = self.cfg
+        started = time.monotonic()
+        attempts = 0
+        while True:
+            if not self.meter.admit():
+                raise TeacherError("budget_exhausted", cfg.name, "spend budget used up", attempts)
+            key = self._api_key(attempts)
+            attempts += 1
+            try:
+                async with self._semaphore:
+                    text, prompt_tokens, completion_tokens = await self._attempt(messages, key)
+            except _AttemptFailed as failure:
+                if failure.kind not in RETRYABLE or attempts > cfg.max_retries:
+                    raise TeacherError(failure.kind, cfg.name, failure.detail, attempts) from None
+                delay = self._backoff_s(attempts, failure.retry_after_s)
+                self.counts["retries"] += 1
+                log.info(
+                    "teacher %s: %s on attempt %d/%d, retrying in %.2fs",
+                    cfg.name, failure.kind, attempts, cfg.max_retries + 1, delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            cost = (
+                prompt_tokens * cfg.price_prompt_per_1m_usd
+                + completion_tokens * cfg.price_completion_per_1m_usd
+            ) / 1e6
+            self.meter.record(cfg.name, prompt_tokens, completion_tokens, cost)
+            return TeacherReply(
+                text=text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cost_usd=cost,
+                attempts=attempts,
+                latency_s=time.monotonic() - started,
+            )
+
+    def _api_key(self, attempts: int) -> str:
+        env = self.cfg.api_key_env
+        if not env:
+            return ""
+        key = os.environ.get(env, "")
+        if not key:
+            raise TeacherError("auth", self.cfg.name, f"environment variable {env} is not set", attempts)
+        return key
+
+    def _backoff_s(self, attempt: int, retry_after_s: float | None) -> float:
+        cfg = self.cfg
+        if retry_after_s is not None:
+            return min(retry_after_s, cfg.backoff_max_s)
+        ceiling = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
+        return random.uniform(0.0, ceiling) if cfg.jitter else ceiling
+
+    async def _attempt(self, messages: list[dict[str, Any]], key: str) -> tuple[str, int, int]:
+        cfg = self.cfg
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        body = {
+            "model": cfg.model,
+            "messages": messages,
+            "temperature": cfg.temperature,
+            "max_tokens": cfg.max_tokens,
+        }
+        try:
+            response = await asyncio.wait_for(
+                self._http.post(f"{cfg.base_url}/chat/completions", json=body, headers=headers),
+                timeout=cfg.timeout_s,
+            )
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise _AttemptFailed("timeout", f"no response within {cfg.timeout_s:g}s") from None
+        except httpx.TransportError as e:
+            reason = _redact(str(e), key)
+            raise _AttemptFailed("connection", f"{type(e).__name__}: {reason}" if reason else type(e).__name__) from None
+
+        status = response.status_code
+        if status != 200:
+            quoted = _redact(response.text[:BODY_QUOTE_CHARS], key)
+            detail = f"HTTP {status}: {quoted}"
+            if status == 429:
+                raise _AttemptFailed("rate_limited", detail, _retry_after_seconds(response.headers))
+            if status >= 500:
+                raise _AttemptFailed("server_error", detail)
+            if status in (401, 403):
+                raise _AttemptFailed("auth", detail)
+            raise _AttemptFailed("bad_request", detail)
+        try:
+            payload = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            quoted = _redact(response.text[:BODY_QUOTE_CHARS], key)
+            raise _AttemptFailed("malformed_json", f"response is not JSON: {quoted!r}") from None
+        return self._parse_completion(payload, messages)
+
+    def _parse_completion(self, payload: Any, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
+        try:
+            text = payload["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise _AttemptFailed("bad_schema", "no choices[0].message.content in the response") from None
+        if not isinstance(text, str):
+            raise _AttemptFailed("bad_schema", f"message content is {type(text).__name__}, not a string")
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+                return text, prompt_tokens, completion_tokens
+        self.counts["usage_estimated"] += 1
+        prompt_chars = json.dumps(messages, ensure_ascii=False)
+        return text, _estimate_tokens(prompt_chars), _estimate_tokens(text)
