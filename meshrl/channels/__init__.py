@@ -1,0 +1,1 @@
+"""Data channels between actor meshes: the versioned RDMA weight store (learner -> generators)."""
