@@ -41,6 +41,8 @@ class Fault:
 
     kind: FaultKind
     seconds: float = 0.0
+    text: str = ""
+    """Reply sent after the delay when the script itself returns a ``slow`` fault."""
 
 
 Answer = str | Fault
@@ -78,12 +80,20 @@ class FakeOpenAIServer:
     ``faults``: per model, either one Fault applied to every request, or a sequence whose i-th
     entry applies to that model's i-th request (None = answer normally; later requests answer
     normally). A Fault returned by the script applies after those.
-    ``api_key``: when set, requests must carry ``Authorization: Bearer <api_key>``."""
+    ``api_key``: when set, requests must carry ``Authorization: Bearer <api_key>``.
+    ``report_usage``: include token ``usage`` in replies (some OpenAI-compatible servers omit it)."""
 
-    def __init__(self, script: Script, faults: FaultPlan | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        script: Script,
+        faults: FaultPlan | None = None,
+        api_key: str | None = None,
+        report_usage: bool = True,
+    ):
         self._script = script
         self._faults = dict(faults or {})
         self._api_key = api_key
+        self._report_usage = report_usage
         self._lock = threading.Lock()
         self._served: Counter[str] = Counter()
         self._in_flight: Counter[str] = Counter()
@@ -101,7 +111,9 @@ class FakeOpenAIServer:
     def start(self) -> FakeOpenAIServer:
         handler = type("Handler", (_Handler,), {"fake": self})
         self._httpd = _QuietServer(("127.0.0.1", 0), handler)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-openai", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-openai", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -215,31 +227,31 @@ class _Handler(BaseHTTPRequestHandler):
             self.fake._leave(model)
 
     def _complete(self, model: str, messages: list[dict[str, Any]], index: int) -> None:
-        fault = self.fake._planned_fault(model, index)
         answer = self.fake._answer(model, messages)
-        if fault is None and isinstance(answer, Fault):
-            fault = answer
-        if fault is not None and fault.kind == "slow":
-            time.sleep(fault.seconds)
-            fault = None
-        if fault is not None:
-            return self._misbehave(fault)
         if answer is None:
             return self._send_json(404, {"error": {"message": f"model {model} not found"}})
-        text = answer if isinstance(answer, str) else ""
-        usage_prompt, usage_completion = prompt_tokens(messages), count_tokens(text)
-        self._send_json(200, {
+        scripted = answer if isinstance(answer, Fault) else None
+        for fault in (self.fake._planned_fault(model, index), scripted):
+            if fault is not None and fault.kind == "slow":
+                time.sleep(fault.seconds)
+            elif fault is not None:
+                return self._misbehave(fault)
+        text = answer.text if isinstance(answer, Fault) else answer
+        completion: dict[str, Any] = {
             "id": f"chatcmpl-{index}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {
+        }
+        if self.fake._report_usage:
+            usage_prompt, usage_completion = prompt_tokens(messages), count_tokens(text)
+            completion["usage"] = {
                 "prompt_tokens": usage_prompt,
                 "completion_tokens": usage_completion,
                 "total_tokens": usage_prompt + usage_completion,
-            },
-        })
+            }
+        self._send_json(200, completion)
 
     def _misbehave(self, fault: Fault) -> None:
         if fault.kind == "rate_limit":
