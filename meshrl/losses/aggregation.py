@@ -60,13 +60,14 @@ def aggregation_weights(
     mode: Aggregation | str,
     counts: GlobalCounts | None = None,
     max_tokens: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Per-token weights [B, T] (float32) implementing ``mode`` for this micro-batch's ``mask``.
+    """Per-token weights [B, T] (``dtype``) implementing ``mode`` for this micro-batch's ``mask``.
 
     ``counts`` must be the GLOBAL counts of the whole step (required except for ``sum``).
     """
     mode = Aggregation(mode)
-    m = (mask.detach() != 0).to(torch.float32)
+    m = (mask.detach() != 0).to(dtype)
     if mode is Aggregation.SUM:
         return m
     if counts is None:
@@ -90,6 +91,6 @@ def aggregate(
     max_tokens: int | None = None,
 ) -> torch.Tensor:
     """sum_t w_t * per_token_t with the weights of :func:`aggregation_weights` (masked entries -> 0)."""
-    weights = aggregation_weights(mask, mode, counts, max_tokens).to(per_token.dtype)
+    weights = aggregation_weights(mask, mode, counts, max_tokens, dtype=per_token.dtype)
     values = torch.where(mask != 0, per_token, torch.zeros_like(per_token))
     return (values * weights).sum()
