@@ -1,0 +1,577 @@
+"""Versioned weight store: the learner publishes state dicts, generators pull them over
+``monarch.rdma.RDMABuffer`` (ibverbs on GPU hosts, the TCP fallback on CPU).
+
+The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 0.7:
+
+* ``WeightIndex`` - a light all-async actor, one named singleton in the controller process
+  (``get_or_spawn_controller("meshrl.weight_index", WeightIndex)``). Per store it keeps the
+  published ``WeightHandle``s (layout + chunk RDMA buffers), the read leases and the latest version.
+* ``WeightPublisher`` - a plain object inside the data owner (the learner's process). Each version is
+  packed into a flat arena from a small pool, registered as ``num_chunks`` RDMA buffers and announced
+  to the index. Versions that are superseded and unleased are reclaimed: their buffers are dropped
+  (stale handles then fail instead of reading other bytes) and the arena is reused.
+* ``WeightPuller`` - a plain object inside each reader. A pull leases the newest version, reads all
+  chunks concurrently into the reader's own arena, releases the lease and returns zero-copy views.
+
+Both objects offer a sync method (for sync actor endpoints and plain scripts) and an ``a``-prefixed
+coroutine (for async actors; ``.get()`` would block their event loop). Both variants run the same
+step generator (``_publish_steps``, ``_pull_steps``): it yields what it waits for, and a driver
+(``_drive`` / ``_adrive``) waits on it with ``Future.get`` or ``await``.
+
+Every remote call and transfer has a deadline; failures surface as a one-line ``WeightSyncError``
+naming the store, version and chunk. Objects are not thread-safe: use each from one actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Generator, Mapping
+
+import torch
+from monarch.actor import Actor, ActorError, concurrent_endpoint, endpoint, get_or_spawn_controller
+from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+
+from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
+from meshrl.channels.config import WeightSyncConfig
+
+INDEX_NAME = "meshrl.weight_index"
+_POLL_S = 0.05  # publisher re-checks for a free arena this often while all are leased
+_DRIVER_SLACK_S = 5.0  # extra wait beyond the RDMA layer's own timeout before giving up on a read
+
+
+class WeightSyncError(RuntimeError):
+    """A weight publish or pull failed or timed out; the message is one line naming store,
+    version and chunk."""
+
+
+@dataclass(frozen=True)
+class ChunkHandle:
+    """One registered byte range ``[offset, offset + nbytes)`` of a published arena."""
+
+    offset: int
+    nbytes: int
+    buffer: RDMABuffer
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    """Everything a reader needs to fetch one published version (small and picklable)."""
+
+    store: str
+    version: int
+    layout: ArenaLayout
+    chunks: tuple[ChunkHandle, ...]
+    owner_id: str
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    nbytes: int
+    seconds: float
+    pack_seconds: float
+    register_seconds: float
+    reclaimed: tuple[int, ...]
+    """Versions whose buffers this publish dropped (superseded and no longer read)."""
+    arenas: int
+    """Arenas in the publisher's pool after this publish."""
+
+
+@dataclass(frozen=True)
+class PullStats:
+    seconds: float
+    """Whole pull: lease, transfer and release."""
+    transfer_seconds: float
+    nbytes: int
+    """Bytes transferred (0 when the reader already had the latest version)."""
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PullResult:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    """Zero-copy views into the puller's arena: valid, and the same objects, until the next pull
+    that transfers (which overwrites them in place)."""
+    stats: PullStats
+
+
+def silence_tcp_fallback_warning() -> None:
+    """Monarch warns once per process that RDMA falls back to TCP; expected on CPU hosts."""
+    warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+
+
+# ----------------------------------------------------------------------------------------- index
+
+
+@dataclass
+class _Lease:
+    store: str
+    version: int
+    deadline: float
+
+
+class WeightIndex(Actor):
+    """Published versions per store, their read leases, and the latest version. Holds only small
+    handles; bytes stay with the owners."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, dict[int, WeightHandle]] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._published = asyncio.Condition()
+
+    def _latest(self, store: str) -> int | None:
+        return max(self._handles.get(store) or (), default=None)
+
+    def _newest(self, store: str, min_version: int) -> WeightHandle | None:
+        latest = self._latest(store)
+        return self._handles[store][latest] if latest is not None and latest >= min_version else None
+
+    @endpoint
+    async def publish(self, handle: WeightHandle) -> None:
+        versions = self._handles.setdefault(handle.store, {})
+        if versions and handle.version <= max(versions):
+            raise WeightSyncError(
+                f"publish of '{handle.store}' v{handle.version}: versions must increase (latest is v{max(versions)})"
+            )
+        versions[handle.version] = handle
+        async with self._published:
+            self._published.notify_all()
+
+    @endpoint
+    async def latest(self, store: str) -> int | None:
+        return self._latest(store)
+
+    @concurrent_endpoint
+    async def acquire(
+        self, store: str, min_version: int, have_version: int | None, wait_s: float, lease_s: float
+    ) -> tuple[WeightHandle, int] | None:
+        """Lease the newest version >= ``min_version``, waiting up to ``wait_s`` for one to be
+        published. Returns None (and takes no lease) if it is ``have_version``."""
+        if self._newest(store, min_version) is None:
+            try:
+                async with self._published:
+                    await asyncio.wait_for(
+                        self._published.wait_for(lambda: self._newest(store, min_version) is not None), wait_s
+                    )
+            except asyncio.TimeoutError:
+                latest = self._latest(store)
+                have = f"v{latest}" if latest is not None else "no version"
+                raise WeightSyncError(
+                    f"weight pull of '{store}': no version >= v{min_version} within {wait_s:g}s (index has {have})"
+                ) from None
+        handle = self._newest(store, min_version)
+        assert handle is not None
+        if handle.version == have_version:
+            return None
+        lease = next(self._lease_ids)
+        self._leases[lease] = _Lease(store, handle.version, time.monotonic() + lease_s)
+        return handle, lease
+
+    @endpoint
+    async def release(self, store: str, version: int, lease: int) -> bool:
+        """End a lease. True if the version was never reclaimed meanwhile (the bytes read are intact)."""
+        self._leases.pop(lease, None)
+        return version in self._handles.get(store, {})
+
+    @endpoint
+    async def reclaim(self, owner_id: str, held: list[int]) -> list[int]:
+        """Forget the owner's versions that are superseded and have no live lease. Returns which of
+        ``held`` (versions the owner still keeps buffers for) it may now drop."""
+        now = time.monotonic()
+        self._leases = {k: lease for k, lease in self._leases.items() if lease.deadline > now}
+        leased = {(lease.store, lease.version) for lease in self._leases.values()}
+        for store, versions in self._handles.items():
+            latest = max(versions, default=None)
+            for v in [v for v, h in versions.items() if h.owner_id == owner_id]:
+                if v != latest and (store, v) not in leased:
+                    del versions[v]
+        live = {v for versions in self._handles.values() for v, h in versions.items() if h.owner_id == owner_id}
+        return [v for v in held if v not in live]
+
+    @endpoint
+    async def reset_owner(self, owner_id: str) -> list[int]:
+        """Forget every version of ``owner_id`` (it restarted or closed); returns them."""
+        gone = []
+        for versions in self._handles.values():
+            for v in [v for v, h in versions.items() if h.owner_id == owner_id]:
+                del versions[v]
+                gone.append(v)
+        return sorted(gone)
+
+    @endpoint
+    async def describe(self, store: str) -> dict[str, Any]:
+        """Versions, latest and live lease counts per version of ``store`` (for tests and debugging)."""
+        versions = self._handles.get(store, {})
+        now = time.monotonic()
+        leases: dict[int, int] = {}
+        for lease in self._leases.values():
+            if lease.store == store and lease.deadline > now:
+                leases[lease.version] = leases.get(lease.version, 0) + 1
+        return {"versions": sorted(versions), "latest": max(versions, default=None), "leases": leases}
+
+
+def weight_index():
+    """Future of the ``WeightIndex`` singleton (spawned in the controller process on first use)."""
+    return get_or_spawn_controller(INDEX_NAME, WeightIndex)
+
+
+# ---------------------------------------------------------------------------------- step drivers
+
+
+@dataclass
+class _Await:
+    """Wait for one future; the step generator receives its result or the raised exception
+    (``TimeoutError`` after ``timeout_s``)."""
+
+    future: Any
+    timeout_s: float
+
+
+@dataclass
+class _AwaitAll:
+    """Wait for every future (common deadline); the generator receives a list with each result or
+    exception instance, never a raise."""
+
+    futures: list
+    timeout_s: float
+
+
+@dataclass
+class _Sleep:
+    seconds: float
+
+
+Steps = Generator[Any, Any, Any]
+
+
+def _drive(steps: Steps) -> Any:
+    """Run a step generator from synchronous code with ``Future.get``."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("the sync weight-store API blocks the event loop; use the 'a'-prefixed coroutine")
+    value, error = None, None
+    while True:
+        try:
+            request = steps.throw(error) if error is not None else steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            if isinstance(request, _Await):
+                value = request.future.get(timeout=request.timeout_s)
+            elif isinstance(request, _AwaitAll):
+                deadline = time.monotonic() + request.timeout_s
+                value = [_settle(f, max(deadline - time.monotonic(), 0.001)) for f in request.futures]
+            else:
+                time.sleep(request.seconds)
+        except Exception as e:
+            error = e
+
+
+def _settle(future: Any, timeout_s: float) -> Any:
+    try:
+        return future.get(timeout=timeout_s)
+    except Exception as e:
+        return e
+
+
+async def _adrive(steps: Steps) -> Any:
+    """Run a step generator from a coroutine with ``await``."""
+    value, error = None, None
+    while True:
+        try:
+            request = steps.throw(error) if error is not None else steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            if isinstance(request, _Await):
+                value = await _await_with_timeout(request.future, request.timeout_s)
+            elif isinstance(request, _AwaitAll):
+                value = await asyncio.gather(
+                    *(_await_with_timeout(f, request.timeout_s) for f in request.futures), return_exceptions=True
+                )
+            else:
+                await asyncio.sleep(request.seconds)
+        except Exception as e:
+            error = e
+
+
+async def _await_with_timeout(future: Any, timeout_s: float) -> Any:
+    async def wait() -> Any:
+        return await future
+
+    try:
+        return await asyncio.wait_for(wait(), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no answer within {timeout_s:g}s") from None
+
+
+def _call(what: str, future: Any, timeout_s: float) -> Steps:
+    """One index call: its result, or a WeightSyncError (the index's own one-liner when it raised one)."""
+    try:
+        return (yield _Await(future, timeout_s))
+    except ActorError as e:
+        if isinstance(e.exception, WeightSyncError):
+            raise e.exception from None
+        raise WeightSyncError(f"{what}: weight index call failed: {_first_line(e.exception)}") from e
+    except TimeoutError:
+        raise WeightSyncError(f"{what}: weight index did not answer within {timeout_s:g}s") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# ------------------------------------------------------------------------------------- publisher
+
+
+@dataclass
+class _Arena:
+    memory: torch.Tensor
+    version: int | None = None
+    buffers: tuple[RDMABuffer, ...] = ()
+
+
+class WeightPublisher:
+    """Publishes state dicts of one store from the process that owns the weights (the learner).
+
+    ``publish(state_dict, version)`` from sync code, ``await apublish(...)`` from async actors.
+    ``owner_id`` names this data owner in the index (default: the store name); a new publisher with
+    the same id forgets its predecessor's versions on first use, as after a learner restart.
+    """
+
+    def __init__(self, store: str, config: WeightSyncConfig | None = None, owner_id: str | None = None) -> None:
+        self.store = store
+        self.config = config or WeightSyncConfig()
+        self.owner_id = owner_id or store
+        self._arenas: list[_Arena] = []
+        self._layout: ArenaLayout | None = None
+        self._index: Any = None
+        silence_tcp_fallback_warning()
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PublishStats:
+        return _drive(self._publish_steps(state_dict, version))
+
+    async def apublish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> PublishStats:
+        return await _adrive(self._publish_steps(state_dict, version))
+
+    def reclaim(self) -> list[int]:
+        """Drop the buffers of versions nobody reads any more (publish does this too)."""
+        return _drive(self._reclaim_steps())
+
+    async def areclaim(self) -> list[int]:
+        return await _adrive(self._reclaim_steps())
+
+    def close(self) -> None:
+        """Withdraw every version from the index and drop all buffers."""
+        _drive(self._close_steps())
+
+    async def aclose(self) -> None:
+        await _adrive(self._close_steps())
+
+    @property
+    def versions(self) -> list[int]:
+        """Versions whose arenas are still registered here."""
+        return sorted(a.version for a in self._arenas if a.version is not None)
+
+    def _connect_steps(self) -> Steps:
+        if self._index is None:
+            what = f"weight publish of '{self.store}'"
+            index = yield from _call(what, weight_index(), self.config.rpc_timeout_s)
+            yield from _call(what, index.reset_owner.call_one(self.owner_id), self.config.rpc_timeout_s)
+            self._index = index
+        return self._index
+
+    def _publish_steps(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Steps:
+        cfg = self.config
+        start = time.perf_counter()
+        what = f"weight publish of '{self.store}' v{version}"
+        if self._layout is not None and self._layout.matches(state_dict):
+            layout = self._layout
+        else:
+            layout = ArenaLayout.from_state_dict(state_dict, cfg.alignment)
+        if layout.total_bytes == 0:
+            raise WeightSyncError(f"{what}: the state dict holds no bytes")
+        index = yield from self._connect_steps()
+        reclaimed = list((yield from self._reclaim_steps()))
+        arena = self._free_arena(layout.total_bytes)
+        while arena is None:
+            if time.perf_counter() - start > cfg.transfer_timeout_s:
+                raise WeightSyncError(
+                    f"{what}: all {cfg.max_arenas} arenas still hold versions {self.versions} that are latest "
+                    f"or being read after {cfg.transfer_timeout_s:g}s; readers stuck? (or raise max_arenas)"
+                )
+            yield _Sleep(_POLL_S)
+            reclaimed += yield from self._reclaim_steps()
+            arena = self._free_arena(layout.total_bytes)
+
+        packed_at = time.perf_counter()
+        pack_into(arena.memory, state_dict, layout)
+        if arena.memory.is_cuda:
+            torch.cuda.synchronize(arena.memory.device)
+        registered_at = time.perf_counter()
+        ranges = chunk_ranges(layout.total_bytes, cfg.num_chunks, cfg.alignment)
+        arena.buffers = tuple(RDMABuffer(arena.memory[o : o + n]) for o, n in ranges)
+        arena.version = version
+        done_at = time.perf_counter()
+        chunks = tuple(ChunkHandle(o, n, b) for (o, n), b in zip(ranges, arena.buffers))
+        handle = WeightHandle(self.store, version, layout, chunks, self.owner_id)
+        try:
+            yield from _call(what, index.publish.call_one(handle), cfg.rpc_timeout_s)
+        except WeightSyncError:
+            yield from self._drop_steps([arena])
+            raise
+        self._layout = layout
+        reclaimed += yield from self._reclaim_steps()  # the version just superseded, if nobody reads it
+        return PublishStats(
+            version=version,
+            nbytes=layout.total_bytes,
+            seconds=time.perf_counter() - start,
+            pack_seconds=registered_at - packed_at,
+            register_seconds=done_at - registered_at,
+            reclaimed=tuple(sorted(reclaimed)),
+            arenas=len(self._arenas),
+        )
+
+    def _free_arena(self, nbytes: int) -> _Arena | None:
+        """A pooled arena holding no version and big enough, else a new one if the pool has room
+        (replacing a free arena that is too small), else None."""
+        free = [a for a in self._arenas if a.version is None]
+        fitting = [a for a in free if a.memory.numel() >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda a: a.memory.numel())
+        if free:
+            self._arenas.remove(free[0])
+        elif len(self._arenas) >= self.config.max_arenas:
+            return None
+        arena = _Arena(allocate_arena(nbytes, self.config.arena_device))
+        self._arenas.append(arena)
+        return arena
+
+    def _reclaim_steps(self) -> Steps:
+        index = yield from self._connect_steps()
+        held = self.versions
+        if not held:
+            return []
+        what = f"weight publish of '{self.store}'"
+        droppable = yield from _call(what, index.reclaim.call_one(self.owner_id, held), self.config.rpc_timeout_s)
+        yield from self._drop_steps([a for a in self._arenas if a.version in droppable])
+        return droppable
+
+    def _drop_steps(self, arenas: list[_Arena]) -> Steps:
+        futures = [b.drop() for a in arenas for b in a.buffers]
+        if futures:
+            outcomes = yield _AwaitAll(futures, self.config.rpc_timeout_s)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                warnings.warn(
+                    f"weight store '{self.store}': {len(failed)} RDMA buffer drops failed: {_first_line(failed[0])}"
+                )
+        for a in arenas:
+            a.buffers, a.version = (), None
+
+    def _close_steps(self) -> Steps:
+        if self._index is not None:
+            what = f"weight publisher '{self.store}' close"
+            yield from _call(what, self._index.reset_owner.call_one(self.owner_id), self.config.rpc_timeout_s)
+        yield from self._drop_steps(self._arenas)
+        self._arenas.clear()
+
+
+# ---------------------------------------------------------------------------------------- puller
+
+
+class WeightPuller:
+    """Pulls the newest version of one store into this process's own arena.
+
+    ``pull(min_version, timeout_s)`` from sync code, ``await apull(...)`` from async actors. A pull
+    waits up to ``timeout_s`` (default ``transfer_timeout_s``) for a version >= ``min_version``;
+    when the newest version is the one already held it returns at once without transferring.
+    """
+
+    def __init__(self, store: str, config: WeightSyncConfig | None = None) -> None:
+        self.store = store
+        self.config = config or WeightSyncConfig()
+        self.version: int | None = None
+        self._arena: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._views_layout: ArenaLayout | None = None
+        self._stranded: list[torch.Tensor] = []  # arenas a read may still write into: never reused
+        self._index: Any = None
+
+    def pull(self, min_version: int = 0, timeout_s: float | None = None) -> PullResult:
+        return _drive(self._pull_steps(min_version, timeout_s))
+
+    async def apull(self, min_version: int = 0, timeout_s: float | None = None) -> PullResult:
+        return await _adrive(self._pull_steps(min_version, timeout_s))
+
+    def _pull_steps(self, min_version: int, timeout_s: float | None) -> Steps:
+        cfg = self.config
+        start = time.perf_counter()
+        what = f"weight pull of '{self.store}'"
+        if self._index is None:
+            self._index = yield from _call(what, weight_index(), cfg.rpc_timeout_s)
+        wait_s = cfg.transfer_timeout_s if timeout_s is None else timeout_s
+        read_timeout = max(1, math.ceil(cfg.transfer_timeout_s))
+        lease_s = read_timeout + _DRIVER_SLACK_S + 2 * cfg.rpc_timeout_s
+        acquire = self._index.acquire.call_one(self.store, min_version, self.version, wait_s, lease_s)
+        got = yield from _call(what, acquire, wait_s + cfg.rpc_timeout_s)
+        if got is None:
+            stats = PullStats(time.perf_counter() - start, 0.0, 0)
+            return PullResult(self.version, self._views, stats)  # type: ignore[arg-type]
+        handle, lease = got
+        what = f"weight pull of '{self.store}' v{handle.version}"
+        release = (self.store, handle.version, lease)
+        try:
+            transfer_s = yield from self._transfer_steps(handle, read_timeout, what)
+        except BaseException:
+            try:  # best effort: the lease also expires on its own
+                yield from _call(what, self._index.release.call_one(*release), cfg.rpc_timeout_s)
+            except WeightSyncError:
+                pass
+            raise
+        intact = yield from _call(what, self._index.release.call_one(*release), cfg.rpc_timeout_s)
+        if not intact:
+            raise WeightSyncError(f"{what}: the version was reclaimed mid-transfer (lease expired after {lease_s:g}s)")
+        self.version = handle.version
+        if self._views_layout != handle.layout:
+            self._views, self._views_layout = views(self._arena, handle.layout), handle.layout
+        stats = PullStats(time.perf_counter() - start, transfer_s, handle.layout.total_bytes)
+        return PullResult(handle.version, self._views, stats)
+
+    def _transfer_steps(self, handle: WeightHandle, read_timeout: int, what: str) -> Steps:
+        nbytes = handle.layout.total_bytes
+        if self._arena is None or self._arena.numel() < nbytes:
+            self._arena, self._views_layout = allocate_arena(nbytes, self.config.arena_device), None
+        arena = self._arena
+        self.version = None  # the arena is being overwritten: nothing valid until this pull succeeds
+        began = time.perf_counter()
+        reads = [c.buffer.read_into(arena[c.offset : c.offset + c.nbytes], timeout=read_timeout) for c in handle.chunks]
+        outcomes = yield _AwaitAll(reads, read_timeout + _DRIVER_SLACK_S)
+        elapsed = time.perf_counter() - began
+        for i, outcome in enumerate(outcomes):
+            if not isinstance(outcome, BaseException):
+                continue
+            if any(isinstance(o, TimeoutError) for o in outcomes):  # a read outlived its own deadline
+                self._stranded.append(arena)
+                self._arena = None
+            chunk = f"chunk {i + 1}/{len(outcomes)}"
+            if isinstance(outcome, TimeoutError) or "timed out" in str(outcome):
+                raise WeightSyncError(f"{what} {chunk} timed out after {elapsed:.1f}s: owner gone?") from None
+            raise WeightSyncError(f"{what} {chunk} failed: {_first_line(outcome)}") from None
+        return elapsed
