@@ -327,14 +327,14 @@ def _call(what: str, future: Any, timeout_s: float) -> Steps:
     except ActorError as e:
         if isinstance(e.exception, WeightSyncError):
             raise e.exception from None
-        raise WeightSyncError(f"{what}: weight index call failed: {_first_line(e.exception)}") from e
+        raise WeightSyncError(f"{what}: weight index call failed: {_one_line(e.exception)}") from e
     except TimeoutError:
         raise WeightSyncError(f"{what}: weight index did not answer within {timeout_s:g}s") from None
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------- publisher
@@ -480,7 +480,7 @@ class WeightPublisher:
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 warnings.warn(
-                    f"weight store '{self.store}': {len(failed)} RDMA buffer drops failed: {_first_line(failed[0])}"
+                    f"weight store '{self.store}': {len(failed)} RDMA buffer drops failed: {_one_line(failed[0])}"
                 )
         for a in arenas:
             a.buffers, a.version = (), None
@@ -573,5 +573,5 @@ class WeightPuller:
             chunk = f"chunk {i + 1}/{len(outcomes)}"
             if isinstance(outcome, TimeoutError) or "timed out" in str(outcome):
                 raise WeightSyncError(f"{what} {chunk} timed out after {elapsed:.1f}s: owner gone?") from None
-            raise WeightSyncError(f"{what} {chunk} failed: {_first_line(outcome)}") from None
+            raise WeightSyncError(f"{what} {chunk} failed: {_one_line(outcome)}") from None
         return elapsed
