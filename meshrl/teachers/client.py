@@ -189,12 +189,13 @@ class TeacherClient:
         started = time.monotonic()
         attempts = 0
         while True:
-            if not self.meter.admit():
-                raise TeacherError("budget_exhausted", cfg.name, "spend budget used up", attempts)
             key = self._api_key(attempts)
-            attempts += 1
             try:
                 async with self._semaphore:
+                    # checked once a slot is free, so calls queued behind the limit see recent spend
+                    if not self.meter.admit():
+                        raise TeacherError("budget_exhausted", cfg.name, "spend budget used up", attempts)
+                    attempts += 1
                     text, prompt_tokens, completion_tokens = await self._attempt(messages, key)
             except _AttemptFailed as failure:
                 if failure.kind not in RETRYABLE or attempts > cfg.max_retries:

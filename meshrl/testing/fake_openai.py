@@ -182,6 +182,7 @@ class FakeOpenAIServer:
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # the stdlib's 5 drops SYNs when many clients connect at once under load
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Connections aborted on purpose (reset fault) or by a client that timed out end up here.
