@@ -138,7 +138,9 @@ def compute_token_logprobs(
     contiguous [B*T, V] view, chunk by chunk.
     """
     if logits.dim() != 3 or tokens.dim() != 2:
-        raise ValueError(f"expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)}, {tuple(tokens.shape)}")
+        raise ValueError(
+            f"expected logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)}, {tuple(tokens.shape)}"
+        )
     causal_shift(logits, tokens)  # validates shapes; the shift is applied through row indices below
     batch, length, vocab = logits.shape
     if length < 2:
@@ -216,7 +218,9 @@ def compute_token_logprobs_from_hidden(
     exist; gradients flow to both ``hidden`` and ``lm_head_weight``.  No lm_head bias is supported.
     """
     if hidden.dim() != 3 or tokens.shape != hidden.shape[:2]:
-        raise ValueError(f"expected hidden [B, T, H] and tokens [B, T], got {tuple(hidden.shape)}, {tuple(tokens.shape)}")
+        raise ValueError(
+            f"expected hidden [B, T, H] and tokens [B, T], got {tuple(hidden.shape)}, {tuple(tokens.shape)}"
+        )
     batch, length, width = hidden.shape
     shifted_hidden = hidden[:, :-1].reshape(-1, width)  # copies [B*(T-1), H] only, never [.., V]
     targets = tokens[:, 1:].reshape(-1).long()

@@ -438,7 +438,8 @@ def test_token_mean_weights_make_ppo_a_token_mean():
     theta, tokens, mask, sampling, adv = _policy_batch(seed=13)
     lp = _target_logprobs(theta, tokens).double()
     counts = GlobalCounts.from_masks([mask])
-    weighted = ppo(lp, sampling.double(), adv.double(), aggregation_weights(mask, "token_mean", counts, dtype=torch.float64))
+    weights = aggregation_weights(mask, "token_mean", counts, dtype=torch.float64)
+    weighted = ppo(lp, sampling.double(), adv.double(), weights)
     summed = ppo(lp, sampling.double(), adv.double(), mask)
     assert weighted.loss.item() == pytest.approx(summed.loss.item() / counts.num_tokens, rel=1e-12)
     assert weighted.metrics["clip_fraction"] == summed.metrics["clip_fraction"]

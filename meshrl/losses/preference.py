@@ -41,7 +41,8 @@ def dpo(
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    shapes = {tuple(t.shape) for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)}
+    inputs = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    shapes = {tuple(t.shape) for t in inputs}
     if len(shapes) != 1:
         raise ValueError(f"all four DPO inputs must have the same shape, got {sorted(shapes)}")
     chosen_reward = beta * (policy_chosen_logps - ref_chosen_logps.detach())
