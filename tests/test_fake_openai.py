@@ -43,3 +43,20 @@ def test_reset_fault_aborts_the_tcp_connection():
             sock.sendall(request)
             with pytest.raises(ConnectionResetError):
                 sock.recv(1024)
+
+
+def test_script_can_return_faults_depending_on_the_messages():
+    def script(model, messages):
+        question = messages[-1]["content"]
+        return {"late": Fault("slow", 0.2, text="finally"), "broken": Fault("bad_schema")}.get(question, "plain")
+
+    with FakeOpenAIServer(script=script) as srv:
+        def ask(question):
+            body = {"model": "any", "messages": [{"role": "user", "content": question}]}
+            return httpx.post(f"{srv.base_url}/chat/completions", json=body).json()
+
+        late = ask("late")
+        assert late["choices"][0]["message"]["content"] == "finally"
+        assert "choices" not in ask("broken")
+        assert ask("other")["choices"][0]["message"]["content"] == "plain"
+        assert srv.max_in_flight("any") == 1

@@ -144,7 +144,17 @@ def test_concurrency_limit_is_honoured(limit):
     assert client.counts == {"ok": 6}
 
 
-def test_shared_budget_exhaustion_fails_fast_and_is_counted():
+def test_calls_waiting_for_a_slot_do_not_use_up_their_timeout():
+    async def run(cfg):
+        async with TeacherClient(cfg) as client:
+            return await asyncio.gather(*(client.chat(MESSAGES) for _ in range(3)))
+
+    with FakeOpenAIServer(script={"m": "4"}, faults={"m": Fault("slow", 0.2)}) as srv:
+        replies = asyncio.run(run(endpoint(srv, max_concurrency=1, timeout_s=0.5, max_retries=0)))
+    assert [r.attempts for r in replies] == [1, 1, 1]  # the third waited ~0.4 s, then took ~0.2 s
+
+
+def test_shared_budget_exhaustion_fails_fast_and_is_counted(caplog):
     async def run(cfg_a, cfg_b):
         meter = SpendMeter(budget_usd=0.015)
         async with TeacherClient(cfg_a, meter) as a, TeacherClient(cfg_b, meter) as b:
@@ -152,6 +162,8 @@ def test_shared_budget_exhaustion_fails_fast_and_is_counted():
             await b.chat(MESSAGES)  # 0.02: over budget, but it was admitted at 0.01
             with pytest.raises(TeacherError) as excinfo:
                 await a.chat(MESSAGES)
+            with pytest.raises(TeacherError):
+                await b.chat(MESSAGES)
             return meter, a, excinfo.value
 
     with FakeOpenAIServer(script={"a": "4", "b": "4"}) as srv:
@@ -160,7 +172,10 @@ def test_shared_budget_exhaustion_fails_fast_and_is_counted():
         meter, a, error = asyncio.run(run(endpoint(srv, "a", **price), endpoint(srv, "b", **price)))
         assert len(srv.chat_requests()) == 2
     assert (error.kind, error.attempts) == ("budget_exhausted", 0)
-    assert meter.exhausted and meter.rejected_calls == 1
+    assert meter.exhausted and meter.rejected_calls == 2
+    assert [r.message for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "spend budget of $0.0150 used up ($0.0200 spent): teacher calls now fail fast"
+    ]
     assert meter.total.cost_usd == pytest.approx(0.02) and meter.total.calls == 2
     assert meter.by_teacher["teacher-a"].cost_usd == pytest.approx(0.01)
     assert a.counts == {"ok": 1, "budget_exhausted": 1}

@@ -104,10 +104,15 @@ class SpendMeter:
     def admit(self) -> bool:
         """True if a new call may start; otherwise counts the rejection."""
         with self._lock:
-            if self.exhausted:
-                self.rejected_calls += 1
-                return False
-            return True
+            if not self.exhausted:
+                return True
+            if self.rejected_calls == 0:
+                log.warning(
+                    "spend budget of $%.4f used up ($%.4f spent): teacher calls now fail fast",
+                    self.budget_usd, self.total.cost_usd,
+                )
+            self.rejected_calls += 1
+            return False
 
     def record(self, teacher: str, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
         with self._lock:
@@ -152,10 +157,9 @@ class TeacherClient:
         self.meter = meter if meter is not None else SpendMeter()
         self.counts: Counter[str] = Counter()
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.timeout_s),
-            limits=httpx.Limits(max_connections=cfg.max_concurrency),
-        )
+        # Concurrency is limited by the semaphore, not the connection pool, so that time spent
+        # waiting for a slot does not count against a request's timeout.
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s))
 
     def __repr__(self) -> str:
         return f"TeacherClient(name={self.cfg.name!r}, model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
@@ -179,7 +183,8 @@ class TeacherClient:
             reply = await self._chat_with_retries(messages)
         except TeacherError as e:
             self.counts[e.kind] += 1
-            log.warning("%s", e)
+            # budget rejections are announced once by the meter, not once per call
+            log.log(logging.DEBUG if e.kind == "budget_exhausted" else logging.WARNING, "%s", e)
             raise
         self.counts["ok"] += 1
         return reply
@@ -254,12 +259,14 @@ class TeacherClient:
             )
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise _AttemptFailed("timeout", f"no response within {cfg.timeout_s:g}s") from None
-        except httpx.TransportError as e:
+        except httpx.DecodingError:
+            raise _AttemptFailed("malformed_json", "response body could not be decoded") from None
+        except httpx.RequestError as e:
             reason = _redact(str(e), key)
             raise _AttemptFailed("connection", f"{type(e).__name__}: {reason}" if reason else type(e).__name__) from None
 
         status = response.status_code
-        if status != 200:
+        if not 200 <= status < 300:
             quoted = _redact(response.text[:BODY_QUOTE_CHARS], key)
             detail = f"HTTP {status}: {quoted}"
             if status == 429:
