@@ -43,11 +43,11 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
     """log p(target) and entropy for selected rows of a [M, V] logits matrix, chunked over rows."""
 
     @staticmethod
-    def forward(ctx, logits2d, rows, targets, chunk_size: int, temperature: float):
+    def forward(ctx, logits2d, rows, targets, chunk_size: int, temperature: float, with_entropy: bool):
         n = rows.shape[0]
         dtype = _compute_dtype(logits2d)
         logp = torch.empty(n, dtype=dtype, device=logits2d.device)
-        entropy = torch.empty_like(logp)
+        entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
@@ -55,12 +55,15 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[sl] = chunk_lse
             logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - chunk_lse
-            z.sub_(chunk_lse[:, None])  # z is now log p
-            entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
+            if with_entropy:
+                z.sub_(chunk_lse[:, None])  # z is now log p
+                entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
         ctx.save_for_backward(logits2d, rows, targets, lse, entropy)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
@@ -68,7 +71,7 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
         logits2d, rows, targets, lse, entropy = ctx.saved_tensors
         grad = torch.zeros_like(logits2d)
         if grad_logp is None and grad_entropy is None:
-            return grad, None, None, None, None
+            return grad, None, None, None, None, None
         for start in range(0, rows.shape[0], ctx.chunk_size):
             sl = slice(start, start + ctx.chunk_size)
             log_p = logits2d.index_select(0, rows[sl]).to(lse.dtype).div_(ctx.temperature).sub_(lse[sl, None])
@@ -80,7 +83,21 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
             if grad_entropy is not None:
                 g.sub_((p * (log_p + entropy[sl, None])).nan_to_num_(0.0) * grad_entropy[sl, None])
             grad.index_copy_(0, rows[sl], g.div_(ctx.temperature).to(grad.dtype))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _unshifted(logits, targets, chunk_size, temperature, with_entropy):
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    if chunk_size < 1 or temperature <= 0:
+        raise ValueError("chunk_size must be >= 1 and temperature > 0")
+    logits2d = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    rows = torch.arange(flat_targets.shape[0], device=logits.device)
+    logp, entropy = _ChunkedRowLogprobs.apply(
+        logits2d, rows, flat_targets, chunk_size, float(temperature), with_entropy
+    )
+    return logp.view(targets.shape), entropy.view(targets.shape)
 
 
 def token_logprobs_and_entropy(
@@ -94,16 +111,7 @@ def token_logprobs_and_entropy(
     Differentiable w.r.t. ``logits`` (both outputs), memory O(chunk_size * V) in float32.
     (float64 logits are computed and returned in float64, for brute-force references.)
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
-    if chunk_size < 1 or temperature <= 0:
-        raise ValueError("chunk_size must be >= 1 and temperature > 0")
-    vocab = logits.shape[-1]
-    logits2d = logits.reshape(-1, vocab)
-    flat_targets = targets.reshape(-1).long()
-    rows = torch.arange(flat_targets.shape[0], device=logits.device)
-    logp, entropy = _ChunkedRowLogprobs.apply(logits2d, rows, flat_targets, chunk_size, float(temperature))
-    return logp.view(targets.shape), entropy.view(targets.shape)
+    return _unshifted(logits, targets, chunk_size, temperature, with_entropy=True)
 
 
 def selective_log_softmax(
@@ -113,7 +121,7 @@ def selective_log_softmax(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """log_softmax(logits / temperature)[..., targets] in float32, chunked (no shift)."""
-    return token_logprobs_and_entropy(logits, targets, chunk_size, temperature)[0]
+    return _unshifted(logits, targets, chunk_size, temperature, with_entropy=False)[0]
 
 
 @dataclass
@@ -149,7 +157,9 @@ def compute_token_logprobs(
     positions = torch.arange(length - 1, device=logits.device)
     rows = (torch.arange(batch, device=logits.device)[:, None] * length + positions[None, :]).reshape(-1)
     targets = tokens[:, 1:].reshape(-1).long()
-    logp, entropy = _ChunkedRowLogprobs.apply(logits2d, rows, targets, chunk_size, float(temperature))
+    logp, entropy = _ChunkedRowLogprobs.apply(
+        logits2d, rows, targets, chunk_size, float(temperature), return_entropy
+    )
     shape = (batch, length - 1)
     return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)
 
@@ -158,10 +168,10 @@ class _ChunkedHiddenLogprobs(torch.autograd.Function):
     """log p(target) and entropy from hidden states and an lm_head weight, never forming all logits."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, targets, chunk_size: int, temperature: float):
+    def forward(ctx, hidden2d, weight, targets, chunk_size: int, temperature: float, with_entropy: bool):
         n = hidden2d.shape[0]
         logp = torch.empty(n, dtype=_compute_dtype(hidden2d), device=hidden2d.device)
-        entropy = torch.empty_like(logp)
+        entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
@@ -169,12 +179,15 @@ class _ChunkedHiddenLogprobs(torch.autograd.Function):
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[sl] = chunk_lse
             logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - chunk_lse
-            z.sub_(chunk_lse[:, None])
-            entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
+            if with_entropy:
+                z.sub_(chunk_lse[:, None])
+                entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
         ctx.save_for_backward(hidden2d, weight, targets, lse, entropy)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
@@ -184,7 +197,7 @@ class _ChunkedHiddenLogprobs(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden2d) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         if grad_logp is None and grad_entropy is None:
-            return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+            return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
         for start in range(0, hidden2d.shape[0], ctx.chunk_size):
             sl = slice(start, start + ctx.chunk_size)
             h = hidden2d[sl]
@@ -201,7 +214,7 @@ class _ChunkedHiddenLogprobs(torch.autograd.Function):
                 grad_h[sl] = (g @ weight).to(grad_h.dtype)
             if need_w:
                 grad_w += (g.t() @ h.to(weight.dtype)).to(grad_w.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def compute_token_logprobs_from_hidden(
@@ -225,7 +238,7 @@ def compute_token_logprobs_from_hidden(
     shifted_hidden = hidden[:, :-1].reshape(-1, width)  # copies [B*(T-1), H] only, never [.., V]
     targets = tokens[:, 1:].reshape(-1).long()
     logp, entropy = _ChunkedHiddenLogprobs.apply(
-        shifted_hidden, lm_head_weight, targets, chunk_size, float(temperature)
+        shifted_hidden, lm_head_weight, targets, chunk_size, float(temperature), return_entropy
     )
     shape = (batch, length - 1)
     return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)

@@ -132,6 +132,13 @@ def test_hidden_state_variant_equals_full_logits_and_never_forms_them():
     ref_grads = torch.autograd.grad((ref.logprobs * upstream).sum() + ref.entropy.sum(), (hidden, weight))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    lean = compute_token_logprobs_from_hidden(hidden, weight, tokens, chunk_size=5)  # no entropy work
+    assert lean.entropy is None
+    grads = torch.autograd.grad((lean.logprobs * upstream).sum(), (hidden, weight))
+    ref = compute_token_logprobs(hidden @ weight.T, tokens)
+    ref_grads = torch.autograd.grad((ref.logprobs * upstream).sum(), (hidden, weight))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
     batch, length, width, vocab, chunk = 2, 64, 16, 512, 16
     hidden = torch.randn(batch, length, width, requires_grad=True)

@@ -159,6 +159,18 @@ def test_ppo_gradient_signs_on_both_sides_of_each_clip_boundary(advantage):
     assert out.metrics["clip_fraction_low"] == pytest.approx(0.0 if advantage > 0 else 0.25)
 
 
+@pytest.mark.parametrize("loss_fn", [importance_sampling, ppo, cispo])
+def test_padding_with_nan_advantages_and_inf_logprobs_is_inert(loss_fn):
+    target = torch.tensor([[LN(0.5), float("-inf")]], dtype=torch.float64, requires_grad=True)
+    sampling = torch.tensor([[LN(0.5), float("nan")]], dtype=torch.float64)
+    adv = torch.tensor([[2.0, float("nan")]], dtype=torch.float64)
+    out = loss_fn(target, sampling, adv, torch.tensor([[1, 0]]))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(target.grad).all()
+    assert target.grad[0, 1] == 0
+    assert all(math.isfinite(v) for v in out.metrics.values())
+
+
 def test_ppo_clip_fraction_counts_only_valid_tokens():
     sampling = torch.zeros(1, 4, dtype=torch.float64)
     target = torch.log(torch.tensor([[2.0, 2.0, 1.0, 3.0]], dtype=torch.float64)).requires_grad_()

@@ -11,17 +11,19 @@ temperature) (the teacher is detached: no gradient ever reaches it):
 (The mixture formula tends to 0 at both ends, so the pure KLs are special-cased, as in TRL's GKD.)
 Tokens with ``labels == -100`` are ignored; the default ``reduction="batchmean"`` divides the sum
 over valid tokens by their number; ``reduction="sum"`` leaves normalisation to the caller (use it
-with a global token count for micro-batch equivalence).
+with a global token count for micro-batch equivalence).  Memory: the full-vocabulary path holds a
+few float32 [N, V] tensors for the N rows passed in, so pass the error-site rows only (or use top-k).
 
 Top-k form.  When the teacher only provides its top-k log-probabilities (indices [..., k], values
 [..., k]), both distributions are *restricted to the teacher's top-k support and renormalised*:
 S_k = log_softmax(student_logits[idx] / temperature), T_k = log_softmax(teacher_values / temperature)
-and the same divergence is taken over the k entries.  This is a proper divergence between two
-distributions on the same support (it is 0 iff they agree there, up to the mass outside), needs no
-guess about how the teacher's remaining mass is spread, and with k = V equals the full-vocabulary
-result.  Dividing normalised log-probs by the temperature and renormalising over the support gives
-exactly softmax(teacher_logits / temperature) restricted to the support, so ``temperature`` is exact
-too.  Metrics report how much probability mass the support carries for each side.
+and the same divergence is taken over the k entries.  Why this choice: it is a proper divergence
+between two distributions on one support (0 iff they agree there), needs no guess about how the
+teacher's remaining mass is spread over V - k tokens, and with k = V equals the full-vocabulary
+result.  Its blind spot: the student's mass outside the support is not penalised (only its shape
+inside is), which ``student_topk_mass`` in the metrics makes visible.  Dividing normalised
+log-probs by the temperature and renormalising over the support gives exactly
+softmax(teacher_logits / temperature) restricted to the support, so ``temperature`` stays exact.
 """
 
 from __future__ import annotations

@@ -42,6 +42,11 @@ def _log_ratio(target_logprobs, sampling_logprobs, valid) -> torch.Tensor:
     return torch.where(valid, diff, torch.zeros_like(diff))
 
 
+def _on_valid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``values`` on valid tokens, exactly 0 elsewhere (padding may hold nan/inf advantages or logprobs)."""
+    return torch.where(valid, values, torch.zeros_like(values))
+
+
 def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
     lr = log_ratio.detach()
     r = ratio.detach()
@@ -93,10 +98,10 @@ def importance_sampling(
     """L = -sum_t w_t rho_t A_t.  At rho = 1 its gradient equals REINFORCE's, -sum_t w_t A_t grad log p_t."""
     _check_logprobs(target_logprobs, sampling_logprobs)
     w, valid = as_weights(mask, target_logprobs)
-    adv = broadcast_advantages(advantages, target_logprobs)
+    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
     log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
     ratio = torch.exp(log_ratio)
-    loss = -(ratio * adv * w).sum()
+    loss = -(_on_valid(ratio * adv, valid) * w).sum()
     metrics = {"loss": float(loss.detach()), **_ratio_metrics(log_ratio, ratio, valid)}
     return LossOutput(loss, metrics)
 
@@ -119,12 +124,12 @@ def ppo(
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
     _check_logprobs(target_logprobs, sampling_logprobs)
     w, valid = as_weights(mask, target_logprobs)
-    adv = broadcast_advantages(advantages, target_logprobs)
+    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
     log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = -(torch.minimum(unclipped, clipped) * w).sum()
+    loss = -(_on_valid(torch.minimum(unclipped, clipped), valid) * w).sum()
     r = ratio.detach()
     clipped_high = valid & (adv > 0) & (r > 1.0 + eps_high)
     clipped_low = valid & (adv < 0) & (r < 1.0 - eps_low)
@@ -156,12 +161,11 @@ def cispo(
         raise ValueError(f"need 0 <= clip_low <= clip_high, got {clip_low}, {clip_high}")
     _check_logprobs(target_logprobs, sampling_logprobs)
     w, valid = as_weights(mask, target_logprobs)
-    adv = broadcast_advantages(advantages, target_logprobs)
+    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
     log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
     ratio = torch.exp(log_ratio)
     coef = ratio.detach().clamp(clip_low, clip_high)
-    logp = torch.where(valid, target_logprobs, torch.zeros_like(target_logprobs))
-    loss = -(coef * adv * logp * w).sum()
+    loss = -(coef * adv * _on_valid(target_logprobs, valid) * w).sum()
     r = ratio.detach()
     high = valid & (r > clip_high)
     low = valid & (r < clip_low)

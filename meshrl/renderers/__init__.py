@@ -48,7 +48,10 @@ def get_renderer(name: str, tokenizer, **kwargs) -> Renderer:
     if name not in RENDERERS:
         raise ValueError(f"unknown renderer {name!r}; choose one of {sorted(RENDERERS)}")
     if name == "chatml" and "default_system_prompt" not in kwargs:
-        has_chatml_template = IM_START in (getattr(tokenizer, "chat_template", None) or "")
+        try:
+            has_chatml_template = IM_START in _chat_template(tokenizer)
+        except ValueError:
+            has_chatml_template = False
         kwargs["default_system_prompt"] = template_default_system_prompt(tokenizer) if has_chatml_template else None
     return RENDERERS[name](tokenizer, **kwargs)
 
