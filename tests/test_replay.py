@@ -181,6 +181,24 @@ def test_trace_timeout_bounds_the_replay():
     assert (result.steps_timed_out, result.steps, result.pairs, result.teacher_calls) == (3, [], [], 0)
 
 
+def test_cancelling_the_replay_cancels_its_teacher_calls():
+    async def run(cfg):
+        clients = teacher_clients(cfg)
+        replay = asyncio.create_task(replay_trace(Trace("ep", [TraceStep([Q0], "6")] * 2), clients, cfg))
+        await asyncio.sleep(0.2)
+        replay.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await replay
+        leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for client in clients:
+            await client.aclose()
+        return leftovers
+
+    with FakeOpenAIServer(script={"a": "5", "b": "5"}, faults={"a": Fault("slow", 3.0), "b": Fault("slow", 3.0)}) as srv:
+        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "ab"])
+        assert asyncio.run(run(cfg)) == []
+
+
 def test_empty_trace():
     cfg = ReplayConfig(teachers=[TeacherEndpointConfig(name="a", base_url="http://127.0.0.1:9/v1", model="a")], agreement_k=1)
     result, _ = run_replay(Trace("ep", []), cfg)

@@ -128,10 +128,13 @@ async def replay_trace(trace: Trace, clients: Sequence[TeacherClient], cfg: Repl
     if not steps:
         return result
     tasks = [asyncio.create_task(_replay_step(i, step, clients, cfg, result)) for i, step in enumerate(steps)]
-    done, pending = await asyncio.wait(tasks, timeout=cfg.trace_timeout_s)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=cfg.trace_timeout_s)
+    finally:  # on timeout, and also if the caller cancels us
+        unfinished = [task for task in tasks if not task.done()]
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
     result.steps_timed_out = len(pending)
     for task in done:
         task.result()  # a bug (not a teacher failure) surfaces here
