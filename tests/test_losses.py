@@ -128,17 +128,36 @@ def test_token_advantages_equal_broadcast_sequence_advantages():
 # ----------------------------------------------------------------------------- PPO
 
 
-def test_ppo_matches_bruteforce_on_ragged_batch():
+BRUTE_FORCE_TOKEN_LOSS = {  # per-token loss l(rho, A, log p) from the definitions
+    "importance_sampling": (lambda lp, s, a, m: importance_sampling(lp, s, a, m),
+                            lambda rho, a, logp: -rho * a),
+    "ppo": (lambda lp, s, a, m: ppo(lp, s, a, m, eps_low=0.2, eps_high=0.28),
+            lambda rho, a, logp: -min(rho * a, min(max(rho, 0.8), 1.28) * a)),
+    "cispo": (lambda lp, s, a, m: cispo(lp, s, a, m, clip_low=0.9, clip_high=1.1),
+              lambda rho, a, logp: -min(max(rho, 0.9), 1.1) * a * logp),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BRUTE_FORCE_TOKEN_LOSS))
+def test_rl_losses_match_bruteforce_on_ragged_batch(name):
+    loss_fn, per_token = BRUTE_FORCE_TOKEN_LOSS[name]
     target, sampling, adv, mask = _ragged_batch(seed=5)
-    out = ppo(target, sampling, adv, mask, eps_low=0.2, eps_high=0.28)
-    expected = 0.0
+    out = loss_fn(target, sampling, adv, mask)
+    expected, n_clipped_cispo = 0.0, 0
     for b in range(3):
         for t in range(5):
             if mask[b, t]:
-                rho = math.exp(target[b, t].item() - sampling[b, t].item())
-                a = adv[b].item()
-                expected -= min(rho * a, min(max(rho, 0.8), 1.28) * a)
+                logp = target[b, t].item()
+                rho = math.exp(logp - sampling[b, t].item())
+                expected += per_token(rho, adv[b].item(), logp)
+                n_clipped_cispo += not 0.9 <= rho <= 1.1
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert out.metrics["num_tokens"] == 11
+    if name == "ppo":
+        assert 0 < out.metrics["clip_fraction"] < 1  # clipping is exercised
+    if name == "cispo":
+        assert 0 < n_clipped_cispo < 11  # both regimes are exercised
+        assert out.metrics["clip_fraction"] == pytest.approx(n_clipped_cispo / 11)
 
 
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
