@@ -71,3 +71,12 @@ class LearnerConfig(Section):
 
     call_timeout_s: float = Field(900.0, gt=0)
     """Deadline for one learner call (forward_backward, optim_step, publish)."""
+
+    def adam_params(self):
+        """The optimiser settings as Tinker-style AdamParams."""
+        from meshrl.types import AdamParams
+
+        return AdamParams(
+            learning_rate=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+            weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip,
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from meshrl.channels.config import WeightSyncConfig
 from meshrl.config.base import Section
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.learner import LearnerConfig
@@ -59,6 +60,9 @@ class RunConfig(Section):
 
     meshes: MeshesConfig = MeshesConfig()
     """Process layout."""
+
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """Learner -> generator weight transfer."""
 
     output: OutputConfig = OutputConfig()
     """Results."""

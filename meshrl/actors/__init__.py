@@ -1,0 +1,1 @@
+"""Monarch actors: thin wrappers that own a resource (engine, model, verifier) and call library code."""

@@ -1,0 +1,89 @@
+"""Generator actor: an inference engine that samples completions with per-token logprobs and
+pulls new policy weights from the weight store between requests.
+
+A sync actor handles one message at a time, so a weight update never overlaps a generate call:
+no half-updated model ever samples. Every completion is stamped with the policy version.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from monarch.actor import current_rank, endpoint
+
+from meshrl.actors.base import MeshrlActor
+
+from meshrl.channels.config import WeightSyncConfig
+from meshrl.channels.weight_store import WeightPuller, silence_tcp_fallback_warning
+from meshrl.config.generation import GeneratorConfig
+from meshrl.config.model import ModelConfig
+from meshrl.engines import Completion, SampleRequest, make_engine
+
+POLICY_STORE = "policy"
+
+
+@dataclass
+class GenerationBatch:
+    """What one generate call returns."""
+
+    completions: list[list[Completion]]
+    version: int
+    seconds: float
+    tokens: int
+
+
+class Generator(MeshrlActor):
+    """One replica of the generator mesh."""
+
+    def __init__(
+        self,
+        model_path: str,
+        model_cfg: ModelConfig,
+        gen_cfg: GeneratorConfig,
+        sync_cfg: WeightSyncConfig,
+        store: str = POLICY_STORE,
+        initial_version: int = 0,
+    ):
+        silence_tcp_fallback_warning()
+        self.rank = current_rank().rank
+        self.cfg = gen_cfg
+        self.engine = make_engine(
+            Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank
+        )
+        self.puller = WeightPuller(store, sync_cfg)
+        self.version = initial_version
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "version": self.version, "backend": self.cfg.backend}
+
+    @endpoint
+    def generate(self, prompts: list[list[int]], request: SampleRequest) -> GenerationBatch:
+        started = time.perf_counter()
+        completions = self.engine.generate(prompts, request)
+        tokens = 0
+        for group in completions:
+            for c in group:
+                c.meta["version"] = self.version
+                c.meta["replica"] = self.rank
+                tokens += len(c.tokens)
+        return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens)
+
+    @endpoint
+    def update_weights(self, min_version: int) -> dict:
+        """Pull the newest published version (>= min_version) and load it into the engine."""
+        result = self.puller.pull(min_version)
+        load_s = 0.0
+        if result.stats.nbytes:
+            started = time.perf_counter()
+            self.engine.load_weights(result.tensors.items())
+            load_s = time.perf_counter() - started
+        self.version = result.version
+        return {
+            "version": result.version,
+            "pull_s": result.stats.seconds,
+            "transfer_s": result.stats.transfer_seconds,
+            "bytes": result.stats.nbytes,
+            "load_s": load_s,
+        }

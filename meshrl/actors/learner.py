@@ -1,0 +1,50 @@
+"""Learner actor: owns the PolicyTrainer (model + optimiser) and the weight publisher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from monarch.actor import endpoint
+
+from meshrl.actors.base import MeshrlActor
+from meshrl.actors.generator import POLICY_STORE
+from meshrl.channels.config import WeightSyncConfig
+from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
+from meshrl.config.learner import LearnerConfig
+from meshrl.config.model import ModelConfig
+from meshrl.training.policy import PolicyTrainer
+from meshrl.types import AdamParams, Datum
+
+
+class Learner(MeshrlActor):
+    """Tinker-style training endpoints over one HF policy."""
+
+    def __init__(
+        self,
+        model_path: str,
+        model_cfg: ModelConfig,
+        learner_cfg: LearnerConfig,
+        sync_cfg: WeightSyncConfig,
+        store: str = POLICY_STORE,
+    ):
+        silence_tcp_fallback_warning()
+        self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype)
+        self.publisher = WeightPublisher(store, sync_cfg)
+
+    def describe(self) -> dict:
+        return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad)}
+
+    @endpoint
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_config: dict | None = None) -> dict:
+        return self.trainer.forward_backward(datums, loss_fn, loss_config)
+
+    @endpoint
+    def optim_step(self, adam: AdamParams) -> dict:
+        return self.trainer.optim_step(adam)
+
+    @endpoint
+    def publish(self, version: int) -> dict:
+        """Publish the current weights (LoRA merged) as ``version`` in the weight store."""
+        stats = self.publisher.publish(self.trainer.inference_state_dict(), version)
+        return {"version": stats.version, "bytes": stats.nbytes, "publish_s": stats.seconds,
+                "pack_s": stats.pack_seconds}

@@ -1,0 +1,47 @@
+"""Rewarder actor: verifiable rewards for finished rollouts.
+
+A grader that raises or returns garbage never takes the step down: the item scores 0 and the
+failure is reported in its info (and counted by the controller).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+from monarch.actor import endpoint
+
+from meshrl.actors.base import MeshrlActor
+from meshrl.config.task import TaskConfig
+from meshrl.envs.arithmetic import ArithmeticTask, Problem
+
+
+def make_task(cfg: TaskConfig):
+    """The task object named by `task.kind`."""
+    if cfg.kind == "arithmetic":
+        return ArithmeticTask(cfg.arithmetic)
+    raise ValueError(f"task.kind = {cfg.kind!r}: no such task")
+
+
+def safe_grade(grade, problem: Problem, response: str) -> tuple[float, dict]:
+    """Call a grader; exceptions and non-finite rewards become reward 0 with an `error` info."""
+    try:
+        reward, info = grade(problem, response)
+        reward = float(reward)
+        if not math.isfinite(reward):
+            return 0.0, {"error": f"non-finite reward {reward!r}"}
+        return reward, dict(info)
+    except Exception as e:  # noqa: BLE001 - any grader failure is data, not a crash
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        return 0.0, {"error": f"grader raised {last}"}
+
+
+class Rewarder(MeshrlActor):
+    """Scores (problem, response text) pairs with the task's verifier."""
+
+    def __init__(self, task_cfg: TaskConfig):
+        self.task = make_task(task_cfg)
+
+    @endpoint
+    def score(self, items: list[tuple[Problem, str]]) -> list[tuple[float, dict]]:
+        return [safe_grade(self.task.grade, problem, response) for problem, response in items]

@@ -1,0 +1,1 @@
+"""The controller: the training loop that drives the actor meshes."""

@@ -1,0 +1,238 @@
+"""The synchronous GRPO loop: prompts -> G samples each -> rewards -> group-relative advantages ->
+learner step with sampler logprobs -> publish -> generators pull.
+
+The controller only moves tokens and small records; the actors own the engines and the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from meshrl.config.run import RunConfig
+from meshrl.controller.rollouts import Trajectory, build_datums, group_advantages, uniform_groups
+from meshrl.engines import SampleRequest
+
+log = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """A remote call failed or timed out; the message names the mesh and the call."""
+
+
+def wait_all(futures: list[Any], timeout_s: float, what: str) -> list[Any]:
+    """Wait for every future with one shared deadline; raise StepError naming the call."""
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for fut in futures:
+        remaining = max(0.001, deadline - time.monotonic())
+        try:
+            out.append(fut.get(timeout=remaining))
+        except TimeoutError:
+            raise StepError(f"{what} timed out after {timeout_s:g}s") from None
+    return out
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``parts`` contiguous slices whose sizes differ by at most one (empty slices dropped)."""
+    n = len(items)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts) if bounds[i] < bounds[i + 1]]
+
+
+@dataclass
+class Counters:
+    """Things that were skipped or went wrong, counted over the run."""
+
+    prompts_too_long: int = 0
+    empty_generations: int = 0
+    reward_errors: int = 0
+
+    def as_metrics(self) -> dict[str, int]:
+        return {
+            "count/prompts_too_long": self.prompts_too_long,
+            "count/empty_generations": self.empty_generations,
+            "count/reward_errors": self.reward_errors,
+        }
+
+
+class GRPOLoop:
+    """Drives generator, rewarder and learner meshes through synchronous GRPO steps."""
+
+    def __init__(self, cfg: RunConfig, task, renderer, generators, rewarders, learner, n_generators: int,
+                 n_rewarders: int):
+        self.cfg = cfg
+        self.task = task
+        self.renderer = renderer
+        self.generators = generators
+        self.rewarders = rewarders
+        self.learner = learner
+        self.n_generators = n_generators
+        self.n_rewarders = n_rewarders
+        self.counters = Counters()
+        self.version = 0
+        self.cursor = 0
+        self.stop_tokens = tuple(renderer.get_stop_sequences())
+
+    # ---- remote helpers --------------------------------------------------------------------
+    def _generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list]:
+        """Spread prompts over the generator replicas; returns completions per prompt, in order."""
+        parts = split_evenly(list(range(len(prompts))), self.n_generators)
+        futures = [
+            self.generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], request)
+            for r, idx in enumerate(parts)
+        ]
+        batches = wait_all(futures, self.cfg.generator.generate_timeout_s, "generator.generate")
+        return [group for batch in batches for group in batch.completions]
+
+    def _score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
+        parts = split_evenly(items, self.n_rewarders)
+        futures = [self.rewarders.slice(procs=r).score.call_one(part) for r, part in enumerate(parts)]
+        scored = wait_all(futures, self.cfg.rewarder.timeout_s, "rewarder.score")
+        return [s for part in scored for s in part]
+
+    def _prompt_tokens(self, problems: list) -> tuple[list, list[list[int]]]:
+        """Rendered prompts; problems whose prompt cannot fit with a full response are skipped."""
+        limit = self.cfg.model.max_model_len - self.cfg.generator.sampling.max_new_tokens
+        kept, prompts = [], []
+        for p in problems:
+            tokens = self.renderer.build_generation_prompt(list(p.messages))
+            if len(tokens) > limit:
+                self.counters.prompts_too_long += 1
+                log.warning("skipping problem %s: prompt of %d tokens exceeds %d (model.max_model_len - "
+                            "max_new_tokens)", p.id, len(tokens), limit)
+                continue
+            kept.append(p)
+            prompts.append(tokens)
+        return kept, prompts
+
+    # ---- stages -----------------------------------------------------------------------------
+    def rollout(self) -> tuple[list[Trajectory], dict]:
+        """Sample G completions for the next batch of problems and score them."""
+        t0 = time.perf_counter()
+        tc = self.cfg.trainer
+        problems = self.task.train_batch(self.cursor, tc.prompts_per_step)
+        self.cursor += tc.prompts_per_step
+        problems, prompts = self._prompt_tokens(problems)
+        s = self.cfg.generator.sampling
+        request = SampleRequest(n=tc.group_size, max_tokens=s.max_new_tokens, temperature=s.temperature,
+                                top_p=s.top_p, stop_token_ids=self.stop_tokens)
+        completions = self._generate(prompts, request) if prompts else []
+        t1 = time.perf_counter()
+        trajectories: list[Trajectory] = []
+        for g, (problem, prompt, group) in enumerate(zip(problems, prompts, completions)):
+            for k, c in enumerate(group):
+                if not c.tokens:
+                    self.counters.empty_generations += 1
+                trajectories.append(Trajectory(
+                    id=f"{problem.id}-s{k}", group=g, problem=problem, prompt_tokens=prompt,
+                    tokens=list(c.tokens), logprobs=list(c.logprobs), mask=[1] * len(c.tokens),
+                    version=c.meta.get("version", self.version), response_text=c.text,
+                    finish_reason=c.finish_reason,
+                ))
+        scores = self._score([(t.problem, t.response_text) for t in trajectories]) if trajectories else []
+        for t, (reward, info) in zip(trajectories, scores):
+            t.reward, t.info = reward, info
+            if "error" in info:
+                self.counters.reward_errors += 1
+                log.warning("reward for %s failed: %s", t.id, info["error"])
+        t2 = time.perf_counter()
+        gen_tokens = sum(t.sampled_tokens for t in trajectories)
+        return trajectories, {
+            "timing/generate_s": t1 - t0,
+            "timing/reward_s": t2 - t1,
+            "gen/tokens": gen_tokens,
+            "gen/tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
+            "gen/mean_length": gen_tokens / max(len(trajectories), 1),
+            "gen/stopped_fraction": sum(t.finish_reason == "stop" for t in trajectories) / max(len(trajectories), 1),
+        }
+
+    def train(self, trajectories: list[Trajectory]) -> dict:
+        """One optimizer step on the trajectories (channel 1: ppo / importance sampling / cispo)."""
+        t0 = time.perf_counter()
+        tc = self.cfg.trainer
+        advantages = group_advantages(trajectories, tc.advantage.std_normalize)
+        datums, stats = build_datums(trajectories, advantages, tc.loss.normalize)
+        metrics: dict[str, Any] = {f"batch/{k}": v for k, v in stats.items()}
+        timeout = self.cfg.learner.call_timeout_s
+        if datums:
+            fb = wait_all([self.learner.forward_backward.call_one(datums, tc.loss.name, self._loss_config())],
+                          timeout, "learner.forward_backward")[0]
+            metrics.update({f"train/{k}": v for k, v in fb.items()})
+        opt = wait_all([self.learner.optim_step.call_one(self.cfg.learner.adam_params())], timeout, "learner.optim_step")[0]
+        metrics.update({f"train/{k}": v for k, v in opt.items()})
+        metrics["timing/train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def sync_weights(self) -> dict:
+        """Publish the learner's weights as the next version and have every generator pull them."""
+        t0 = time.perf_counter()
+        self.version += 1
+        timeout = self.cfg.learner.call_timeout_s
+        pub = wait_all([self.learner.publish.call_one(self.version)], timeout, "learner.publish")[0]
+        t1 = time.perf_counter()
+        pulls = wait_all([self.generators.update_weights.call(self.version)], timeout,
+                         "generator.update_weights")[0]
+        pulls = list(pulls.values())
+        stale = [p["version"] for p in pulls if p["version"] != self.version]
+        if stale:
+            raise StepError(f"generator.update_weights returned versions {stale}, expected {self.version}")
+        t2 = time.perf_counter()
+        pull_s = max(p["pull_s"] for p in pulls)
+        nbytes = pub["bytes"]
+        return {
+            "version": self.version,
+            "sync/publish_s": pub["publish_s"],
+            "sync/pull_s": pull_s,
+            "sync/load_s": max(p["load_s"] for p in pulls),
+            "sync/bytes": nbytes,
+            "sync/pull_gbps": nbytes / max(pull_s, 1e-9) / 1e9,
+            "timing/sync_s": t2 - t0,
+            "timing/publish_s": t1 - t0,
+        }
+
+    def evaluate(self) -> dict:
+        """Greedy accuracy on the held-out problems."""
+        t0 = time.perf_counter()
+        problems, prompts = self._prompt_tokens(self.task.heldout(self.cfg.trainer.eval.size))
+        request = SampleRequest(n=1, max_tokens=self.cfg.generator.sampling.max_new_tokens, temperature=0.0,
+                                stop_token_ids=self.stop_tokens)
+        completions = self._generate(prompts, request)
+        scores = self._score([(p, c[0].text) for p, c in zip(problems, completions)])
+        correct = sum(1 for _, info in scores if info.get("correct"))
+        return {
+            "eval/accuracy": correct / max(len(problems), 1),
+            "eval/reward_mean": sum(r for r, _ in scores) / max(len(scores), 1),
+            "eval/n": len(problems),
+            "timing/eval_s": time.perf_counter() - t0,
+        }
+
+    def step(self) -> tuple[dict, list[Trajectory]]:
+        """One full synchronous GRPO step; returns its metrics and trajectories."""
+        t0 = time.perf_counter()
+        trajectories, metrics = self.rollout()
+        rewards = [t.reward for t in trajectories]
+        n = max(len(rewards), 1)
+        mean = sum(rewards) / n
+        metrics.update({
+            "reward/mean": mean,
+            "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            "accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
+            "batch/uniform_groups": len(uniform_groups(trajectories)),
+            "batch/trajectories": len(trajectories),
+        })
+        metrics.update(self.train(trajectories))
+        metrics.update(self.sync_weights())
+        metrics.update(self.counters.as_metrics())
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics, trajectories
+
+    def _loss_config(self) -> dict:
+        loss = self.cfg.trainer.loss
+        if loss.name == "ppo":
+            return {"eps_low": loss.eps_low, "eps_high": loss.eps_high}
+        if loss.name == "cispo":
+            return {"clip_high": loss.cispo_clip_high}
+        return {}

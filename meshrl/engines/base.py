@@ -1,0 +1,68 @@
+"""The engine contract: token ids in, token ids and sampler logprobs out, weights reloadable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+
+from meshrl.config.generation import GeneratorConfig
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Sampling parameters for one batch of prompts."""
+
+    n: int = 1
+    """Samples per prompt."""
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Per-request seed (each prompt p gets seed + p) for reproducible sampling; None = engine RNG."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    tokens: list[int]
+    """Generated token ids, including the stop token when the model stopped on one."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the distribution it was sampled from."""
+    finish_reason: str
+    """`stop` (stop token or EOS) or `length` (hit max_tokens)."""
+    text: str = ""
+    """Decoded text of `tokens` (for verifiers and logs only; never re-tokenised for training)."""
+    meta: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the Generator actor needs from an inference engine."""
+
+    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
+        """For each prompt, `request.n` completions."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model weights in place (HF parameter names); no request runs meanwhile."""
+
+    def close(self) -> None:
+        """Release the engine."""
+
+
+def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int) -> Engine:
+    """The engine selected by `generator.backend`."""
+    if cfg.backend == "vllm":
+        from meshrl.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed)
+    from meshrl.engines.hf_engine import HFEngine
+
+    return HFEngine(model_path, cfg, dtype, max_model_len, seed)

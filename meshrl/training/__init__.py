@@ -1,0 +1,1 @@
+"""The learner's compute: an HF policy with optional LoRA, micro-batched forward/backward, AdamW."""
