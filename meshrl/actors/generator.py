@@ -71,6 +71,11 @@ class Generator(MeshrlActor):
         return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens)
 
     @endpoint
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprobs of given token sequences under the generator's current weights."""
+        return self.engine.score(sequences)
+
+    @endpoint
     def update_weights(self, min_version: int) -> dict:
         """Pull the newest published version (>= min_version) and load it into the engine."""
         result = self.puller.pull(min_version)

@@ -43,6 +43,11 @@ class Learner(MeshrlActor):
         return self.trainer.optim_step(adam)
 
     @endpoint
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprobs of given token sequences under the learner's current weights (no grad)."""
+        return self.trainer.score(sequences)
+
+    @endpoint
     def publish(self, version: int) -> dict:
         """Publish the current weights (LoRA merged) as ``version`` in the weight store."""
         stats = self.publisher.publish(self.trainer.inference_state_dict(), version)

@@ -6,12 +6,15 @@ failure is reported in its info (and counted by the controller).
 
 from __future__ import annotations
 
+import importlib
 import math
 import traceback
+from typing import Callable
 
 from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
+from meshrl.config.run import RewarderConfig
 from meshrl.config.task import TaskConfig
 from meshrl.envs.arithmetic import ArithmeticTask, Problem
 
@@ -21,6 +24,18 @@ def make_task(cfg: TaskConfig):
     if cfg.kind == "arithmetic":
         return ArithmeticTask(cfg.arithmetic)
     raise ValueError(f"task.kind = {cfg.kind!r}: no such task")
+
+
+def load_reward_fn(spec: str) -> Callable[[Problem, str], tuple[float, dict]]:
+    """Import `package.module:function`; one-line error naming the spec if it cannot be found."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rewarder.reward_fn = {spec!r}: cannot import ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"rewarder.reward_fn = {spec!r}: not callable")
+    return fn
 
 
 def safe_grade(grade, problem: Problem, response: str) -> tuple[float, dict]:
@@ -39,9 +54,9 @@ def safe_grade(grade, problem: Problem, response: str) -> tuple[float, dict]:
 class Rewarder(MeshrlActor):
     """Scores (problem, response text) pairs with the task's verifier."""
 
-    def __init__(self, task_cfg: TaskConfig):
-        self.task = make_task(task_cfg)
+    def __init__(self, task_cfg: TaskConfig, cfg: RewarderConfig):
+        self.grade = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else make_task(task_cfg).grade
 
     @endpoint
     def score(self, items: list[tuple[Problem, str]]) -> list[tuple[float, dict]]:
-        return [safe_grade(self.task.grade, problem, response) for problem, response in items]
+        return [safe_grade(self.grade, problem, response) for problem, response in items]

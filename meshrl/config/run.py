@@ -36,6 +36,10 @@ class RewarderConfig(Section):
     timeout_s: float = Field(120.0, gt=0)
     """Deadline for scoring one batch of rollouts."""
 
+    reward_fn: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Custom verifier as `package.module:function`, called as fn(problem, response_text) ->
+    (reward, info dict); None uses the task's own grader."""
+
 
 class RunConfig(Section):
     """Everything `meshrl train` needs."""

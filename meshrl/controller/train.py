@@ -54,68 +54,41 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
 
 def run_training(cfg: RunConfig, run_dir: Path) -> dict:
     """Spawn the meshes, train for `trainer.steps`, evaluate, and write metrics and curves."""
-    from meshrl.launch.local import prepare_environment
-
-    prepare_environment(cfg.meshes)
     from tqdm import tqdm
 
-    from meshrl.actors.generator import Generator
-    from meshrl.actors.learner import Learner
-    from meshrl.actors.rewarder import Rewarder, make_task
-    from meshrl.channels.weight_store import silence_tcp_fallback_warning
-    from meshrl.controller.grpo import GRPOLoop
     from meshrl.controller.metrics import MetricsLogger, plot_curves, read_metrics
-    from meshrl.launch.local import local_host
-    from meshrl.meshes.group import MeshGroup
-    from meshrl.meshes.supervision import install_fault_hook
-    from meshrl.models.provision import resolve_model
-    from meshrl.renderers import renderer_for_tokenizer
+    from meshrl.controller.runtime import Runtime
 
-    silence_tcp_fallback_warning()
-    failures = install_fault_hook()
     t_start = time.perf_counter()
-    model_path = resolve_model(cfg.model.name_or_path)
-    from transformers import AutoTokenizer
-
-    renderer = renderer_for_tokenizer(AutoTokenizer.from_pretrained(model_path))
-    task = make_task(cfg.task)
-    meshes = MeshGroup(cfg.meshes, local_host())
+    result: dict = {"steps": 0, "evals": []}
     metrics = MetricsLogger(run_dir, cfg.output.tensorboard, cfg.output.wandb_project, run_dir.name,
                             cfg.model_dump(mode="json"))
-    result: dict = {"steps": 0, "evals": []}
     try:
-        learner = meshes.spawn("learner", Learner, str(model_path), cfg.model, cfg.learner, cfg.weight_sync)
-        generators = meshes.spawn("generator", Generator, str(model_path), cfg.model, cfg.generator, cfg.weight_sync)
-        rewarders = meshes.spawn("rewarder", Rewarder, cfg.task)
-        infos = meshes.wait_ready()
-        log.info("meshes ready in %.1fs: %s", time.perf_counter() - t_start,
-                 {k: [i.get("pid") for i in v] for k, v in infos.items()})
-        loop = GRPOLoop(cfg, task, renderer, generators, rewarders, learner,
-                        cfg.meshes.generator.procs, cfg.meshes.rewarder.procs)
-        tc = cfg.trainer
+        with Runtime(cfg) as runtime:
+            loop = runtime.loop
+            tc = cfg.trainer
 
-        def run_eval(step: int) -> None:
-            record = {"kind": "eval", "step": step, "version": loop.version, **loop.evaluate()}
-            metrics.log(record)
-            result["evals"].append(record)
-            log.info("eval at step %d: accuracy %.3f", step, record["eval/accuracy"])
+            def run_eval(step: int) -> None:
+                record = {"kind": "eval", "step": step, "version": loop.version, **loop.evaluate()}
+                metrics.log(record)
+                result["evals"].append(record)
+                log.info("eval at step %d: accuracy %.3f", step, record["eval/accuracy"])
 
-        if tc.eval.at_start:
-            run_eval(0)
-        bar = tqdm(range(1, tc.steps + 1), desc="train", disable=not tc.progress, dynamic_ncols=True)
-        for step in bar:
-            record, _ = loop.step()
-            record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
-            metrics.log(record)
-            result["steps"] = step
-            bar.set_postfix(reward=f"{record['reward/mean']:.2f}", step_s=f"{record['timing/step_s']:.1f}")
-            if tc.eval.every and step % tc.eval.every == 0 and step != tc.steps:
-                run_eval(step)
-        if tc.eval.every or tc.eval.at_start:
-            run_eval(tc.steps)
+            if tc.eval.at_start:
+                run_eval(0)
+            bar = tqdm(range(1, tc.steps + 1), desc="train", disable=not tc.progress, dynamic_ncols=True)
+            for step in bar:
+                record, _ = loop.step()
+                record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
+                metrics.log(record)
+                result["steps"] = step
+                bar.set_postfix(reward=f"{record['reward/mean']:.2f}", step_s=f"{record['timing/step_s']:.1f}")
+                if tc.eval.every and step % tc.eval.every == 0 and step != tc.steps:
+                    run_eval(step)
+            if tc.eval.every or tc.eval.at_start:
+                run_eval(tc.steps)
     finally:
         metrics.close()
-        meshes.stop()
     records = read_metrics(metrics.path)
     plot_curves(records, run_dir / "curves.png", title=f"{cfg.task.kind}: {cfg.model.name_or_path}")
     train = [r for r in records if r.get("kind") == "train"]

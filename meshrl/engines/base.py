@@ -50,6 +50,9 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
         """For each prompt, `request.n` completions."""
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probability of tokens 1..n-1 of each sequence given its prefix (temperature 1)."""
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the model weights in place (HF parameter names); no request runs meanwhile."""
 

@@ -77,8 +77,18 @@ class HFEngine:
         return result
 
     @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        out = []
+        for seq in sequences:
+            ids = torch.tensor([seq], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            out.append(lp.cpu().tolist())
+        return out
+
+    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+        params = self.model.state_dict()  # includes tied aliases such as lm_head.weight
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"weight '{name}' does not exist in the generator's model")

@@ -21,7 +21,7 @@ def configure_vllm_environment(cfg: GeneratorConfig) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.omp_threads_bind)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 class VLLMEngine:
@@ -81,6 +81,18 @@ class VLLMEngine:
                 completions.append(Completion(tokens, logprobs, o.finish_reason or "length", o.text))
             result.append(completions)
         return result
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                    use_tqdm=False)
+        return [
+            [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+            for out, seq in zip(outputs, sequences)
+        ]
 
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor

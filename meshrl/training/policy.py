@@ -55,7 +55,6 @@ class PolicyTrainer:
         self.model_path = Path(model_path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if cfg.lora.enabled:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
@@ -157,10 +156,24 @@ class PolicyTrainer:
         self.pending_tokens = 0
         return {"grad_norm": float(norm), "lr": adam.learning_rate}
 
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of tokens 1..n-1 of each sequence given its prefix, in the training dtype."""
+        datums = [Datum.from_sequence(seq) for seq in sequences]
+        out = []
+        for datum in datums:
+            mb = pad_datums([datum], self.pad_id)
+            valid = mb.attention_mask.to(self.device) > 0
+            logp, _ = self._sequence_logprobs(mb, valid)
+            out.append(logp[0].cpu().tolist())
+        return out
+
     # ---- weights for inference -----------------------------------------------------------
     @torch.no_grad()
     def inference_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """HF-named weights as the generators load them: LoRA merged, tied lm_head omitted."""
+        """HF-named weights as the generators load them: LoRA merged. A tied lm_head stays in (as
+        an alias of the embedding: the arena stores it once), since vLLM's in-place reload only
+        refreshes its head from an explicit `lm_head.weight`."""
         if self.cfg.lora.enabled:
             self.model.merge_adapter()
             try:
@@ -174,6 +187,4 @@ class PolicyTrainer:
                 self.model.unmerge_adapter()
         else:
             state = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
-        if self.tied:
-            state.pop("lm_head.weight", None)
         return state

@@ -1,0 +1,68 @@
+"""Runtime: everything a training run needs alive at once — the environment, the model on disk,
+the renderer, the task, the actor meshes and the GRPO loop over them. Used by `meshrl train` and
+by tests and scripts that compose the pieces themselves."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshrl.config.run import RunConfig
+
+log = logging.getLogger("meshrl")
+
+
+class Runtime:
+    """Spawns the meshes described by a RunConfig; `close()` (or `with`) stops them."""
+
+    def __init__(self, cfg: RunConfig):
+        from meshrl.launch.local import prepare_environment
+
+        prepare_environment(cfg.meshes)
+        from transformers import AutoTokenizer
+
+        from meshrl.actors.generator import Generator
+        from meshrl.actors.learner import Learner
+        from meshrl.actors.rewarder import Rewarder, load_reward_fn, make_task
+        from meshrl.channels.weight_store import silence_tcp_fallback_warning
+        from meshrl.controller.grpo import GRPOLoop
+        from meshrl.launch.local import local_host
+        from meshrl.meshes.group import MeshGroup
+        from meshrl.meshes.supervision import install_fault_hook
+        from meshrl.models.provision import resolve_model
+        from meshrl.renderers import renderer_for_tokenizer
+
+        silence_tcp_fallback_warning()
+        started = time.perf_counter()
+        self.cfg = cfg
+        if cfg.rewarder.reward_fn:
+            load_reward_fn(cfg.rewarder.reward_fn)  # fail here, in one line, not inside an actor
+        self.failures = install_fault_hook()
+        self.model_path = resolve_model(cfg.model.name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.renderer = renderer_for_tokenizer(self.tokenizer)
+        self.task = make_task(cfg.task)
+        self.meshes = MeshGroup(cfg.meshes, local_host())
+        try:
+            path = str(self.model_path)
+            self.learner = self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
+            self.generators = self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator,
+                                                cfg.weight_sync)
+            self.rewarders = self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
+            self.infos = self.meshes.wait_ready()
+        except BaseException:
+            self.meshes.stop()
+            raise
+        log.info("meshes ready in %.1fs: %s", time.perf_counter() - started,
+                 {k: [i.get("pid") for i in v] for k, v in self.infos.items()})
+        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.generators, self.rewarders, self.learner,
+                             cfg.meshes.generator.procs, cfg.meshes.rewarder.procs)
+
+    def close(self) -> None:
+        self.meshes.stop()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

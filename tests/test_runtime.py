@@ -1,0 +1,128 @@
+"""Integration: real Monarch processes, the real vLLM engine in a Generator actor, the tiny model.
+
+One Runtime (learner, generator, rewarder meshes) is shared by the tests of this module.
+"""
+
+import dataclasses
+
+import pytest
+
+from meshrl.config.base import load_config
+from meshrl.config.run import RunConfig
+
+pytestmark = pytest.mark.monarch
+
+TOLERANCE_MEAN = 0.02  # bf16 generator weights vs fp32-master learner under bf16 autocast
+TOLERANCE_MAX = 0.15
+
+
+def tiny_config(**extra):
+    overrides = [
+        "model.name_or_path=tiny",
+        "model.max_model_len=256",
+        "generator.sampling.max_new_tokens=16",
+        "generator.kv_cache_gib=1",
+        "trainer.prompts_per_step=4",
+        "trainer.group_size=4",
+        "learner.lr=5e-3",
+        "learner.grad_clip=0",
+        "rewarder.reward_fn=meshrl.testing.rewards:fails_on_odd_length",
+        "meshes.rewarder.colocate_with=learner",
+    ] + [f"{k}={v}" for k, v in extra.items()]
+    return load_config(RunConfig, None, overrides)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from meshrl.controller.runtime import Runtime
+
+    rt = Runtime(tiny_config())
+    yield rt
+    rt.close()
+
+
+def _max_mean_diff(a, b):
+    diffs = [abs(x - y) for sa, sb in zip(a, b) for x, y in zip(sa, sb)]
+    return max(diffs), sum(diffs) / len(diffs)
+
+
+def _score(runtime, sequences):
+    gen = runtime.generators.slice(procs=0).score.call_one(sequences).get(timeout=120)
+    learn = runtime.learner.score.call_one(sequences).get(timeout=120)
+    assert [len(s) for s in gen] == [len(s) - 1 for s in sequences]
+    return gen, learn
+
+
+def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
+    loop = runtime.loop
+    versions = []
+    trajectories = []
+    for _ in range(3):
+        metrics, trajectories = loop.step()
+        versions.append(metrics["version"])
+        assert metrics["batch/datums"] > 0, "the toy reward must give a learning signal"
+        assert metrics["sync/bytes"] > 0 and metrics["sync/pull_s"] > 0
+        # every sample of a step was drawn by the weights of the previous version
+        assert {t.version for t in trajectories} == {metrics["version"] - 1}
+    assert versions == [1, 2, 3]
+    infos = runtime.generators.info.call().get(timeout=60)
+    assert [i["version"] for i in infos.values()] == [3]
+
+    sequences = [t.prompt_tokens + t.tokens for t in trajectories[:6]]
+    gen, learn = _score(runtime, sequences)
+    worst, mean = _max_mean_diff(gen, learn)
+    assert mean < TOLERANCE_MEAN and worst < TOLERANCE_MAX, (worst, mean)
+
+    # one more learner update without a sync: the generator still has the old weights
+    fb = runtime.learner.forward_backward.call_one(
+        _datums(loop, trajectories), "ppo", {"eps_low": 0.2, "eps_high": 0.2}).get(timeout=120)
+    assert fb["tokens"] > 0
+    runtime.learner.optim_step.call_one(runtime.cfg.learner.adam_params()).get(timeout=120)
+    gen_old, learn_new = _score(runtime, sequences)
+    worst_stale, mean_stale = _max_mean_diff(gen_old, learn_new)
+    assert mean_stale > 3 * TOLERANCE_MEAN, (worst_stale, mean_stale)
+
+    sync = loop.sync_weights()
+    assert sync["version"] == 4
+    gen_new, learn_new2 = _score(runtime, sequences)
+    worst, mean = _max_mean_diff(gen_new, learn_new2)
+    assert mean < TOLERANCE_MEAN and worst < TOLERANCE_MAX, (worst, mean)
+
+
+def _datums(loop, trajectories):
+    from meshrl.controller.rollouts import build_datums, group_advantages
+
+    datums, _ = build_datums(trajectories, group_advantages(trajectories, False), "token_mean")
+    return datums
+
+
+def test_bad_inputs_are_counted_and_the_step_completes(runtime):
+    loop = runtime.loop
+    real_batch = loop.task.train_batch
+    long_problem = dataclasses.replace(
+        real_batch(0, 1)[0], id="too-long", messages=({"role": "user", "content": "word " * 400},))
+
+    def with_long_prompt(cursor, n):
+        return [long_problem] + real_batch(cursor, n - 1)
+
+    before = dict(loop.counters.as_metrics())
+    loop.task.train_batch = with_long_prompt
+    try:
+        metrics, trajectories = loop.step()
+    finally:
+        loop.task.train_batch = real_batch
+    assert metrics["count/prompts_too_long"] == before["count/prompts_too_long"] + 1
+    assert all(t.problem.id != "too-long" for t in trajectories)
+    assert len(trajectories) == (loop.cfg.trainer.prompts_per_step - 1) * loop.cfg.trainer.group_size
+    # the toy grader raises on odd-length responses: those score 0 and are counted
+    errors = [t for t in trajectories if "error" in t.info]
+    assert errors and all(t.reward == 0.0 for t in errors)
+    assert metrics["count/reward_errors"] >= before["count/reward_errors"] + len(errors)
+    assert metrics["version"] == loop.version
+
+
+def test_greedy_eval_is_deterministic(runtime):
+    first = runtime.loop.evaluate()
+    second = runtime.loop.evaluate()
+    assert first["eval/n"] == runtime.cfg.trainer.eval.size
+    assert first["eval/accuracy"] == second["eval/accuracy"]
