@@ -1,0 +1,995 @@
+"""Run untrusted code: bubblewrap namespaces + rlimits, or a weaker rlimit-only fallback.
+
+``Sandbox(cfg).run(files, argv, timeout_s, stdin)`` writes ``files`` into a fresh private work
+directory, runs ``argv`` there and returns an :class:`ExecResult`. It is thread-safe; up to
+``cfg.max_parallel`` executions run at once (``run_many`` fans a batch out over threads, ``arun``
+awaits one without blocking an event loop). ``Sandbox.probe()`` reports which layer works here.
+
+Layers, and what each one guarantees
+------------------------------------
+``bwrap`` (bubblewrap; the default when it starts):
+
+* **namespaces** -- new user, pid, network, ipc and uts namespaces (cgroup when possible), and
+  ``--disable-userns`` so the code cannot create nested ones. *No network*: only a private
+  loopback with nothing listening, so connects to host services (even 127.0.0.1) fail. *Own pid
+  namespace*: host processes are invisible and cannot be signalled; the sandbox's init is immune to
+  signals from inside, and killing it tears down every process of the sandbox at once.
+* **filesystem** -- the root is empty: only the interpreter's runtime (``/usr/lib``,
+  ``/usr/lib64``, the python binary itself, ``ld.so.cache``) is bound read-only, plus a private
+  ``/proc`` and ``/dev``. The project checkout, ``/root``, ``/home``, ``/etc`` (so
+  ``/etc/shadow``), the venv, site-packages with task references, and every other binary
+  (no shell, no ``find``, no ``unzip``) are simply absent. ``/work`` (the work directory) and
+  ``/tmp`` are size-capped tmpfs mounts private to this run: nothing written there reaches the host
+  disk, and they vanish when the run ends. Files are copied in through memfds.
+* **environment** -- ``--clearenv``: the host environment (API keys, the controller's settings) is
+  never visible; only PATH/HOME/LANG/TMPDIR and a few PYTHON* settings (plus ``cfg.env``).
+* **identity** -- when the host runs as root each concurrent slot runs as its own unprivileged uid
+  (``sandbox_uid_base + slot``) with no supplementary groups; capabilities are dropped.
+* **rlimits** (set inside, after the namespaces exist): RLIMIT_CPU (timeout + 1 s), RLIMIT_AS,
+  RLIMIT_NPROC (counted per sandbox, because the count lives in the sandbox's user namespace),
+  RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
+* **wall clock** -- the sandbox runs in its own session/process group; on timeout its init (and
+  with it the whole pid namespace) and then the group are SIGKILLed. ``--die-with-parent`` kills it
+  if the host process dies.
+* **output** -- stdout/stderr are captured up to ``max_output_bytes`` each; past that the run is
+  killed (``output_limit``) or drained.
+
+``rlimit`` (fallback, when bwrap is missing or cannot create namespaces): a plain subprocess in a
+fresh host temp directory with the same rlimits, a scrubbed environment, its own session killed on
+timeout, and -- when the host is root -- a per-slot unprivileged uid whose every process is killed
+after the run. It cannot contain network access, reading world-readable files (the project
+checkout) or writing to world-writable places (``/tmp``); when not root it also cannot stop the
+code from signalling the parent, reading the parent's environment through ``/proc``, escaping the
+process group or forking without a per-sandbox ceiling. ``ProbeResult.uncontained`` lists exactly
+which hostile cases the running layer cannot contain, and the hostile test-suite skips those (with
+that reason) instead of passing them falsely.
+
+Not covered by either layer: CPU time shared with the host (no cgroup quota; wall and CPU limits
+bound it), and code that introspects the interpreter running it (the test harness shares the
+process with the candidate; see ``meshrl.envs._harness``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import logging
+import math
+import os
+import posixpath
+import queue
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping
+
+from meshrl.envs.config import SandboxConfig
+
+log = logging.getLogger(__name__)
+
+#: path of the work directory inside the bwrap sandbox
+SANDBOX_WORKDIR = "/work"
+#: uid/gid the code sees inside the bwrap sandbox's user namespace
+SANDBOX_INNER_ID = 1000
+
+#: hostile cases of the test-suite; a layer either contains a case or says why not
+HOSTILE_CASES = (
+    "infinite_loop",
+    "sleep_past_timeout",
+    "fork_bomb",
+    "memory_bomb",
+    "huge_output",
+    "network_loopback",
+    "read_project_file",
+    "read_etc_shadow",
+    "write_outside_workdir",
+    "env_secrets",
+    "proc_parent_environ",
+    "kill_parent",
+    "import_reference",
+    "escape_process_group",
+    "disk_fill",
+)
+
+# Runs inside the sandbox before the real program: set the rlimits, then exec. Kept tiny and
+# free of imports beyond os/resource so it starts fast. argv: LIMITS PROGRAM ARGS...
+_WRAPPER = r"""
+import os, resource, sys
+for item in sys.argv[1].split(","):
+    name, soft, hard = item.split(":")
+    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (int(soft), int(hard)))
+os.umask(0o077)
+argv = sys.argv[2:]
+try:
+    os.execv(argv[0], argv)
+except OSError as e:
+    sys.stderr.write("sandbox: cannot execute %s: %s\n" % (argv[0], e))
+    sys.stderr.flush()
+    os._exit(127)
+"""
+
+_EXEC_FAILED = 127
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one sandboxed execution."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """Exit status of the program; None when it was killed by a signal."""
+    timed_out: bool
+    killed_signal: int | None
+    """Signal that ended the program (SIGKILL after a timeout, SIGXCPU, SIGSEGV, ...), or None."""
+    wall_s: float
+    layer: str
+    """Isolation layer that ran it: ``bwrap`` or ``rlimit``."""
+    truncated: bool
+    """Output past ``max_output_bytes`` was dropped."""
+    error_kind: str | None
+    """What went wrong (a key of ``meshrl.envs.base.ERROR_KINDS``), None for a clean exit 0."""
+    cpu_s: float | None = None
+    """User + system CPU seconds of the whole process tree that was reaped."""
+    output_limited: bool = False
+    """The run was killed because its output passed the cap."""
+    side_channel: str = ""
+    """What the program wrote to the side-channel fd (``$MESHRL_SIDE_FD``), when requested."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SandboxJob:
+    """One execution for ``Sandbox.run_many``."""
+
+    files: dict[str, str]
+    argv: list[str]
+    timeout_s: float | None = None
+    stdin: str | None = None
+    side_channel: bool = False
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Which isolation layer runs here, with what, and what it cannot contain."""
+
+    layer: str
+    """``bwrap`` or ``rlimit``."""
+    python: str
+    """Host path of the interpreter used inside the sandbox."""
+    bwrap: str | None
+    """bubblewrap binary used (None on the rlimit layer)."""
+    drop_uid: bool
+    """Slots run as their own unprivileged uid (host is root)."""
+    disable_userns: bool = True
+    """bwrap's --disable-userns is in effect."""
+    reason: str = ""
+    """Why a stronger layer was not used (empty when bwrap runs with every feature)."""
+    uncontained: dict[str, str] = field(default_factory=dict)
+    """Hostile case -> why this layer cannot contain it."""
+
+    def contains(self, case: str) -> bool:
+        if case not in HOSTILE_CASES:
+            raise KeyError(f"unknown hostile case '{case}'")
+        return case not in self.uncontained
+
+    def describe(self) -> str:
+        parts = [f"layer={self.layer}", f"python={self.python}", f"drop_uid={self.drop_uid}"]
+        if self.layer == "bwrap":
+            parts.append(f"disable_userns={self.disable_userns}")
+        if self.reason:
+            parts.append(f"reason: {self.reason}")
+        if self.uncontained:
+            parts.append("cannot contain: " + ", ".join(sorted(self.uncontained)))
+        return "; ".join(parts)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation layer cannot run on this machine."""
+
+
+# --------------------------------------------------------------------------- error classification
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
+_EXC_NAME = re.compile(r"(Error|Exception|Exit|Interrupt|Warning|gaierror|herror|timeout)$")
+
+_BY_EXCEPTION = {
+    "SyntaxError": "syntax_error",
+    "IndentationError": "syntax_error",
+    "TabError": "syntax_error",
+    "MemoryError": "memory_error",
+    "ModuleNotFoundError": "import_error",
+    "ImportError": "import_error",
+    "PermissionError": "permission_denied",
+    "FileNotFoundError": "file_not_found",
+    "NotADirectoryError": "file_not_found",
+    "IsADirectoryError": "file_not_found",
+    "ConnectionRefusedError": "network_error",
+    "ConnectionResetError": "network_error",
+    "ConnectionAbortedError": "network_error",
+    "ConnectionError": "network_error",
+    "gaierror": "network_error",
+    "herror": "network_error",
+    "socket.gaierror": "network_error",
+    "socket.herror": "network_error",
+    "BlockingIOError": "resource_limit",
+    "ChildProcessError": "resource_limit",
+}
+
+_BY_ERRNO = {
+    errno.EROFS: "permission_denied",
+    errno.EACCES: "permission_denied",
+    errno.EPERM: "permission_denied",
+    errno.ENOENT: "file_not_found",
+    errno.EAGAIN: "resource_limit",
+    errno.EMFILE: "resource_limit",
+    errno.ENFILE: "resource_limit",
+    errno.EFBIG: "resource_limit",
+    errno.ENOSPC: "resource_limit",
+    errno.EDQUOT: "resource_limit",
+    errno.ENOMEM: "memory_error",
+    errno.ENETUNREACH: "network_error",
+    errno.EHOSTUNREACH: "network_error",
+    errno.ECONNREFUSED: "network_error",
+    errno.EADDRNOTAVAIL: "network_error",
+    errno.ENETDOWN: "network_error",
+}
+_ERRNO_RE = re.compile(r"\[Errno (\d+)\]")
+
+
+def exception_kind(exc_type: str, message: str = "") -> str:
+    """Map a Python exception (type name and message) to an error kind."""
+    name = exc_type.rsplit(".", 1)[-1] if exc_type not in _BY_EXCEPTION else exc_type
+    kind = _BY_EXCEPTION.get(exc_type) or _BY_EXCEPTION.get(name)
+    if kind:
+        return kind
+    m = _ERRNO_RE.search(message or "")
+    if m and name in ("OSError", "IOError", "error", "TimeoutError"):
+        return _BY_ERRNO.get(int(m.group(1)), "runtime_error")
+    if name == "TimeoutError" and not m:
+        return "timeout"
+    if name in ("timeout",):
+        return "network_error"
+    return "runtime_error"
+
+
+def last_exceptions(stderr: str) -> list[tuple[str, str]]:
+    """(type, message) of every uncaught-exception line in ``stderr``, in order."""
+    found: list[tuple[str, str]] = []
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if not line or line[0].isspace():
+            continue
+        m = _EXC_LINE.match(line)
+        if not m or not _EXC_NAME.search(m.group(1)):
+            continue
+        # an exception line ends a traceback: it follows an indented frame/caret line
+        # or a 'Traceback' header (SyntaxError reports have no header)
+        prev = lines[i - 1] if i > 0 else ""
+        if i == 0 or prev.startswith((" ", "\t", "Traceback")):
+            found.append((m.group(1), m.group(2) or ""))
+    return found
+
+
+def classify(
+    *,
+    exit_code: int | None,
+    killed_signal: int | None,
+    timed_out: bool,
+    output_limited: bool,
+    stderr: str,
+    exec_failed: bool = False,
+) -> str | None:
+    """The error kind of an execution from how it ended and what it printed to stderr."""
+    excs = last_exceptions(stderr)
+    kinds = [exception_kind(t, m) for t, m in excs]
+    if exec_failed:
+        return "tool_not_found"
+    if "resource_limit" in kinds and (timed_out or output_limited or exit_code not in (0, None)):
+        return "resource_limit"  # fork bombs: EAGAIN tracebacks, then a timeout or output flood
+    if output_limited:
+        return "output_limit"
+    if timed_out or killed_signal in (signal.SIGXCPU,):
+        return "timeout"
+    if killed_signal == signal.SIGXFSZ:
+        return "resource_limit"
+    if killed_signal is not None:
+        if "memory_error" in kinds:
+            return "memory_error"
+        return "crash"
+    if exit_code == 0:
+        return None
+    if kinds:
+        if "memory_error" in kinds:
+            return "memory_error"
+        return kinds[-1]
+    return "runtime_error"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _resolve_bwrap(path: str) -> str | None:
+    if os.path.isabs(path):
+        return path if os.access(path, os.X_OK) else None
+    return shutil.which(path)
+
+
+def _python_candidates(cfg: SandboxConfig) -> list[str]:
+    if cfg.python != "auto":
+        return [cfg.python]
+    out: list[str] = []
+    for p in ("/usr/bin/python3", "/usr/local/bin/python3", getattr(sys, "_base_executable", None), sys.executable):
+        if p and os.path.isfile(p) and os.access(p, os.X_OK) and p not in out:
+            out.append(p)
+    return out
+
+
+def _safe_relpath(name: str) -> str:
+    norm = posixpath.normpath(name)
+    if not name or norm.startswith("/") or norm == "." or norm.startswith("../") or norm == "..":
+        raise ValueError(f"sandbox file name must be a relative path inside the work dir: {name!r}")
+    return norm
+
+
+def _proc_children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        # kernels without CONFIG_PROC_CHILDREN: scan for the parent pid
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return kids
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid == uid:
+                pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+def _kill_uid(uid: int, rounds: int = 50) -> int:
+    """SIGKILL every process owned by ``uid`` until none is left; the number killed."""
+    me = os.getpid()
+    killed = 0
+    for _ in range(rounds):
+        pids = [p for p in _pids_of_uid(uid) if p != me]
+        if not pids:
+            break
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    return killed
+
+
+# --------------------------------------------------------------------------- the sandbox
+
+
+class Sandbox:
+    """Runs untrusted programs in the strongest isolation layer available (see module doc)."""
+
+    _probe_cache: dict[tuple, ProbeResult] = {}
+    _probe_lock = threading.Lock()
+
+    def __init__(self, cfg: SandboxConfig | None = None):
+        self.cfg = cfg or SandboxConfig()
+        self.info = self.probe(self.cfg)
+        self.layer = self.info.layer
+        self._slots: queue.Queue[int] = queue.Queue()
+        for i in range(self.cfg.max_parallel):
+            self._slots.put(i)
+        self._root = tempfile.mkdtemp(prefix="meshrl-sbx-", dir=self.cfg.workdir_root)
+        os.chmod(self._root, 0o711)
+        self._counter = 0
+        self._counter_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- probing
+
+    @classmethod
+    def probe(cls, cfg: SandboxConfig | None = None, refresh: bool = False) -> ProbeResult:
+        """Find the strongest layer that works here for ``cfg`` (cached per process)."""
+        cfg = cfg or SandboxConfig()
+        key = (cfg.layer, cfg.python, cfg.bwrap_path, tuple(cfg.extra_ro_binds), os.geteuid(), cfg.sandbox_uid_base)
+        with cls._probe_lock:
+            if not refresh and key in cls._probe_cache:
+                return cls._probe_cache[key]
+            result = cls._probe(cfg)
+            cls._probe_cache[key] = result
+            log.info("sandbox probe: %s", result.describe())
+            return result
+
+    @classmethod
+    def _probe(cls, cfg: SandboxConfig) -> ProbeResult:
+        drop = _is_root()
+        reasons: list[str] = []
+        pythons = _python_candidates(cfg)
+        if not pythons:
+            raise SandboxUnavailable("no python interpreter found for the sandbox")
+        if cfg.layer in ("auto", "bwrap"):
+            bw = _resolve_bwrap(cfg.bwrap_path)
+            if bw is None:
+                reasons.append(f"bubblewrap not found ('{cfg.bwrap_path}'; apt-get install bubblewrap)")
+            else:
+                for py in pythons:
+                    for disable_userns in (True, False):
+                        info = ProbeResult("bwrap", py, bw, drop, disable_userns)
+                        ok, why = cls._try(cfg, info)
+                        if ok:
+                            reason = "; ".join(reasons)
+                            if not disable_userns:
+                                reason = (reason + "; " if reason else "") + "bwrap --disable-userns unsupported"
+                            return ProbeResult(
+                                "bwrap", py, bw, drop, disable_userns, reason, _uncontained("bwrap", drop, disable_userns)
+                            )
+                        reasons.append(f"bwrap with {py}{'' if disable_userns else ' (no --disable-userns)'}: {why}")
+            if cfg.layer == "bwrap":
+                raise SandboxUnavailable("bwrap layer requested but unavailable: " + "; ".join(reasons))
+        for py in pythons:
+            info = ProbeResult("rlimit", py, None, drop)
+            ok, why = cls._try(cfg, info)
+            if ok:
+                return ProbeResult("rlimit", py, None, drop, False, "; ".join(reasons), _uncontained("rlimit", drop, False))
+            reasons.append(f"rlimit with {py}: {why}")
+        raise SandboxUnavailable("no sandbox layer works here: " + "; ".join(reasons))
+
+    @classmethod
+    def _try(cls, cfg: SandboxConfig, info: ProbeResult) -> tuple[bool, str]:
+        sb = object.__new__(cls)
+        sb.cfg = cfg
+        sb.info = info
+        sb.layer = info.layer
+        sb._root = tempfile.mkdtemp(prefix="meshrl-sbx-probe-", dir=cfg.workdir_root)
+        os.chmod(sb._root, 0o711)
+        sb._counter = 0
+        sb._counter_lock = threading.Lock()
+        try:
+            r = sb._run_in_slot(
+                cfg.max_parallel,  # a slot no pool uses
+                {"probe.py": "import sys\nprint('ok', sys.version_info[0])\n"},
+                ["python", "probe.py"],
+                timeout_s=20.0,
+                stdin=None,
+                side_channel=False,
+            )
+        except Exception as e:  # noqa: BLE001 -- any failure means the layer does not work
+            return False, f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(sb._root, ignore_errors=True)
+        if r.exit_code == 0 and r.stdout.strip() == "ok 3":
+            return True, ""
+        detail = (r.stderr or r.stdout).strip().splitlines()
+        return False, f"exit {r.exit_code}: {detail[-1] if detail else 'no output'}"
+
+    # ----------------------------------------------------------------- public API
+
+    def run(
+        self,
+        files: Mapping[str, str | bytes],
+        argv: list[str],
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        side_channel: bool = False,
+    ) -> ExecResult:
+        """Run ``argv`` in a fresh work directory holding ``files``.
+
+        ``argv[0]`` of ``python``/``python3`` means the sandbox's interpreter; any other program
+        must exist inside the sandbox. With ``side_channel`` the program finds a writable fd number
+        in ``$MESHRL_SIDE_FD`` and what it writes there comes back in ``ExecResult.side_channel``.
+        """
+        if self._closed:
+            raise RuntimeError("sandbox is closed")
+        if not argv:
+            raise ValueError("argv is empty")
+        timeout = float(timeout_s if timeout_s is not None else self.cfg.timeout_s)
+        slot = self._slots.get()
+        try:
+            return self._run_in_slot(slot, files, argv, timeout, stdin, side_channel)
+        finally:
+            self._slots.put(slot)
+
+    def run_many(self, jobs: Iterable[SandboxJob | Mapping[str, Any]], max_parallel: int | None = None) -> list[ExecResult]:
+        """Run several jobs concurrently (at most ``max_parallel``, default ``cfg.max_parallel``);
+        results come back in job order."""
+        items = [j if isinstance(j, SandboxJob) else SandboxJob(**j) for j in jobs]
+        if not items:
+            return []
+        n = max(1, min(max_parallel or self.cfg.max_parallel, len(items)))
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sandbox") as pool:
+            futs = [pool.submit(self.run, j.files, j.argv, j.timeout_s, j.stdin, j.side_channel) for j in items]
+            return [f.result() for f in futs]
+
+    async def arun(
+        self,
+        files: Mapping[str, str | bytes],
+        argv: list[str],
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        side_channel: bool = False,
+    ) -> ExecResult:
+        """``run`` on the sandbox's own thread pool, awaitable without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.cfg.max_parallel, thread_name_prefix="sandbox-async")
+        call = functools.partial(self.run, files, argv, timeout_s, stdin, side_channel)
+        return await loop.run_in_executor(self._executor, call)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort: do not leave work dirs behind
+        try:
+            if not getattr(self, "_closed", True):
+                shutil.rmtree(self._root, ignore_errors=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ----------------------------------------------------------------- internals
+
+    def _slot_ids(self, slot: int) -> tuple[int | None, int | None]:
+        if not self.info.drop_uid:
+            return None, None
+        uid = self.cfg.sandbox_uid_base + slot
+        return uid, uid
+
+    def _limits(self, timeout_s: float) -> str:
+        c = self.cfg
+        cpu = int(math.ceil(timeout_s)) + 1
+        mem = c.memory_mb << 20
+        fsize = c.max_file_mb << 20
+        items = [
+            ("CPU", cpu, cpu + 1),
+            ("AS", mem, mem),
+            ("NPROC", c.max_processes, c.max_processes),
+            ("FSIZE", fsize, fsize),
+            ("NOFILE", c.max_open_files, c.max_open_files),
+            ("CORE", 0, 0),
+        ]
+        return ",".join(f"{n}:{s}:{h}" for n, s, h in items)
+
+    def _env(self, home: str, tmp: str) -> dict[str, str]:
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": home,
+            "TMPDIR": tmp,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONUNBUFFERED": "1",
+            "MALLOC_ARENA_MAX": "2",
+        }
+        env.update(self.cfg.env)
+        return env
+
+    def _inner_python(self) -> str:
+        py = self.info.python
+        return py if os.path.realpath(py).startswith("/usr/") else os.path.realpath(py)
+
+    def _bwrap_argv(self, env: dict[str, str], file_fds: list[tuple[int, str]], dirs: list[str]) -> list[str]:
+        c = self.cfg
+        info = self.info
+        a = [info.bwrap or "bwrap"]
+        a += ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if info.disable_userns:
+            a.append("--disable-userns")
+        a += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        a += ["--uid", str(SANDBOX_INNER_ID), "--gid", str(SANDBOX_INNER_ID), "--hostname", "sandbox"]
+        a.append("--clearenv")
+        for k, v in env.items():
+            a += ["--setenv", k, v]
+        a += _runtime_binds(info.python)
+        for p in c.extra_ro_binds:
+            if os.path.exists(p):
+                a += ["--ro-bind", p, p]
+        a += ["--proc", "/proc", "--dev", "/dev"]
+        a += ["--size", str(c.tmp_mb << 20), "--tmpfs", "/tmp"]
+        a += ["--size", str(c.workdir_mb << 20), "--perms", "0700", "--tmpfs", SANDBOX_WORKDIR]
+        for d in dirs:
+            a += ["--dir", posixpath.join(SANDBOX_WORKDIR, d)]
+        for fd, name in file_fds:
+            a += ["--perms", "0644", "--file", str(fd), posixpath.join(SANDBOX_WORKDIR, name)]
+        a += ["--remount-ro", "/", "--chdir", SANDBOX_WORKDIR]
+        return a
+
+    def _run_in_slot(
+        self,
+        slot: int,
+        files: Mapping[str, str | bytes],
+        argv: list[str],
+        timeout_s: float,
+        stdin: str | bytes | None,
+        side_channel: bool,
+    ) -> ExecResult:
+        t0 = time.monotonic()
+        uid, gid = self._slot_ids(slot)
+        with self._counter_lock:
+            self._counter += 1
+            n = self._counter
+        norm_files = {_safe_relpath(k): (v.encode() if isinstance(v, str) else bytes(v)) for k, v in files.items()}
+        dirs = sorted({posixpath.dirname(k) for k in norm_files if posixpath.dirname(k)})
+        all_dirs: list[str] = []
+        for d in dirs:  # parents first
+            parts = d.split("/")
+            for i in range(1, len(parts) + 1):
+                sub = "/".join(parts[:i])
+                if sub not in all_dirs:
+                    all_dirs.append(sub)
+        to_close: list[int] = []
+        pass_fds: list[int] = []
+        side_r = side_w = None
+        host_dir = None
+        try:
+            if side_channel:
+                side_r, side_w = os.pipe()
+                to_close += [side_r, side_w]
+                pass_fds.append(side_w)
+            limits = self._limits(timeout_s)
+            prog = list(argv)
+            if self.layer == "bwrap":
+                if prog[0] in ("python", "python3"):
+                    prog[0] = self._inner_python()
+                env = self._env(SANDBOX_WORKDIR, "/tmp")
+                if side_w is not None:
+                    env["MESHRL_SIDE_FD"] = str(side_w)
+                file_fds = []
+                for name, data in norm_files.items():
+                    fd = os.memfd_create("sbxfile")
+                    to_close.append(fd)
+                    os.write(fd, data) if len(data) < (1 << 20) else _write_all(fd, data)
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    file_fds.append((fd, name))
+                    pass_fds.append(fd)
+                cmd = self._bwrap_argv(env, file_fds, all_dirs)
+                cmd += [self._inner_python(), "-B", "-s", "-c", _WRAPPER, limits, *prog]
+                popen_env = {}
+                cwd = "/"
+            else:
+                if prog[0] in ("python", "python3"):
+                    prog[0] = self.info.python
+                host_dir = os.path.join(self._root, f"run-{n}")
+                os.mkdir(host_dir, 0o700)
+                tmp = os.path.join(host_dir, ".tmp")
+                os.mkdir(tmp, 0o700)
+                for d in all_dirs:
+                    os.makedirs(os.path.join(host_dir, d), exist_ok=True)
+                for name, data in norm_files.items():
+                    with open(os.path.join(host_dir, name), "wb") as f:
+                        f.write(data)
+                if uid is not None:
+                    for dirpath, dirnames, filenames in os.walk(host_dir):
+                        os.chown(dirpath, uid, gid)
+                        for fn in filenames:
+                            os.chown(os.path.join(dirpath, fn), uid, gid)
+                env = self._env(host_dir, tmp)
+                if side_w is not None:
+                    env["MESHRL_SIDE_FD"] = str(side_w)
+                popen_env = env
+                cmd = [self.info.python, "-B", "-s", "-c", _WRAPPER, limits, *prog]
+                cwd = host_dir
+            stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
+            kw: dict[str, Any] = {}
+            if uid is not None:
+                kw.update(user=uid, group=gid, extra_groups=[])
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE if stdin_bytes is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=popen_env,
+                    pass_fds=tuple(pass_fds),
+                    close_fds=True,
+                    start_new_session=True,
+                    **kw,
+                )
+            except OSError as e:
+                return ExecResult("", f"sandbox: failed to start: {e}", None, False, None,
+                                  time.monotonic() - t0, self.layer, False, "sandbox_error")
+            if side_w is not None:
+                os.close(side_w)
+                to_close.remove(side_w)
+                side_w = None
+            for fd, _ in (file_fds if self.layer == "bwrap" else []):
+                os.close(fd)
+                to_close.remove(fd)
+            res = self._communicate(proc, stdin_bytes, side_r, timeout_s, uid)
+            out, err, side, timed_out, truncated, output_limited, status, cpu_s = res
+            wall = time.monotonic() - t0
+            exit_code, sig = _decode_status(status, self.layer == "bwrap")
+            err_text = err.decode("utf-8", "replace")
+            exec_failed = exit_code == _EXEC_FAILED and err_text.startswith("sandbox: cannot execute")
+            kind = classify(
+                exit_code=exit_code,
+                killed_signal=sig,
+                timed_out=timed_out,
+                output_limited=output_limited,
+                stderr=err_text,
+                exec_failed=exec_failed,
+            )
+            if self.layer == "bwrap" and exit_code == 1 and err_text.startswith("bwrap:"):
+                kind = "sandbox_error"
+            return ExecResult(
+                stdout=out.decode("utf-8", "replace"),
+                stderr=err_text,
+                exit_code=exit_code,
+                timed_out=timed_out,
+                killed_signal=sig,
+                wall_s=wall,
+                layer=self.layer,
+                truncated=truncated,
+                error_kind=kind,
+                cpu_s=cpu_s,
+                output_limited=output_limited,
+                side_channel=side.decode("utf-8", "replace"),
+            )
+        finally:
+            for fd in to_close:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            if uid is not None and self.layer == "rlimit":
+                _kill_uid(uid)
+            if host_dir is not None:
+                shutil.rmtree(host_dir, ignore_errors=True)
+
+    def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
+        """Kill the whole execution: the sandbox init (its pid namespace goes with it), the
+        process group, and on the rlimit layer every process of the slot uid."""
+        if self.layer == "bwrap":
+            for child in _proc_children(proc.pid):
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        else:
+            if uid is not None:
+                _kill_uid(uid, rounds=3)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _communicate(self, proc: subprocess.Popen, stdin_bytes: bytes | None, side_r: int | None,
+                     timeout_s: float, uid: int | None):
+        cap = self.cfg.max_output_bytes
+        side_cap = 4 << 20
+        deadline = time.monotonic() + timeout_s
+        sel = selectors.DefaultSelector()
+        bufs: dict[int, bytearray] = {}
+        caps: dict[int, int] = {}
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        for f, c in ((proc.stdout, cap), (proc.stderr, cap)):
+            fd = f.fileno()
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+            bufs[fd] = bytearray()
+            caps[fd] = c
+        if side_r is not None:
+            os.set_blocking(side_r, False)
+            sel.register(side_r, selectors.EVENT_READ)
+            bufs[side_r] = bytearray()
+            caps[side_r] = side_cap
+        stdin_fd = None
+        pending = memoryview(stdin_bytes or b"")
+        if proc.stdin is not None:
+            stdin_fd = proc.stdin.fileno()
+            os.set_blocking(stdin_fd, False)
+            if pending:
+                sel.register(stdin_fd, selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
+                stdin_fd = None
+        timed_out = truncated = output_limited = killed = False
+        kill_deadline = None
+        status = None
+        cpu_s = None
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if not killed and now >= deadline:
+                    timed_out = True
+                    killed = True
+                    self._kill(proc, uid)
+                    kill_deadline = now + 2.0
+                if killed and kill_deadline is not None and now >= kill_deadline:
+                    break  # something outside our reach holds the pipes open: stop reading
+                wait = (kill_deadline if killed else deadline) - now
+                for key, ev in sel.select(max(0.0, min(wait, 0.5))):
+                    fd = key.fd
+                    if ev & selectors.EVENT_WRITE:
+                        try:
+                            k = os.write(fd, pending[:65536])
+                            pending = pending[k:]
+                        except BlockingIOError:
+                            continue
+                        except (BrokenPipeError, OSError):
+                            pending = memoryview(b"")
+                        if not pending:
+                            sel.unregister(fd)
+                            proc.stdin.close()
+                            stdin_fd = None
+                        continue
+                    try:
+                        data = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(fd)
+                        continue
+                    buf = bufs[fd]
+                    room = caps[fd] - len(buf)
+                    if len(data) > room:
+                        buf += data[: max(room, 0)]
+                        if fd != side_r:
+                            truncated = True
+                            if self.cfg.kill_on_output_limit and not killed:
+                                output_limited = True
+                                killed = True
+                                self._kill(proc, uid)
+                                kill_deadline = time.monotonic() + 2.0
+                    else:
+                        buf += data
+            # pipes closed (or given up on): reap, still within the deadline
+            while True:
+                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    status = st
+                    cpu_s = ru.ru_utime + ru.ru_stime
+                    proc.returncode = os.waitstatus_to_exitcode(st)
+                    break
+                now = time.monotonic()
+                if not killed and now >= deadline:
+                    timed_out = True
+                    killed = True
+                    self._kill(proc, uid)
+                    kill_deadline = now + 2.0
+                elif killed and kill_deadline is not None and now >= kill_deadline:
+                    self._kill(proc, uid)  # again: e.g. a fork raced the first kill
+                    kill_deadline = now + 2.0
+                time.sleep(0.002)
+        finally:
+            sel.close()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                try:
+                    if f is not None:
+                        f.close()
+                except OSError:
+                    pass
+        return (
+            bytes(bufs[out_fd]),
+            bytes(bufs[err_fd]),
+            bytes(bufs[side_r]) if side_r is not None else b"",
+            timed_out,
+            truncated,
+            output_limited,
+            status,
+            cpu_s,
+        )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _decode_status(status: int | None, via_bwrap: bool) -> tuple[int | None, int | None]:
+    """(exit code, signal) of the program. bwrap reports a child killed by signal N as exit
+    128+N; SIGKILL of bwrap itself (our timeout) is a real signal."""
+    if status is None:
+        return None, signal.SIGKILL
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    code = os.WEXITSTATUS(status)
+    if via_bwrap and code > 128 and code - 128 in (
+        signal.SIGKILL, signal.SIGXCPU, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS,
+        signal.SIGXFSZ, signal.SIGTERM, signal.SIGILL, signal.SIGFPE,
+    ):
+        return None, code - 128
+    return code, None
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_binds(python: str) -> tuple[str, ...]:
+    """bwrap arguments that make ``python`` (and nothing else from /usr/bin) runnable read-only."""
+    real = os.path.realpath(python)
+    a: list[str] = []
+    for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32"):
+        if os.path.isdir(d):
+            a += ["--ro-bind", d, d]
+    # merged-/usr systems have /lib -> usr/lib; older ones have real directories
+    for top in ("/lib", "/lib64", "/lib32", "/bin"):
+        if os.path.islink(top):
+            a += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top) and top != "/bin":
+            a += ["--ro-bind", top, top]
+    if os.path.isfile("/etc/ld.so.cache"):
+        a += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    if not real.startswith("/usr/"):
+        # an interpreter outside /usr: bind its installation prefix (it runs by its real path)
+        prefix = os.path.dirname(os.path.dirname(real))
+        a += ["--ro-bind", prefix, prefix]
+    else:
+        a += ["--ro-bind", real, real]
+        if python != real:
+            a += ["--ro-bind", real, python]
+    return tuple(a)
+
+
+def _uncontained(layer: str, drop_uid: bool, disable_userns: bool) -> dict[str, str]:
+    """Hostile cases a layer cannot contain, with the reason (see module doc)."""
+    out: dict[str, str] = {}
+    if layer == "bwrap":
+        if not drop_uid and _is_root():  # pragma: no cover - drop_uid is always on as root
+            out["fork_bomb"] = "sandbox runs as host root, which RLIMIT_NPROC does not bind"
+        return out
+    out["network_loopback"] = "rlimit layer has no network namespace"
+    out["read_project_file"] = "rlimit layer has no private root: world-readable files are readable"
+    out["import_reference"] = "rlimit layer has no private root: a world-readable checkout can be put on sys.path"
+    out["disk_fill"] = "rlimit layer's work dir is on the host disk (only RLIMIT_FSIZE per file)"
+    if not drop_uid:
+        why = "rlimit layer without root runs as the host user"
+        out["kill_parent"] = why + ", which may signal its own processes"
+        out["proc_parent_environ"] = why + ", who may read /proc/<parent>/environ"
+        out["write_outside_workdir"] = why + ", who may write the user's files"
+        out["escape_process_group"] = why + ": a setsid() child outlives the process-group kill"
+        out["fork_bomb"] = why + ": RLIMIT_NPROC counts all the user's processes, not this sandbox's"
+    return out
