@@ -92,6 +92,7 @@ HOSTILE_CASES = (
     "read_project_file",
     "read_etc_shadow",
     "write_outside_workdir",
+    "write_host_tmp",
     "env_secrets",
     "proc_parent_environ",
     "kill_parent",
@@ -791,11 +792,21 @@ class Sandbox:
         """Kill the whole execution: the sandbox init (its pid namespace goes with it), the
         process group, and on the rlimit layer every process of the slot uid."""
         if self.layer == "bwrap":
-            for child in _proc_children(proc.pid):
+            children = _proc_children(proc.pid)
+            for child in children:
                 try:
                     os.kill(child, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+            # let bwrap reap its init and exit by itself (no orphaned zombie), then make sure
+            end = time.monotonic() + 0.5
+            while children and time.monotonic() < end:
+                try:
+                    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                        return
+                except ChildProcessError:
+                    return
+                time.sleep(0.002)
         else:
             if uid is not None:
                 _kill_uid(uid, rounds=3)
@@ -806,63 +817,92 @@ class Sandbox:
 
     def _communicate(self, proc: subprocess.Popen, stdin_bytes: bytes | None, side_r: int | None,
                      timeout_s: float, uid: int | None):
+        """Feed stdin, collect capped stdout/stderr/side channel, enforce the wall clock and the
+        output cap, and reap. The execution ends when its main process exits: whatever it left
+        running is killed then (bwrap does this by tearing down the pid namespace)."""
         cap = self.cfg.max_output_bytes
         side_cap = 4 << 20
         deadline = time.monotonic() + timeout_s
         sel = selectors.DefaultSelector()
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         bufs: dict[int, bytearray] = {}
         caps: dict[int, int] = {}
-        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-        for f, c in ((proc.stdout, cap), (proc.stderr, cap)):
-            fd = f.fileno()
+        for fd, c in ((out_fd, cap), (err_fd, cap), (side_r, side_cap)):
+            if fd is None:
+                continue
             os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
+            sel.register(fd, selectors.EVENT_READ, "pipe")
             bufs[fd] = bytearray()
             caps[fd] = c
-        if side_r is not None:
-            os.set_blocking(side_r, False)
-            sel.register(side_r, selectors.EVENT_READ)
-            bufs[side_r] = bytearray()
-            caps[side_r] = side_cap
-        stdin_fd = None
         pending = memoryview(stdin_bytes or b"")
         if proc.stdin is not None:
-            stdin_fd = proc.stdin.fileno()
-            os.set_blocking(stdin_fd, False)
             if pending:
-                sel.register(stdin_fd, selectors.EVENT_WRITE)
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "stdin")
             else:
                 proc.stdin.close()
-                stdin_fd = None
+        pidfd = None
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+        except (AttributeError, OSError):
+            pidfd = None  # old kernel: poll instead
         timed_out = truncated = output_limited = killed = False
-        kill_deadline = None
+        stop_reading_at = None  # after a kill or the main process's exit: drain briefly, then stop
         status = None
         cpu_s = None
+
+        def reap() -> bool:
+            nonlocal status, cpu_s
+            if status is not None:
+                return True
+            pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+            if not pid:
+                return False
+            status = st
+            cpu_s = ru.ru_utime + ru.ru_stime
+            proc.returncode = os.waitstatus_to_exitcode(st)
+            return True
+
+        def kill(now: float) -> None:
+            nonlocal killed, stop_reading_at
+            killed = True
+            self._kill(proc, uid)
+            stop_reading_at = min(stop_reading_at or now + 2.0, now + 2.0)
+
         try:
-            while sel.get_map():
+            while True:
+                pipes_open = any(k.data == "pipe" for k in sel.get_map().values())
+                if not pipes_open and status is not None:
+                    break
                 now = time.monotonic()
-                if not killed and now >= deadline:
+                if status is None and now >= deadline and not killed:
                     timed_out = True
-                    killed = True
-                    self._kill(proc, uid)
-                    kill_deadline = now + 2.0
-                if killed and kill_deadline is not None and now >= kill_deadline:
+                    kill(now)
+                elif status is None and killed and stop_reading_at is not None and now >= stop_reading_at:
+                    kill(now)  # again: a fork may have raced the first kill
+                if status is not None and stop_reading_at is not None and now >= stop_reading_at:
                     break  # something outside our reach holds the pipes open: stop reading
-                wait = (kill_deadline if killed else deadline) - now
-                for key, ev in sel.select(max(0.0, min(wait, 0.5))):
+                limit = stop_reading_at if stop_reading_at is not None else deadline
+                wait = max(0.0, min(limit - now, 0.5 if pidfd is not None else 0.02))
+                if pidfd is None or not pipes_open:
+                    wait = min(wait, 0.02)
+                for key, ev in sel.select(wait):
                     fd = key.fd
-                    if ev & selectors.EVENT_WRITE:
+                    if key.data == "exit":
+                        sel.unregister(fd)
+                        continue
+                    if key.data == "stdin":
                         try:
                             k = os.write(fd, pending[:65536])
                             pending = pending[k:]
                         except BlockingIOError:
                             continue
-                        except (BrokenPipeError, OSError):
+                        except OSError:
                             pending = memoryview(b"")
                         if not pending:
                             sel.unregister(fd)
                             proc.stdin.close()
-                            stdin_fd = None
                         continue
                     try:
                         data = os.read(fd, 65536)
@@ -881,37 +921,30 @@ class Sandbox:
                             truncated = True
                             if self.cfg.kill_on_output_limit and not killed:
                                 output_limited = True
-                                killed = True
-                                self._kill(proc, uid)
-                                kill_deadline = time.monotonic() + 2.0
+                                kill(time.monotonic())
                     else:
                         buf += data
-            # pipes closed (or given up on): reap, still within the deadline
-            while True:
-                pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    status = st
-                    cpu_s = ru.ru_utime + ru.ru_stime
-                    proc.returncode = os.waitstatus_to_exitcode(st)
-                    break
-                now = time.monotonic()
-                if not killed and now >= deadline:
-                    timed_out = True
-                    killed = True
-                    self._kill(proc, uid)
-                    kill_deadline = now + 2.0
-                elif killed and kill_deadline is not None and now >= kill_deadline:
-                    self._kill(proc, uid)  # again: e.g. a fork raced the first kill
-                    kill_deadline = now + 2.0
-                time.sleep(0.002)
+                if status is None and reap():
+                    # the main process is gone: end the execution, leftovers included
+                    if self.layer == "rlimit":
+                        self._kill(proc, uid)
+                    now = time.monotonic()
+                    stop_reading_at = min(stop_reading_at or now + 0.5, now + 0.5)
         finally:
             sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 try:
                     if f is not None:
                         f.close()
                 except OSError:
                     pass
+            if status is None:  # we stopped reading before the end: make sure it is dead and reaped
+                self._kill(proc, uid)
+                _, st, ru = os.wait4(proc.pid, 0)
+                status, cpu_s = st, ru.ru_utime + ru.ru_stime
+                proc.returncode = os.waitstatus_to_exitcode(st)
         return (
             bytes(bufs[out_fd]),
             bytes(bufs[err_fd]),
@@ -947,30 +980,54 @@ def _decode_status(status: int | None, via_bwrap: bool) -> tuple[int | None, int
     return code, None
 
 
+_PY_INFO = (
+    "import sys, sysconfig; p = sysconfig.get_paths(); "
+    "print(p['stdlib']); print(p['platstdlib']); print(sysconfig.get_config_var('MULTIARCH') or ''); "
+    "print(sys.base_prefix)"
+)
+
+
 @functools.lru_cache(maxsize=None)
 def _runtime_binds(python: str) -> tuple[str, ...]:
-    """bwrap arguments that make ``python`` (and nothing else from /usr/bin) runnable read-only."""
+    """bwrap arguments that make ``python`` runnable, read-only, with nothing else of the host:
+    its stdlib, the shared libraries of its multiarch directory and the loader. No other binary of
+    /usr/bin (no shell, find, unzip), no site-/dist-packages."""
     real = os.path.realpath(python)
+    out = subprocess.run([real, "-I", "-S", "-c", _PY_INFO], capture_output=True, text=True, timeout=30, env={})
+    if out.returncode != 0:
+        raise SandboxUnavailable(f"cannot query {python}: {out.stderr.strip()[-200:]}")
+    stdlib, platstdlib, multiarch, prefix = (out.stdout.splitlines() + ["", "", "", ""])[:4]
     a: list[str] = []
-    for d in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32"):
+    seen: set[str] = set()
+
+    def bind(path: str) -> None:
+        path = os.path.realpath(path)
+        if path and path not in seen and os.path.exists(path) and not any(path.startswith(s + "/") for s in seen):
+            seen.add(path)
+            a.extend(["--ro-bind", path, path])
+
+    if not real.startswith("/usr/"):
+        bind(prefix)  # an interpreter outside /usr (pyenv, /opt): its whole installation prefix
+    else:
+        bind(real)
+    bind(stdlib)
+    bind(platstdlib)
+    libdirs = [f"/usr/lib/{multiarch}"] if multiarch and os.path.isdir(f"/usr/lib/{multiarch}") else ["/usr/lib"]
+    for d in libdirs + ["/usr/lib64", "/usr/lib32"]:
         if os.path.isdir(d):
-            a += ["--ro-bind", d, d]
-    # merged-/usr systems have /lib -> usr/lib; older ones have real directories
-    for top in ("/lib", "/lib64", "/lib32", "/bin"):
+            bind(d)
+    # merged-/usr systems have /lib -> usr/lib; on others bind the real directories
+    for top in ("/lib", "/lib64", "/lib32"):
         if os.path.islink(top):
             a += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top) and top != "/bin":
-            a += ["--ro-bind", top, top]
+        elif os.path.isdir(top):
+            bind(top)
+    if os.path.islink("/bin"):
+        a += ["--symlink", os.readlink("/bin"), "/bin"]
     if os.path.isfile("/etc/ld.so.cache"):
         a += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    if not real.startswith("/usr/"):
-        # an interpreter outside /usr: bind its installation prefix (it runs by its real path)
-        prefix = os.path.dirname(os.path.dirname(real))
-        a += ["--ro-bind", prefix, prefix]
-    else:
-        a += ["--ro-bind", real, real]
-        if python != real:
-            a += ["--ro-bind", real, python]
+    if real.startswith("/usr/") and python != real:
+        a += ["--ro-bind", real, python]
     return tuple(a)
 
 
@@ -985,6 +1042,7 @@ def _uncontained(layer: str, drop_uid: bool, disable_userns: bool) -> dict[str, 
     out["read_project_file"] = "rlimit layer has no private root: world-readable files are readable"
     out["import_reference"] = "rlimit layer has no private root: a world-readable checkout can be put on sys.path"
     out["disk_fill"] = "rlimit layer's work dir is on the host disk (only RLIMIT_FSIZE per file)"
+    out["write_host_tmp"] = "rlimit layer shares the host /tmp, which anyone may write"
     if not drop_uid:
         why = "rlimit layer without root runs as the host user"
         out["kill_parent"] = why + ", which may signal its own processes"
