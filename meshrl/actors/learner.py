@@ -12,6 +12,7 @@ from meshrl.channels.config import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
+from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.policy import PolicyTrainer
 from meshrl.types import AdamParams, Datum
 
@@ -46,6 +47,21 @@ class Learner(MeshrlActor):
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprobs of given token sequences under the learner's current weights (no grad)."""
         return self.trainer.score(sequences)
+
+    @endpoint
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write the full training state (weights or adapter, optimiser, RNG) into ``directory``."""
+        save_learner(self.trainer, Path(directory))
+        return {"steps_applied": self.trainer.steps_applied}
+
+    @endpoint
+    def load_checkpoint(self, directory: str) -> dict:
+        return load_learner(self.trainer, Path(directory))
+
+    @endpoint
+    def export(self, directory: str) -> str:
+        """Save the policy as a standard HF model directory (LoRA merged)."""
+        return str(export_hf(self.trainer, Path(directory)))
 
     @endpoint
     def publish(self, version: int) -> dict:

@@ -6,6 +6,7 @@ The controller only moves tokens and small records; the actors own the engines a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -80,10 +81,11 @@ class GRPOLoop:
     def _generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list]:
         """Spread prompts over the generator replicas; returns completions per prompt, in order."""
         parts = split_evenly(list(range(len(prompts))), self.n_generators)
-        futures = [
-            self.generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], request)
-            for r, idx in enumerate(parts)
-        ]
+        futures = []
+        for r, idx in enumerate(parts):
+            # prompt i of the whole batch is sampled with seed + i, whichever replica serves it
+            part_request = request if request.seed is None else dataclasses.replace(request, seed=request.seed + idx[0])
+            futures.append(self.generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], part_request))
         batches = wait_all(futures, self.cfg.generator.generate_timeout_s, "generator.generate")
         return [group for batch in batches for group in batch.completions]
 
@@ -108,6 +110,11 @@ class GRPOLoop:
             prompts.append(tokens)
         return kept, prompts
 
+    def sampling_seed(self, cursor: int) -> int:
+        """Seed of the batch starting at data position ``cursor``: a rerun of the same step (e.g.
+        after a resume) samples exactly the same tokens given the same weights."""
+        return (self.cfg.generator.seed * 1_000_003 + cursor * 7919) % (2**31 - 1)
+
     # ---- stages -----------------------------------------------------------------------------
     def rollout(self) -> tuple[list[Trajectory], dict]:
         """Sample G completions for the next batch of problems and score them."""
@@ -118,7 +125,8 @@ class GRPOLoop:
         problems, prompts = self._prompt_tokens(problems)
         s = self.cfg.generator.sampling
         request = SampleRequest(n=tc.group_size, max_tokens=s.max_new_tokens, temperature=s.temperature,
-                                top_p=s.top_p, stop_token_ids=self.stop_tokens)
+                                top_p=s.top_p, stop_token_ids=self.stop_tokens,
+                                seed=self.sampling_seed(self.cursor - tc.prompts_per_step))
         completions = self._generate(prompts, request) if prompts else []
         t1 = time.perf_counter()
         trajectories: list[Trajectory] = []

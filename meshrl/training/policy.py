@@ -79,6 +79,7 @@ class PolicyTrainer:
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
         self.pending_tokens = 0  # valid tokens whose gradients are accumulated but not yet applied
+        self.steps_applied = 0  # optimizer steps taken (restored from checkpoints)
 
     # ---- forward -------------------------------------------------------------------------
     def _autocast(self):
@@ -154,6 +155,7 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_tokens = 0
+        self.steps_applied += 1
         return {"grad_norm": float(norm), "lr": adam.learning_rate}
 
     @torch.no_grad()
