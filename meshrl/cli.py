@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides such as learner.lr=2e-5")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from its last checkpoint")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     train.set_defaults(func=cmd_train)
 

@@ -12,3 +12,29 @@ def smollm_tokenizer():
     from meshrl.models.packaged import packaged_tokenizer
 
     return packaged_tokenizer()
+
+
+TINY_RUN = [
+    "model.name_or_path=tiny",
+    "model.max_model_len=256",
+    "generator.sampling.max_new_tokens=16",
+    "generator.kv_cache_gib=1",
+    "trainer.prompts_per_step=4",
+    "trainer.group_size=4",
+    "trainer.eval.size=8",
+    "trainer.progress=false",
+    "learner.lr=5e-3",
+    "rewarder.reward_fn=meshrl.testing.rewards:vowel_fraction",
+]
+
+
+@pytest.fixture
+def tiny_run_config(tmp_path):
+    """Build a RunConfig for a fast real run on the tiny model (vowel-fraction toy reward)."""
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+
+    def make(*overrides):
+        return load_config(RunConfig, None, TINY_RUN + [f"output.dir={tmp_path}", *overrides])
+
+    return make

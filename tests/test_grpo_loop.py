@@ -8,6 +8,7 @@ from meshrl.actors.rewarder import safe_grade
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from meshrl.controller.grpo import GRPOLoop, StepError, split_evenly, wait_all
+from meshrl.controller.supervisor import CallTimeout, Supervisor
 from meshrl.engines import Completion
 from meshrl.envs.arithmetic import ArithmeticTask
 
@@ -117,12 +118,20 @@ class FakeRenderer:
         return [2]
 
 
+class FakeMeshGroup(dict):
+    def procs_of(self, name):
+        return len(self[name].actors)
+
+    def cohabitants(self, name):
+        return [name]
+
+
 def make_loop(n_generators=2, **overrides):
     cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
     gens = [FakeGenerator(r) for r in range(n_generators)]
     learner = FakeLearner()
-    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), FakeRenderer(), Mesh(gens), Mesh([FakeRewarder()]),
-                    Mesh([learner]), n_generators, 1)
+    meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([FakeRewarder()]), learner=Mesh([learner]))
+    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), FakeRenderer(), meshes, Supervisor(meshes, cfg.faults))
     return loop, gens, learner
 
 
@@ -191,5 +200,5 @@ def test_sync_refuses_a_generator_left_on_an_old_version():
 
 
 def test_wait_all_deadline_names_the_call():
-    with pytest.raises(StepError, match="generator.generate timed out after 2s"):
+    with pytest.raises(CallTimeout, match="generator.generate timed out after 2s"):
         wait_all([Future(1), Future(hang=True)], 2, "generator.generate")

@@ -47,8 +47,8 @@ def _max_mean_diff(a, b):
 
 
 def _score(runtime, sequences):
-    gen = runtime.generators.slice(procs=0).score.call_one(sequences).get(timeout=120)
-    learn = runtime.learner.score.call_one(sequences).get(timeout=120)
+    gen = runtime.meshes["generator"].slice(procs=0).score.call_one(sequences).get(timeout=120)
+    learn = runtime.meshes["learner"].score.call_one(sequences).get(timeout=120)
     assert [len(s) for s in gen] == [len(s) - 1 for s in sequences]
     return gen, learn
 
@@ -65,7 +65,7 @@ def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
         # every sample of a step was drawn by the weights of the previous version
         assert {t.version for t in trajectories} == {metrics["version"] - 1}
     assert versions == [1, 2, 3]
-    infos = runtime.generators.info.call().get(timeout=60)
+    infos = runtime.meshes["generator"].info.call().get(timeout=60)
     assert [i["version"] for i in infos.values()] == [3]
 
     sequences = [t.prompt_tokens + t.tokens for t in trajectories[:6]]
@@ -74,10 +74,10 @@ def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
     assert mean < TOLERANCE_MEAN and worst < TOLERANCE_MAX, (worst, mean)
 
     # one more learner update without a sync: the generator still has the old weights
-    fb = runtime.learner.forward_backward.call_one(
+    fb = runtime.meshes["learner"].forward_backward.call_one(
         _datums(loop, trajectories), "ppo", {"eps_low": 0.2, "eps_high": 0.2}).get(timeout=120)
     assert fb["tokens"] > 0
-    runtime.learner.optim_step.call_one(runtime.cfg.learner.adam_params()).get(timeout=120)
+    runtime.meshes["learner"].optim_step.call_one(runtime.cfg.learner.adam_params()).get(timeout=120)
     gen_old, learn_new = _score(runtime, sequences)
     worst_stale, mean_stale = _max_mean_diff(gen_old, learn_new)
     assert mean_stale > 3 * TOLERANCE_MEAN, (worst_stale, mean_stale)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import time
 
 from monarch.actor import Actor, endpoint
 
 
+class InjectedFault(RuntimeError):
+    """Raised by an endpoint armed with `inject_fault(..., "raise")`."""
+
+
 class MeshrlActor(Actor):
-    """A sync actor with an `info` endpoint; its reply also proves `__init__` has finished."""
+    """A sync actor with an `info` endpoint (its reply also proves `__init__` has finished) and
+    one-shot fault injection for the endpoints that call `fault_point`."""
+
 
     def describe(self) -> dict:
         """Extra fields for `info` (override)."""
@@ -17,3 +24,21 @@ class MeshrlActor(Actor):
     @endpoint
     def info(self) -> dict:
         return {"pid": os.getpid(), **self.describe()}
+
+    @endpoint
+    def inject_fault(self, endpoint_name: str, action: str, seconds: float = 0.0) -> None:
+        """Make the next call of ``endpoint_name`` sleep ``seconds`` (`delay`) or raise (`raise`)."""
+        if action not in ("delay", "raise"):
+            raise ValueError(f"unknown fault action {action!r}")
+        self.__dict__.setdefault("_armed", {})[endpoint_name] = (action, seconds)
+
+    def fault_point(self, endpoint_name: str) -> None:
+        """Apply an armed fault for ``endpoint_name`` (once)."""
+        armed = self.__dict__.get("_armed", {})
+        if endpoint_name not in armed:
+            return
+        action, seconds = armed.pop(endpoint_name)
+        if action == "delay":
+            time.sleep(seconds)
+        else:
+            raise InjectedFault(f"injected fault in {endpoint_name}")

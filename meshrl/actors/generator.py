@@ -60,6 +60,7 @@ class Generator(MeshrlActor):
 
     @endpoint
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> GenerationBatch:
+        self.fault_point("generate")
         started = time.perf_counter()
         completions = self.engine.generate(prompts, request)
         tokens = 0

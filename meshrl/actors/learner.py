@@ -37,6 +37,7 @@ class Learner(MeshrlActor):
 
     @endpoint
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_config: dict | None = None) -> dict:
+        self.fault_point("forward_backward")
         return self.trainer.forward_backward(datums, loss_fn, loss_config)
 
     @endpoint

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from meshrl.channels.config import WeightSyncConfig
 from meshrl.config.base import Section
+from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.meshes import MeshesConfig
@@ -67,6 +68,9 @@ class RunConfig(Section):
 
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """Learner -> generator weight transfer."""
+
+    faults: FaultsConfig = FaultsConfig()
+    """Failure handling and fault injection."""
 
     output: OutputConfig = OutputConfig()
     """Results."""

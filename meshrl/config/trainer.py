@@ -58,6 +58,19 @@ class EvalConfig(Section):
     """Evaluate before the first step."""
 
 
+class CheckpointConfig(Section):
+    """Atomic run checkpoints (learner state + controller state + channel state)."""
+
+    every: int = Field(10, ge=0)
+    """Write a checkpoint every N steps (0 = only at the end)."""
+
+    keep: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+
+    export_final: bool = True
+    """At the end, also export the policy as a standard HF model directory (LoRA merged)."""
+
+
 class TrainerConfig(Section):
     """The synchronous GRPO loop run by the controller."""
 
@@ -81,6 +94,9 @@ class TrainerConfig(Section):
 
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing and resume."""
 
     progress: bool = True
     """Show a progress bar on the terminal."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrl.config.run import RunConfig
+from meshrl.controller.supervisor import CallTimeout, Supervisor
 from meshrl.controller.rollouts import Trajectory, build_datums, group_advantages, uniform_groups
 from meshrl.engines import SampleRequest
 
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
-    """A remote call failed or timed out; the message names the mesh and the call."""
+    """A step cannot proceed; the message names the mesh and the call."""
 
 
 def wait_all(futures: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -32,7 +33,7 @@ def wait_all(futures: list[Any], timeout_s: float, what: str) -> list[Any]:
         try:
             out.append(fut.get(timeout=remaining))
         except TimeoutError:
-            raise StepError(f"{what} timed out after {timeout_s:g}s") from None
+            raise CallTimeout(f"{what} timed out after {timeout_s:g}s") from None
     return out
 
 
@@ -62,38 +63,75 @@ class Counters:
 class GRPOLoop:
     """Drives generator, rewarder and learner meshes through synchronous GRPO steps."""
 
-    def __init__(self, cfg: RunConfig, task, renderer, generators, rewarders, learner, n_generators: int,
-                 n_rewarders: int):
+    def __init__(self, cfg: RunConfig, task, renderer, meshes, supervisor: Supervisor, faults=None):
         self.cfg = cfg
         self.task = task
         self.renderer = renderer
-        self.generators = generators
-        self.rewarders = rewarders
-        self.learner = learner
-        self.n_generators = n_generators
-        self.n_rewarders = n_rewarders
+        self.meshes = meshes
+        self.sup = supervisor
+        self.faults = faults
         self.counters = Counters()
         self.version = 0
         self.cursor = 0
+        self.step_index = 0  # the step being run (1-based once running)
         self.stop_tokens = tuple(renderer.get_stop_sequences())
+        supervisor.on_respawn("generator", self._resync_generators)
+
+    def _resync_generators(self) -> None:
+        """A fresh generator mesh starts from the base weights: bring it to the current version."""
+        self.pull_weights(self.version)
+
+    def _remote(self, mesh: str, phase: str, issue, timeout_s: float, what: str):
+        """Issue a call on mesh ``mesh`` (``issue(actor_mesh)`` returns futures), wait for all of
+        them with one deadline, and recover/retry through the supervisor on failure."""
+
+        def attempt():
+            if self.faults is not None:
+                self.faults.before_call(self.step_index, mesh, phase)
+            futures = issue(self.meshes[mesh])
+            return wait_all(futures, timeout_s, what)
+
+        return self.sup.run(mesh, attempt, what)
 
     # ---- remote helpers --------------------------------------------------------------------
     def _generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list]:
         """Spread prompts over the generator replicas; returns completions per prompt, in order."""
-        parts = split_evenly(list(range(len(prompts))), self.n_generators)
-        futures = []
-        for r, idx in enumerate(parts):
-            # prompt i of the whole batch is sampled with seed + i, whichever replica serves it
-            part_request = request if request.seed is None else dataclasses.replace(request, seed=request.seed + idx[0])
-            futures.append(self.generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], part_request))
-        batches = wait_all(futures, self.cfg.generator.generate_timeout_s, "generator.generate")
+        parts = split_evenly(list(range(len(prompts))), self.meshes.procs_of("generator"))
+
+        def issue(generators):
+            futures = []
+            for r, idx in enumerate(parts):
+                # prompt i of the batch is sampled with seed + i, whichever replica serves it
+                part = request if request.seed is None else dataclasses.replace(request, seed=request.seed + idx[0])
+                futures.append(generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], part))
+            return futures
+
+        batches = self._remote("generator", "generate", issue, self.cfg.generator.generate_timeout_s,
+                               "generator.generate")
         return [group for batch in batches for group in batch.completions]
 
     def _score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
-        parts = split_evenly(items, self.n_rewarders)
-        futures = [self.rewarders.slice(procs=r).score.call_one(part) for r, part in enumerate(parts)]
-        scored = wait_all(futures, self.cfg.rewarder.timeout_s, "rewarder.score")
+        parts = split_evenly(items, self.meshes.procs_of("rewarder"))
+
+        def issue(rewarders):
+            return [rewarders.slice(procs=r).score.call_one(part) for r, part in enumerate(parts)]
+
+        scored = self._remote("rewarder", "score", issue, self.cfg.rewarder.timeout_s, "rewarder.score")
         return [s for part in scored for s in part]
+
+    def _learner(self, what: str, call):
+        """One learner call (``call(learner_mesh)`` -> future) with the learner deadline."""
+        return self._remote("learner", "train", lambda m: [call(m)], self.cfg.learner.call_timeout_s,
+                            f"learner.{what}")[0]
+
+    def pull_weights(self, version: int) -> list[dict]:
+        pulls = self._remote("generator", "sync", lambda g: [g.update_weights.call(version)],
+                             self.cfg.learner.call_timeout_s, "generator.update_weights")[0]
+        pulls = list(pulls.values())
+        stale = [p["version"] for p in pulls if p["version"] != version]
+        if stale:
+            raise StepError(f"generator.update_weights returned versions {stale}, expected {version}")
+        return pulls
 
     def _prompt_tokens(self, problems: list) -> tuple[list, list[list[int]]]:
         """Rendered prompts; problems whose prompt cannot fit with a full response are skipped."""
@@ -164,12 +202,13 @@ class GRPOLoop:
         advantages = group_advantages(trajectories, tc.advantage.std_normalize)
         datums, stats = build_datums(trajectories, advantages, tc.loss.normalize)
         metrics: dict[str, Any] = {f"batch/{k}": v for k, v in stats.items()}
-        timeout = self.cfg.learner.call_timeout_s
         if datums:
-            fb = wait_all([self.learner.forward_backward.call_one(datums, tc.loss.name, self._loss_config())],
-                          timeout, "learner.forward_backward")[0]
+            loss_config = self._loss_config()
+            fb = self._learner("forward_backward",
+                               lambda m: m.forward_backward.call_one(datums, tc.loss.name, loss_config))
             metrics.update({f"train/{k}": v for k, v in fb.items()})
-        opt = wait_all([self.learner.optim_step.call_one(self.cfg.learner.adam_params())], timeout, "learner.optim_step")[0]
+        adam = self.cfg.learner.adam_params()
+        opt = self._learner("optim_step", lambda m: m.optim_step.call_one(adam))
         metrics.update({f"train/{k}": v for k, v in opt.items()})
         metrics["timing/train_s"] = time.perf_counter() - t0
         return metrics
@@ -177,16 +216,11 @@ class GRPOLoop:
     def sync_weights(self) -> dict:
         """Publish the learner's weights as the next version and have every generator pull them."""
         t0 = time.perf_counter()
-        self.version += 1
-        timeout = self.cfg.learner.call_timeout_s
-        pub = wait_all([self.learner.publish.call_one(self.version)], timeout, "learner.publish")[0]
+        version = self.version + 1
+        pub = self._learner("publish", lambda m: m.publish.call_one(version))
+        self.version = version
         t1 = time.perf_counter()
-        pulls = wait_all([self.generators.update_weights.call(self.version)], timeout,
-                         "generator.update_weights")[0]
-        pulls = list(pulls.values())
-        stale = [p["version"] for p in pulls if p["version"] != self.version]
-        if stale:
-            raise StepError(f"generator.update_weights returned versions {stale}, expected {self.version}")
+        pulls = self.pull_weights(version)
         t2 = time.perf_counter()
         pull_s = max(p["pull_s"] for p in pulls)
         nbytes = pub["bytes"]
@@ -220,6 +254,9 @@ class GRPOLoop:
     def step(self) -> tuple[dict, list[Trajectory]]:
         """One full synchronous GRPO step; returns its metrics and trajectories."""
         t0 = time.perf_counter()
+        self.step_index += 1
+        if self.faults is not None:
+            self.faults.before_call(self.step_index, "*", "step_start")
         trajectories, metrics = self.rollout()
         rewards = [t.reward for t in trajectories]
         n = max(len(rewards), 1)
@@ -230,12 +267,25 @@ class GRPOLoop:
             "accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
             "batch/uniform_groups": len(uniform_groups(trajectories)),
             "batch/trajectories": len(trajectories),
+            "batch/groups": len({t.group for t in trajectories}),
         })
         metrics.update(self.train(trajectories))
         metrics.update(self.sync_weights())
         metrics.update(self.counters.as_metrics())
+        metrics.update(self.sup.metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics, trajectories
+
+    def state_dict(self) -> dict:
+        """Controller-side training state for checkpoints (JSON-able)."""
+        return {"cursor": self.cursor, "version": self.version, "step_index": self.step_index,
+                "counters": dataclasses.asdict(self.counters)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+        self.version = int(state["version"])
+        self.step_index = int(state["step_index"])
+        self.counters = Counters(**state["counters"])
 
     def _loss_config(self) -> dict:
         loss = self.cfg.trainer.loss

@@ -40,6 +40,15 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop train/eval records past ``step`` (they are about to be redone after a resume);
+        fault events stay."""
+        self._file.close()
+        records = read_metrics(self.path)
+        kept = [r for r in records if r.get("kind") == "fault" or int(r.get("step", 0)) <= step]
+        self.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        self._file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -1,6 +1,6 @@
 """Runtime: everything a training run needs alive at once — the environment, the model on disk,
-the renderer, the task, the actor meshes and the GRPO loop over them. Used by `meshrl train` and
-by tests and scripts that compose the pieces themselves."""
+the renderer, the task, the actor meshes, their supervisor and the GRPO loop over them. Used by
+`meshrl train` and by tests and scripts that compose the pieces themselves."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ class Runtime:
         from meshrl.actors.learner import Learner
         from meshrl.actors.rewarder import Rewarder, load_reward_fn, make_task
         from meshrl.channels.weight_store import silence_tcp_fallback_warning
+        from meshrl.controller.faults import FaultInjector
         from meshrl.controller.grpo import GRPOLoop
+        from meshrl.controller.supervisor import Supervisor
         from meshrl.launch.local import local_host
         from meshrl.meshes.group import MeshGroup
         from meshrl.meshes.supervision import install_fault_hook
@@ -45,18 +47,39 @@ class Runtime:
         self.meshes = MeshGroup(cfg.meshes, local_host())
         try:
             path = str(self.model_path)
-            self.learner = self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
-            self.generators = self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator,
-                                                cfg.weight_sync)
-            self.rewarders = self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
+            self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
+            self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
+            self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
             self.infos = self.meshes.wait_ready()
         except BaseException:
             self.meshes.stop()
             raise
-        log.info("meshes ready in %.1fs: %s", time.perf_counter() - started,
-                 {k: [i.get("pid") for i in v] for k, v in self.infos.items()})
-        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.generators, self.rewarders, self.learner,
-                             cfg.meshes.generator.procs, cfg.meshes.rewarder.procs)
+        log.info("meshes ready in %.1fs: %s", time.perf_counter() - started, self.meshes.pids)
+        self.supervisor = Supervisor(self.meshes, cfg.faults)
+        self.faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
+        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.meshes, self.supervisor, self.faults)
+
+    def learner_call(self, what: str, call, timeout_s: float | None = None):
+        """A direct learner call outside the loop's recovery (checkpoint save/load, export)."""
+        return call(self.meshes["learner"]).get(timeout=timeout_s or self.cfg.learner.call_timeout_s)
+
+    def restore_learner(self, checkpoint, respawn: bool = True) -> None:
+        """Load ``checkpoint`` into the learner (None = start over from the initial weights),
+        republish those weights and bring every generator to them. After a learner failure
+        (``respawn``) its processes, and any mesh sharing them, are replaced first."""
+        if respawn:
+            for name in self.meshes.respawn("learner"):
+                if name != "learner" and name in self.supervisor.resync:
+                    self.supervisor.resync[name]()
+        if checkpoint is not None:
+            self.learner_call("load_checkpoint", lambda m: m.load_checkpoint.call_one(str(checkpoint.learner_dir)))
+            self.loop.load_state_dict(checkpoint.state["loop"])
+        else:
+            self.loop.load_state_dict({"cursor": 0, "version": 0, "step_index": 0,
+                                       "counters": self.loop.state_dict()["counters"]})
+        version = self.loop.version
+        self.learner_call("publish", lambda m: m.publish.call_one(version))
+        self.loop.pull_weights(version)
 
     def close(self) -> None:
         self.meshes.stop()

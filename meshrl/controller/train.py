@@ -1,4 +1,5 @@
-"""`meshrl train`: set up the run directory, spawn the meshes, run the GRPO loop, write results."""
+"""`meshrl train`: set up (or reopen) the run directory, spawn the meshes, run the GRPO loop with
+checkpoints and recovery, and write metrics, curves and the final policy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshrl.config.base import to_yaml
+from meshrl.config.base import ConfigError, load_config, to_yaml
 from meshrl.config.run import RunConfig
 
 log = logging.getLogger("meshrl")
@@ -19,12 +20,14 @@ class RunDirError(RuntimeError):
 
 
 def make_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
-    """Create `output.dir/output.name`; an existing non-empty directory needs `--overwrite`."""
+    """Create `output.dir/output.name`; a directory that already holds a run needs `--resume`
+    (to continue it) or `--overwrite` (to replace it)."""
     name = cfg.output.name or f"{cfg.task.kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.output.dir) / name
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
-            raise RunDirError(f"run directory {run_dir} already holds a run: pass --overwrite to replace it")
+            raise RunDirError(f"run directory {run_dir} already holds a run: pass --resume {run_dir} to continue "
+                              "it or --overwrite to replace it")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -38,35 +41,53 @@ def _setup_logging() -> None:
 
 def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
     """Entry point of `meshrl train`; returns the process exit code."""
-    if resume is not None:
-        print("meshrl: --resume is not available yet (checkpointing arrives with fault tolerance)", file=sys.stderr)
-        return 2
     _setup_logging()
     try:
-        run_dir = make_run_dir(cfg, overwrite)
-    except RunDirError as e:
+        if resume is not None:
+            run_dir = Path(resume)
+            cfg = load_config(RunConfig, run_dir / "config.yaml")
+        else:
+            run_dir = make_run_dir(cfg, overwrite)
+    except (RunDirError, ConfigError) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 2
-    result = run_training(cfg, run_dir)
+    from meshrl.controller.supervisor import RestartBudgetExceeded
+
+    try:
+        result = run_training(cfg, run_dir, resume=resume is not None)
+    except RestartBudgetExceeded as e:
+        print(f"meshrl: {e}", file=sys.stderr)
+        return 1
     print(summary_text(result, run_dir))
     return 0
 
 
-def run_training(cfg: RunConfig, run_dir: Path) -> dict:
-    """Spawn the meshes, train for `trainer.steps`, evaluate, and write metrics and curves."""
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Spawn the meshes, train for `trainer.steps` (continuing from the last checkpoint when
+    ``resume``), evaluate, checkpoint, and write metrics and curves."""
     from tqdm import tqdm
 
+    from meshrl.controller.checkpoints import CheckpointManager
     from meshrl.controller.metrics import MetricsLogger, plot_curves, read_metrics
     from meshrl.controller.runtime import Runtime
+    from meshrl.controller.supervisor import LearnerLost
 
     t_start = time.perf_counter()
-    result: dict = {"steps": 0, "evals": []}
+    tc = cfg.trainer
+    checkpoints = CheckpointManager(run_dir / "checkpoints", tc.checkpoint.keep)
+    start = checkpoints.latest() if resume else None
+    if resume and start is None and (run_dir / "metrics.jsonl").exists():
+        log.warning("no complete checkpoint in %s: starting the run over", run_dir)
     metrics = MetricsLogger(run_dir, cfg.output.tensorboard, cfg.output.wandb_project, run_dir.name,
                             cfg.model_dump(mode="json"))
+    metrics.truncate_after(start.step if start else 0)
+    result: dict = {"steps": 0, "evals": [], "faults": 0}
     try:
-        with Runtime(cfg) as runtime:
-            loop = runtime.loop
-            tc = cfg.trainer
+        with Runtime(cfg) as rt:
+            loop = rt.loop
+            if start is not None:
+                rt.restore_learner(start, respawn=False)  # fresh meshes: load, republish, resync
+                log.info("resumed %s from step %d", run_dir, start.step)
 
             def run_eval(step: int) -> None:
                 record = {"kind": "eval", "step": step, "version": loop.version, **loop.evaluate()}
@@ -74,19 +95,48 @@ def run_training(cfg: RunConfig, run_dir: Path) -> dict:
                 result["evals"].append(record)
                 log.info("eval at step %d: accuracy %.3f", step, record["eval/accuracy"])
 
-            if tc.eval.at_start:
+            def save(step: int) -> None:
+                tmp = checkpoints.begin(step)
+                rt.learner_call("save_checkpoint",
+                                lambda m: m.save_checkpoint.call_one(str(tmp / "learner")))
+                checkpoints.commit(tmp, step, {"loop": loop.state_dict()})
+
+            step = start.step if start else 0
+            if step == 0 and tc.eval.at_start:
                 run_eval(0)
-            bar = tqdm(range(1, tc.steps + 1), desc="train", disable=not tc.progress, dynamic_ncols=True)
-            for step in bar:
-                record, _ = loop.step()
+            bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not tc.progress, dynamic_ncols=True)
+            while step < tc.steps:
+                try:
+                    record, _ = loop.step()
+                except LearnerLost as e:
+                    recovered_at = time.perf_counter()
+                    rt.supervisor.charge("learner", e.cause)
+                    back_to = checkpoints.latest()
+                    rt.restore_learner(back_to)
+                    step = back_to.step if back_to else 0
+                    metrics.truncate_after(step)
+                    metrics.log({"kind": "fault", "step": step, "mesh": e.mesh, "cause": e.cause,
+                                 "action": "learner resumed from checkpoint",
+                                 "recovery_s": time.perf_counter() - recovered_at})
+                    result["faults"] += 1
+                    bar.n = step
+                    continue
+                step += 1
+                _log_recoveries(metrics, rt.supervisor, step, result)
                 record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
                 metrics.log(record)
                 result["steps"] = step
+                bar.update(1)
                 bar.set_postfix(reward=f"{record['reward/mean']:.2f}", step_s=f"{record['timing/step_s']:.1f}")
                 if tc.eval.every and step % tc.eval.every == 0 and step != tc.steps:
                     run_eval(step)
+                if (tc.checkpoint.every and step % tc.checkpoint.every == 0) or step == tc.steps:
+                    save(step)
+            bar.close()
             if tc.eval.every or tc.eval.at_start:
                 run_eval(tc.steps)
+            if tc.checkpoint.export_final:
+                result["export"] = rt.learner_call("export", lambda m: m.export.call_one(str(run_dir / "final_model")))
     finally:
         metrics.close()
     records = read_metrics(metrics.path)
@@ -97,11 +147,23 @@ def run_training(cfg: RunConfig, run_dir: Path) -> dict:
     return result
 
 
+def _log_recoveries(metrics, supervisor, step: int, result: dict) -> None:
+    """One `fault` record per mesh replacement the supervisor made during the step."""
+    seen = result.setdefault("_recoveries_logged", 0)
+    for event in supervisor.events[seen:]:
+        metrics.log({"kind": "fault", "step": step, **event})
+        result["faults"] += 1
+    result["_recoveries_logged"] = len(supervisor.events)
+
+
 def summary_text(result: dict, run_dir: Path) -> str:
     evals = result.get("evals", [])
-    lines = [f"run directory: {run_dir}", f"steps: {result['steps']}, mean step {result.get('mean_step_s', 0):.1f}s, "
-             f"wall {result.get('wall_s', 0):.0f}s"]
+    lines = [f"run directory: {run_dir}",
+             f"steps: {result['steps']}, mean step {result.get('mean_step_s', 0):.1f}s, wall {result.get('wall_s', 0):.0f}s"
+             + (f", recovered from {result['faults']} failure(s)" if result.get("faults") else "")]
     if evals:
         lines.append("held-out accuracy: " + " -> ".join(f"{e['eval/accuracy']:.1%} (step {e['step']})" for e in evals))
     lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}")
+    if result.get("export"):
+        lines.append(f"final policy (HF format): {result['export']}")
     return "\n".join(lines)

@@ -1,12 +1,16 @@
 """MeshGroup: spawns one proc mesh per mesh name (or shares one when co-located) and the actor
-meshes on them, waits for their setup with a deadline, and stops everything on exit."""
+meshes on them, waits for their setup with a deadline, replaces a damaged proc mesh together with
+every actor mesh on it, and stops everything on exit."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.config.meshes import MeshesConfig
+from meshrl.config.meshes import MeshesConfig, MeshSpec
 
 log = logging.getLogger(__name__)
 
@@ -15,31 +19,62 @@ class MeshSpawnError(RuntimeError):
     """A mesh did not come up: the message names the mesh and the cause."""
 
 
+@dataclass
+class _ActorSpec:
+    owner: str
+    actor_cls: type
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
 class MeshGroup:
-    """The run's proc meshes and actor meshes."""
+    """The run's proc meshes and actor meshes, by name."""
 
     def __init__(self, cfg: MeshesConfig, host: Any):
         self.cfg = cfg
         self.host = host
         self.proc_meshes: dict[str, Any] = {}
         self.actor_meshes: dict[str, Any] = {}
+        self.pids: dict[str, list[int]] = {}
+        self._specs: dict[str, _ActorSpec] = {}
+        self._extra_meshes: dict[str, MeshSpec] = {}
+        self.generation: dict[str, int] = {}
+
+    def procs_of(self, name: str) -> int:
+        """Number of processes (= actors) of mesh ``name``."""
+        return self._mesh_spec(self._owner(name)).procs
+
+    def _mesh_spec(self, name: str) -> MeshSpec:
+        if name in self._extra_meshes:
+            return self._extra_meshes[name]
+        return getattr(self.cfg, name)
+
+    def add_mesh(self, name: str, procs: int, colocate_with: str | None = None) -> None:
+        """Declare a mesh that is not part of MeshesConfig (e.g. an optional channel's actors)."""
+        self._extra_meshes[name] = MeshSpec(procs=procs, colocate_with=colocate_with)
 
     def _owner(self, name: str) -> str:
-        return getattr(self.cfg, name).colocate_with or name
+        return self._mesh_spec(name).colocate_with or name
 
-    def procs(self, name: str):
-        """The proc mesh that actors of mesh ``name`` run on (spawned on first use)."""
-        owner = self._owner(name)
+    def _procs(self, owner: str):
         if owner not in self.proc_meshes:
-            count = getattr(self.cfg, owner).procs
-            self.proc_meshes[owner] = self.host.spawn_procs(per_host={"procs": count}, name=owner)
+            count = self._mesh_spec(owner).procs
+            self.generation[owner] = self.generation.get(owner, -1) + 1
+            self.proc_meshes[owner] = self.host.spawn_procs(
+                per_host={"procs": count}, name=f"{owner}-g{self.generation[owner]}"
+            )
         return self.proc_meshes[owner]
 
     def spawn(self, name: str, actor_cls: type, *args, **kwargs):
         """Spawn actor mesh ``name`` (non-blocking; call `wait_ready` before use)."""
-        mesh = self.procs(name).spawn(name, actor_cls, *args, **kwargs)
+        spec = _ActorSpec(self._owner(name), actor_cls, args, kwargs)
+        self._specs[name] = spec
+        mesh = self._procs(spec.owner).spawn(name, actor_cls, *args, **kwargs)
         self.actor_meshes[name] = mesh
         return mesh
+
+    def __getitem__(self, name: str):
+        return self.actor_meshes[name]
 
     def wait_ready(self, names: list[str] | None = None, timeout_s: float | None = None) -> dict[str, list]:
         """Call every actor's `info` endpoint (which runs after its setup) and wait with a deadline."""
@@ -52,8 +87,37 @@ class MeshGroup:
             except TimeoutError:
                 raise MeshSpawnError(f"mesh '{name}' was not ready after {timeout_s:g}s (meshes.spawn_timeout_s)") from None
             except Exception as e:  # ActorError / SupervisionError from a failed setup
-                raise MeshSpawnError(f"mesh '{name}' failed during setup: {_first_line(e)}") from None
+                raise MeshSpawnError(f"mesh '{name}' failed during setup: {first_line(e)}") from None
+            self.pids[name] = [int(i["pid"]) for i in infos[name]]
         return infos
+
+    def cohabitants(self, name: str) -> list[str]:
+        """Every actor mesh sharing ``name``'s processes (including itself)."""
+        owner = self._owner(name)
+        return [n for n, spec in self._specs.items() if spec.owner == owner]
+
+    def respawn(self, name: str, stop_timeout_s: float = 10.0) -> list[str]:
+        """Replace the proc mesh under ``name`` and re-create every actor mesh that lived on it.
+        Returns the names of the re-created actor meshes (already ready)."""
+        owner = self._owner(name)
+        names = self.cohabitants(name)
+        old = self.proc_meshes.pop(owner, None)
+        if old is not None:
+            try:
+                old.stop().get(timeout=stop_timeout_s)
+            except Exception as e:  # noqa: BLE001 - a lost host cannot be stopped; abandon it
+                log.warning("stopping damaged mesh '%s' failed (%s); abandoning it", owner, first_line(e))
+        for n in names:
+            spec = self._specs[n]
+            self.actor_meshes[n] = self._procs(owner).spawn(n, spec.actor_cls, *spec.args, **spec.kwargs)
+        self.wait_ready(names)
+        return names
+
+    def kill(self, name: str, rank: int = 0, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to the process of actor ``rank`` of mesh ``name`` (fault injection)."""
+        pid = self.pids[name][rank]
+        os.kill(pid, sig)
+        return pid
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every proc mesh; a mesh that will not stop is logged and abandoned."""
@@ -61,11 +125,14 @@ class MeshGroup:
             try:
                 pm.stop().get(timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - shutdown is best effort
-                log.warning("stopping mesh '%s' failed: %s", name, _first_line(e))
+                log.warning("stopping mesh '%s' failed: %s", name, first_line(e))
         self.proc_meshes.clear()
         self.actor_meshes.clear()
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's text (Monarch errors carry long reports)."""
+    for line in str(error).strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return type(error).__name__

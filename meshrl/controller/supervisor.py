@@ -1,0 +1,116 @@
+"""Recovery of failed meshes: detect, replace, re-sync, re-issue — within a restart budget.
+
+Every remote call of the loop runs through `Supervisor.run(mesh, fn, what)`. `fn` issues the call
+on the *current* actor mesh and waits with a deadline. If the process died (SupervisionError), the
+endpoint raised (ActorError) or the deadline passed (a hung actor), the damaged proc mesh is
+stopped and replaced, the new actors are brought back to the run's state by the mesh's re-sync
+hook (e.g. generators pull the current weight version), and `fn` runs again. Calls are
+idempotent — generation is seeded per batch and nothing is trained until a call has returned —
+so no group is lost and none is trained twice. A learner failure is not retried here: it raises
+`LearnerLost` and the training loop resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, TypeVar
+
+from meshrl.config.faults import FaultsConfig
+from meshrl.meshes.group import first_line
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+LEARNER = "learner"
+
+
+class CallTimeout(RuntimeError):
+    """A remote call did not answer within its deadline (treated as a hung actor)."""
+
+
+class MeshLost(RuntimeError):
+    """A mesh failed; carries the mesh name and a one-line cause."""
+
+    def __init__(self, mesh: str, cause: str):
+        super().__init__(f"mesh '{mesh}' failed: {cause}")
+        self.mesh, self.cause = mesh, cause
+
+
+class LearnerLost(MeshLost):
+    """The learner (or a mesh sharing its processes) failed: resume from the last checkpoint."""
+
+
+class RestartBudgetExceeded(RuntimeError):
+    """A mesh failed more often than `faults.max_restarts` within `faults.restart_window_s`."""
+
+
+def recoverable_errors() -> tuple[type[BaseException], ...]:
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+    from monarch.actor import ActorError
+
+    return (SupervisionError, ActorError, CallTimeout)
+
+
+class Supervisor:
+    """Runs remote calls with replacement of failed meshes and a restart budget per mesh."""
+
+    def __init__(self, meshes, cfg: FaultsConfig):
+        self.meshes = meshes
+        self.cfg = cfg
+        self.resync: dict[str, Callable[[], None]] = {}
+        self._restarts: dict[str, deque[float]] = {}
+        self.restart_counts: dict[str, int] = {}
+        self.recovery_seconds: list[float] = []
+        self.events: list[dict] = []  # one per replacement: mesh, cause, recovery_s
+
+    def on_respawn(self, mesh: str, hook: Callable[[], None]) -> None:
+        """Register how to bring a fresh actor mesh back to the run's current state."""
+        self.resync[mesh] = hook
+
+    def run(self, mesh: str, fn: Callable[[], T], what: str) -> T:
+        """Call ``fn`` until it succeeds, replacing ``mesh`` after each failure (budgeted)."""
+        errors = recoverable_errors()
+        while True:
+            try:
+                return fn()
+            except errors as e:
+                cause = f"{what}: {first_line(e)}"
+                if LEARNER in self.meshes.cohabitants(mesh):
+                    raise LearnerLost(mesh, cause) from e
+                self.recover(mesh, cause)
+
+    def charge(self, mesh: str, cause: str) -> None:
+        """Count a restart of ``mesh``; raise if its budget for the window is spent."""
+        now = time.monotonic()
+        window = self._restarts.setdefault(mesh, deque())
+        while window and now - window[0] > self.cfg.restart_window_s:
+            window.popleft()
+        if len(window) >= self.cfg.max_restarts:
+            raise RestartBudgetExceeded(
+                f"mesh '{mesh}' failed {len(window) + 1} times within {self.cfg.restart_window_s:g}s "
+                f"(faults.max_restarts = {self.cfg.max_restarts}); last cause: {cause}"
+            )
+        window.append(now)
+        self.restart_counts[mesh] = self.restart_counts.get(mesh, 0) + 1
+
+    def recover(self, mesh: str, cause: str) -> float:
+        """Replace ``mesh`` (and meshes sharing its processes), then re-sync them. Returns seconds."""
+        self.charge(mesh, cause)
+        log.warning("recovering mesh '%s' after failure: %s", mesh, cause)
+        started = time.perf_counter()
+        for name in self.meshes.respawn(mesh):
+            if name in self.resync:
+                self.resync[name]()
+        seconds = time.perf_counter() - started
+        self.recovery_seconds.append(seconds)
+        self.events.append({"mesh": mesh, "cause": cause, "action": "replaced and re-synced", "recovery_s": seconds})
+        log.warning("mesh '%s' replaced and re-synced in %.2fs", mesh, seconds)
+        return seconds
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {f"faults/restarts/{m}": float(n) for m, n in self.restart_counts.items()}
+        out["faults/restarts_total"] = float(sum(self.restart_counts.values()))
+        if self.recovery_seconds:
+            out["faults/last_recovery_s"] = self.recovery_seconds[-1]
+        return out

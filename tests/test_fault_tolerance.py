@@ -1,0 +1,104 @@
+"""Fault tolerance with real processes: SIGKILLed and hung actors are replaced and the run
+finishes every step; a killed learner resumes from its checkpoint and reproduces an
+uninterrupted run; Ctrl-C leaves no orphan processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from meshrl.controller.metrics import read_metrics
+from meshrl.controller.train import make_run_dir, run_training
+
+pytestmark = pytest.mark.monarch
+
+
+def _run(cfg):
+    run_dir = make_run_dir(cfg, overwrite=True)
+    result = run_training(cfg, run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return result, records
+
+
+def _train(records):
+    return [r for r in records if r["kind"] == "train"]
+
+
+def _faults(records):
+    return [r for r in records if r["kind"] == "fault"]
+
+
+def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config):
+    cfg = tiny_run_config(
+        "output.name=gen-kill", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
+        "trainer.checkpoint.export_final=false",
+        'faults.inject=[{mesh: generator, at_step: 2, action: kill, during: generate, seconds: 0.3}]',
+    )
+    result, records = _run(cfg)
+    train = _train(records)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert sum(r["batch/groups"] for r in train) == 4 * cfg.trainer.prompts_per_step
+    assert [r["version"] for r in train] == [1, 2, 3, 4]
+    faults = _faults(records)
+    assert len(faults) == 1 and faults[0]["mesh"] == "generator" and faults[0]["step"] == 2
+    assert train[-1]["faults/restarts/generator"] == 1
+    assert result["steps"] == 4
+
+
+def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config):
+    cfg = tiny_run_config(
+        "output.name=multi-fault", "trainer.steps=3", "trainer.eval.every=0", "trainer.eval.at_start=false",
+        "trainer.checkpoint.export_final=false", "generator.generate_timeout_s=8",
+        "faults.inject=[{mesh: rewarder, at_step: 1, action: kill, during: score},"
+        " {mesh: generator, at_step: 3, action: delay, endpoint: generate, seconds: 60}]",
+    )
+    _, records = _run(cfg)
+    train = _train(records)
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert sum(r["batch/groups"] for r in train) == 3 * cfg.trainer.prompts_per_step
+    by_mesh = {f["mesh"]: f for f in _faults(records)}
+    assert set(by_mesh) == {"rewarder", "generator"}
+    assert "timed out" in by_mesh["generator"]["cause"]
+    assert train[-1]["faults/restarts/rewarder"] == 1 and train[-1]["faults/restarts/generator"] == 1
+
+
+def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config):
+    common = ["trainer.steps=5", "trainer.eval.every=0", "trainer.eval.at_start=false",
+              "trainer.checkpoint.every=2", "trainer.checkpoint.export_final=false"]
+    _, clean = _run(tiny_run_config("output.name=clean", *common))
+    _, faulty = _run(tiny_run_config(
+        "output.name=learner-kill", *common,
+        "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]"))
+    faults = _faults(faulty)
+    assert len(faults) == 1 and faults[0]["mesh"] == "learner"
+    assert faults[0]["step"] == 2  # back to the checkpoint written after step 2
+    a, b = _train(clean), _train(faulty)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6), x["step"]
+        assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
+
+
+def test_ctrl_c_stops_every_mesh_and_leaves_no_orphans(tmp_path):
+    from tests.conftest import TINY_RUN
+
+    cmd = [sys.executable, "-m", "meshrl.cli", "train", *TINY_RUN, f"output.dir={tmp_path}", "trainer.steps=200"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    descendants = []
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if "meshes ready" in line:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+            break
+        assert time.monotonic() < deadline, "meshes never came up"
+    assert len(descendants) >= 3, descendants
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    gone, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, [p.pid for p in alive]
