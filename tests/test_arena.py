@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
+from meshrl.channels.arena import (
+    ArenaLayout,
+    allocate_arena,
+    chunk_ranges,
+    copy_tensor,
+    copy_tensors,
+    pack_into,
+    views,
+)
 
 
 def _state_dict():
@@ -88,3 +96,19 @@ def test_chunk_ranges_edge_cases():
     assert chunk_ranges(0, 4) == []
     with pytest.raises(ValueError):
         chunk_ranges(100, 0)
+
+
+def test_copy_tensors_loads_views_in_place_and_rejects_mismatches():
+    sd = _state_dict()
+    layout = ArenaLayout.from_state_dict(sd)
+    arena = allocate_arena(layout.total_bytes)
+    pack_into(arena, sd, layout)
+    model_state = {name: torch.zeros_like(t) for name, t in sd.items()}
+    storages = {name: t.data_ptr() for name, t in model_state.items()}
+    copy_tensors(model_state, views(arena, layout))
+    for name, t in sd.items():
+        assert torch.equal(model_state[name], t) and model_state[name].data_ptr() == storages[name], name
+    with pytest.raises(ValueError, match="cannot copy float32\\[5\\] into float16\\[5\\]"):
+        copy_tensor(torch.zeros(5, dtype=torch.float16), torch.zeros(5))
+    with pytest.raises(KeyError, match="1 tensors have no destination"):
+        copy_tensors({}, {"x": torch.zeros(1)})

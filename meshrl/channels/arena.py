@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
 import torch
 
 
@@ -104,6 +105,34 @@ def _typed_view(arena: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return region.view(dtype_from_name(meta.dtype)).view(meta.shape)
 
 
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of equal dtype and shape, as one single-threaded memcpy when
+    both are contiguous on the CPU. torch's parallel copy pays an intra-op thread hand-off per call:
+    on a busy 2-core host that cost ~7 ms per tensor (packing SmolLM2-135M's 272 tensors took 1.5 s
+    with ``copy_``, 35 ms with memcpy)."""
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        raise ValueError(f"cannot copy {dtype_name(src.dtype)}{list(src.shape)} into {dtype_name(dst.dtype)}{list(dst.shape)}")
+    dst, src = dst.detach(), src.detach()
+    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and dst.numel() > 0:
+        np.copyto(_byte_array(dst), _byte_array(src.contiguous()))
+    else:
+        dst.copy_(src)
+
+
+def _byte_array(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def copy_tensors(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> None:
+    """Copy every tensor of ``src`` into the same-named tensor of ``dst`` (e.g. pulled views into a
+    model's ``state_dict()``, an in-place load that avoids ``load_state_dict``'s per-tensor cost)."""
+    missing = sorted(set(src) - set(dst))
+    if missing:
+        raise KeyError(f"{len(missing)} tensors have no destination, e.g. '{missing[0]}'")
+    for name, t in src.items():
+        copy_tensor(dst[name], t)
+
+
 def pack_into(arena: torch.Tensor, state_dict: Mapping[str, torch.Tensor], layout: ArenaLayout) -> None:
     """Copy every tensor of ``state_dict`` into its region of ``arena`` (1-D uint8, at least
     ``layout.total_bytes``). Shared regions are written once."""
@@ -118,7 +147,7 @@ def pack_into(arena: torch.Tensor, state_dict: Mapping[str, torch.Tensor], layou
                 f"tensor '{meta.name}' is {dtype_name(t.dtype)}{list(t.shape)}, "
                 f"layout expects {meta.dtype}{list(meta.shape)}"
             )
-        _typed_view(arena, meta).copy_(t)
+        copy_tensor(_typed_view(arena, meta), t)
         written.add(meta.offset)
 
 

@@ -13,10 +13,10 @@ class WeightSyncConfig(Section):
     """Learner -> generator weight transfer: a versioned arena per published state dict, read by
     every generator as concurrent chunked RDMA reads."""
 
-    num_chunks: int = Field(16, ge=1, le=1024)
+    num_chunks: int = Field(32, ge=1, le=1024)
     """RDMA buffers each published arena is split into; readers fetch them concurrently. On one
-    CPU host (TCP fallback) 16-32 chunks pull a 269 MB model at ~1-2 GB/s vs ~0.5 GB/s with 1-4
-    (benchmarks/weight_sync.py)."""
+    2-core CPU host (TCP fallback) the chunk count is what matters: a 269 MB pull ran at a median
+    0.6-0.8 GB/s with 4-8 chunks and 1.0-1.6 GB/s with 32-64 (benchmarks/weight_sync.py)."""
 
     transfer_timeout_s: float = Field(60.0, gt=0)
     """Deadline for one pull's chunk reads (rounded up to whole seconds for the RDMA layer) and for
