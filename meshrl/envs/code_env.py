@@ -527,7 +527,10 @@ def tasks_from_config(cfg: EnvConfig) -> list[CodeTask]:
 
 
 def env_from_config(cfg: EnvConfig, sandbox: Sandbox | None = None, task_ids: Sequence[str] | None = None) -> CodeEnv:
-    """The CodeEnv an ``EnvConfig`` describes (optionally only the tasks ``task_ids``)."""
+    """The CodeEnv an ``EnvConfig`` describes (optionally only the tasks ``task_ids``, looked up
+    in every split)."""
+    if task_ids:
+        cfg = cfg.model_copy(update={"split": "all", "difficulty": None, "task_limit": None})
     tasks = tasks_from_config(cfg)
     if task_ids:
         wanted = set(task_ids)

@@ -268,7 +268,8 @@ class RemoteEnv(Environment):
             from websockets.sync.client import connect
 
             ws_url = "ws" + self.url[len("http"):] if self.url.startswith("http") else self.url
-            self._ws = connect(ws_url + "/ws", open_timeout=timeout_s, max_size=64 << 20)
+            # entered like a context manager (closed in close()): the form every websockets version accepts
+            self._ws = connect(ws_url + "/ws", open_timeout=timeout_s, max_size=64 << 20).__enter__()
 
     # --- plumbing
     def _post(self, path: str, body: dict) -> dict:
