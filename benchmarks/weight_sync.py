@@ -172,6 +172,7 @@ def main() -> None:
                 "best_pull_gbps": max(nbytes / p["seconds"] / 1e9 for _, p in warm),
                 "transfer_s": statistics.median(p["transfer_s"] for _, p in warm),
                 "cold_pull_s": rounds[0][1]["seconds"],
+                "cold_transfer_s": rounds[0][1]["transfer_s"],
                 "load_state_dict_s": statistics.median(p["load_state_dict_s"] for _, p in warm),
                 "copy_load_s": statistics.median(p["copy_load_s"] for _, p in warm),
             })  # fmt: skip

@@ -28,9 +28,9 @@ pytestmark = pytest.mark.monarch
 CFG = WeightSyncConfig(num_chunks=4, transfer_timeout_s=3, rpc_timeout_s=10, max_arenas=2)
 
 
-def make_state_dict(version: int) -> dict[str, torch.Tensor]:
-    """~4.6 MB of random weights, different per version, with a tied pair and mixed dtypes."""
-    g = torch.Generator().manual_seed(version)
+def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    """~4.7 MB of random weights, different per seed, with a tied pair and mixed dtypes."""
+    g = torch.Generator().manual_seed(seed)
     emb = torch.randn(1000, 256, generator=g).to(torch.bfloat16)
     sd = {"embed.weight": emb, "head.weight": emb, "norm.weight": torch.randn(256, generator=g)}
     for i in range(4):
@@ -50,8 +50,8 @@ class Publisher(Actor):
         self.publisher = WeightPublisher(store, cfg)
 
     @endpoint
-    def publish(self, version: int):
-        sd = make_state_dict(version)
+    def publish(self, version: int, seed: int | None = None):
+        sd = make_state_dict(version if seed is None else seed)
         return self.publisher.publish(sd, version), checksums(sd)
 
     @endpoint
@@ -162,6 +162,8 @@ def test_readers_get_bitwise_copies_and_versions_advance(cluster):
             assert got["checksums"] == published
             assert got["nbytes"] == stats.nbytes
     assert describe(cluster)["latest"] == 2
+    assert cluster.index.latest.call_one("policy").get(timeout=10) == 2
+    assert cluster.index.latest.call_one("no-such-store").get(timeout=10) is None
 
 
 def test_reader_with_latest_version_gets_no_transfer(cluster):
@@ -257,6 +259,18 @@ def test_pull_from_a_dead_owner_raises_within_the_timeout(cluster):
         assert all(got["checksums"] == published for got in pull_all(cluster, "crashy"))
     finally:
         restart_pm.stop().get(timeout=30)
+
+
+def test_a_restarted_owner_may_reuse_version_numbers(cluster):
+    first = cluster.meshes["pub"].spawn("first_owner", Publisher, "reused", CFG)
+    _, published = first.publish.call_one(1).get(timeout=60)
+    assert all(got["checksums"] == published for got in pull_all(cluster, "reused"))
+    # same owner id (the store name) in a new publisher: the old versions are forgotten on first use
+    second = cluster.meshes["pub"].spawn("second_owner", Publisher, "reused", CFG)
+    _, republished = second.publish.call_one(1, 99).get(timeout=60)
+    assert republished != published
+    for got in pull_all(cluster, "reused"):
+        assert got["version"] == 1 and got["nbytes"] > 0 and got["checksums"] == republished
 
 
 def test_sync_api_refuses_to_block_an_event_loop():

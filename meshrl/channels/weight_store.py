@@ -20,6 +20,30 @@ step generator (``_publish_steps``, ``_pull_steps``): it yields what it waits fo
 
 Every remote call and transfer has a deadline; failures surface as a one-line ``WeightSyncError``
 naming the store, version and chunk. Objects are not thread-safe: use each from one actor.
+
+Usage (sync actors shown; async actors ``await`` ``apublish`` / ``apull`` instead)::
+
+    class Learner(Actor):
+        def __init__(self, cfg):
+            self.weights = WeightPublisher("policy", cfg.weight_sync)
+
+        @endpoint
+        def train_step(self, batch) -> int:
+            ...  # optimiser step
+            self.version += 1
+            self.weights.publish(self.model.state_dict(), self.version)  # copies: training may go on
+            return self.version
+
+    class Generator(Actor):
+        def __init__(self, cfg):
+            self.weights = WeightPuller("policy", cfg.weight_sync)
+
+        @endpoint
+        def sync_weights(self, min_version: int) -> int:
+            result = self.weights.pull(min_version)  # no transfer if already at the latest version
+            if result.stats.nbytes:
+                copy_tensors(self.model.state_dict(), result.tensors)  # or hand the views to vLLM
+            return result.version
 """
 
 from __future__ import annotations
@@ -28,6 +52,7 @@ import asyncio
 import itertools
 import math
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any, Generator, Mapping
@@ -67,6 +92,8 @@ class WeightHandle:
     layout: ArenaLayout
     chunks: tuple[ChunkHandle, ...]
     owner_id: str
+    publish_id: str
+    """Unique per publish: a restarted owner may publish a version number again with other bytes."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +180,10 @@ class WeightIndex(Actor):
 
     @concurrent_endpoint
     async def acquire(
-        self, store: str, min_version: int, have_version: int | None, wait_s: float, lease_s: float
+        self, store: str, min_version: int, have_id: str | None, wait_s: float, lease_s: float
     ) -> tuple[WeightHandle, int] | None:
         """Lease the newest version >= ``min_version``, waiting up to ``wait_s`` for one to be
-        published. Returns None (and takes no lease) if it is ``have_version``."""
+        published. Returns None (and takes no lease) if it is the publish ``have_id``."""
         if self._newest(store, min_version) is None:
             try:
                 async with self._published:
@@ -171,7 +198,7 @@ class WeightIndex(Actor):
                 ) from None
         handle = self._newest(store, min_version)
         assert handle is not None
-        if handle.version == have_version:
+        if handle.publish_id == have_id:
             return None
         lease = next(self._lease_ids)
         self._leases[lease] = _Lease(store, handle.version, time.monotonic() + lease_s)
@@ -430,7 +457,7 @@ class WeightPublisher:
         arena.version = version
         done_at = time.perf_counter()
         chunks = tuple(ChunkHandle(o, n, b) for (o, n), b in zip(ranges, arena.buffers))
-        handle = WeightHandle(self.store, version, layout, chunks, self.owner_id)
+        handle = WeightHandle(self.store, version, layout, chunks, self.owner_id, uuid.uuid4().hex)
         try:
             yield from _call(what, index.publish.call_one(handle), cfg.rpc_timeout_s)
         except WeightSyncError:
@@ -508,6 +535,7 @@ class WeightPuller:
         self.store = store
         self.config = config or WeightSyncConfig()
         self.version: int | None = None
+        self._publish_id: str | None = None  # identifies the bytes in the arena
         self._arena: torch.Tensor | None = None
         self._views: dict[str, torch.Tensor] = {}
         self._views_layout: ArenaLayout | None = None
@@ -529,7 +557,7 @@ class WeightPuller:
         wait_s = cfg.transfer_timeout_s if timeout_s is None else timeout_s
         read_timeout = max(1, math.ceil(cfg.transfer_timeout_s))
         lease_s = read_timeout + _DRIVER_SLACK_S + 2 * cfg.rpc_timeout_s
-        acquire = self._index.acquire.call_one(self.store, min_version, self.version, wait_s, lease_s)
+        acquire = self._index.acquire.call_one(self.store, min_version, self._publish_id, wait_s, lease_s)
         got = yield from _call(what, acquire, wait_s + cfg.rpc_timeout_s)
         if got is None:
             stats = PullStats(time.perf_counter() - start, 0.0, 0)
@@ -548,7 +576,7 @@ class WeightPuller:
         intact = yield from _call(what, self._index.release.call_one(*release), cfg.rpc_timeout_s)
         if not intact:
             raise WeightSyncError(f"{what}: the version was reclaimed mid-transfer (lease expired after {lease_s:g}s)")
-        self.version = handle.version
+        self.version, self._publish_id = handle.version, handle.publish_id
         if self._views_layout != handle.layout:
             self._views, self._views_layout = views(self._arena, handle.layout), handle.layout
         stats = PullStats(time.perf_counter() - start, transfer_s, handle.layout.total_bytes)
@@ -559,7 +587,7 @@ class WeightPuller:
         if self._arena is None or self._arena.numel() < nbytes:
             self._arena, self._views_layout = allocate_arena(nbytes, self.config.arena_device), None
         arena = self._arena
-        self.version = None  # the arena is being overwritten: nothing valid until this pull succeeds
+        self.version = self._publish_id = None  # arena being overwritten: invalid until this pull succeeds
         began = time.perf_counter()
         reads = [c.buffer.read_into(arena[c.offset : c.offset + c.nbytes], timeout=read_timeout) for c in handle.chunks]
         outcomes = yield _AwaitAll(reads, read_timeout + _DRIVER_SLACK_S)
