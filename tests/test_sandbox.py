@@ -110,13 +110,13 @@ def test_extra_env_and_limits_are_applied():
     try:
         code = (
             "import os, resource as r\n"
-            "print(os.environ['GREETING'])\n"
+            "print(os.environ['GREETING'], os.nice(0))\n"
             "for n in ('AS', 'NPROC', 'NOFILE', 'FSIZE', 'CPU', 'CORE'):\n"
             "    print(n, r.getrlimit(getattr(r, 'RLIMIT_' + n)))\n"
         )
         r = s.run({"a.py": code}, ["python", "a.py"], timeout_s=3)
         lines = dict(line.split(" ", 1) for line in r.stdout.splitlines()[1:])
-        assert r.stdout.startswith("hi\n")
+        assert r.stdout.startswith("hi 10\n")
         assert lines["AS"] == f"({256 << 20}, {256 << 20})"
         assert lines["NPROC"] == "(8, 8)" and lines["NOFILE"] == "(32, 32)"
         assert lines["FSIZE"] == f"({2 << 20}, {2 << 20})" and lines["CPU"] == "(4, 5)" and lines["CORE"] == "(0, 0)"
@@ -269,3 +269,28 @@ def test_config_section():
         SandboxConfig(layer="docker")
     for name, field in SandboxConfig.model_fields.items():
         assert field.description, f"SandboxConfig.{name} has no docstring"
+
+
+def test_uid_leases_are_exclusive_across_sandboxes():
+    """Two Sandbox instances (or processes) never run code under the same uid at the same time, so
+    one run's cleanup cannot kill the other's processes."""
+    if os.geteuid() != 0:
+        pytest.skip("uid leasing is used only when the host is root")
+    a, b = Sandbox(SandboxConfig(layer="rlimit")), Sandbox(SandboxConfig(layer="rlimit"))
+    try:
+        code = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(0.5)\n"
+        jobs = [SandboxJob({"a.py": code}, ["python", "a.py"], timeout_s=10)] * 3
+        import threading
+
+        out: list = []
+        ts = [threading.Thread(target=lambda s=s: out.extend(s.run_many(jobs))) for s in (a, b)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert all(r.ok for r in out), [r.stderr for r in out]
+        uids = [int(r.stdout) for r in out]
+        assert len(set(uids)) == 6 and all(u >= a.cfg.sandbox_uid_base for u in uids)
+    finally:
+        a.close()
+        b.close()

@@ -29,13 +29,17 @@ class SandboxConfig(Section):
     """Default wall-clock limit of one execution when the caller gives none; the whole process
     tree is killed when it expires."""
 
-    memory_mb: int = Field(1024, ge=64)
+    memory_mb: int = Field(512, ge=64)
     """RLIMIT_AS of the sandboxed process, in MiB (address space, so allocations fail with
     MemoryError well before the host runs short)."""
 
     max_processes: int = Field(32, ge=4)
     """RLIMIT_NPROC inside the sandbox (the fork-bomb ceiling). Counted per sandbox: inside its own
     user namespace on the bwrap layer, per sandbox uid when running as root."""
+
+    nice: int = Field(10, ge=0, le=19)
+    """Niceness added to sandboxed processes, so code under test yields the CPU to the generator
+    and learner running beside it."""
 
     max_file_mb: int = Field(16, ge=1)
     """RLIMIT_FSIZE: the largest file the sandboxed code may write, in MiB."""
@@ -60,9 +64,10 @@ class SandboxConfig(Section):
     """Executions that may run at once in one Sandbox; further calls wait for a free slot."""
 
     sandbox_uid_base: int = Field(200000, ge=1000)
-    """When the host process is root, slot i runs as uid/gid `sandbox_uid_base + i` (no
-    supplementary groups): process limits then apply and every leftover process of the slot can be
-    killed. Ignored when not running as root."""
+    """When the host process is root, every execution runs as its own unprivileged uid/gid (no
+    supplementary groups), leased from `sandbox_uid_base` .. `sandbox_uid_base + 1023` exclusively
+    across all processes of the host: process limits then apply per execution, and every leftover
+    process of the uid can be killed. Ignored when not running as root."""
 
     extra_ro_binds: list[str] = []
     """Host paths bound read-only into the bwrap sandbox at the same place (for example a data

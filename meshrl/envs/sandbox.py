@@ -23,11 +23,16 @@ Layers, and what each one guarantees
   disk, and they vanish when the run ends. Files are copied in through memfds.
 * **environment** -- ``--clearenv``: the host environment (API keys, the controller's settings) is
   never visible; only PATH/HOME/LANG/TMPDIR and a few PYTHON* settings (plus ``cfg.env``).
-* **identity** -- when the host runs as root each concurrent slot runs as its own unprivileged uid
-  (``sandbox_uid_base + slot``) with no supplementary groups; capabilities are dropped.
+* **identity** -- when the host runs as root each execution runs as its own unprivileged uid,
+  leased exclusively (flock, across every process of the host) from ``sandbox_uid_base`` on, with
+  no supplementary groups; capabilities are dropped.
 * **rlimits** (set inside, after the namespaces exist): RLIMIT_CPU (timeout + 1 s), RLIMIT_AS,
   RLIMIT_NPROC (counted per sandbox, because the count lives in the sandbox's user namespace),
   RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0.
+  RLIMIT_NPROC needs a non-root *kernel* uid: root is exempt from it even inside a user
+  namespace (bwrap maps the inner uid onto the caller's kuid 0 -- checked: a 256-process fork
+  tree under RLIMIT_NPROC=20 is not stopped), hence the per-slot uid when the host is root.
+  The processes also run at ``nice`` +10 so they yield the CPU to the generator and learner.
 * **wall clock** -- the sandbox runs in its own session/process group; on timeout its init (and
   with it the whole pid namespace) and then the group are SIGKILLed. ``--die-with-parent`` kills it
   if the host process dies.
@@ -40,7 +45,8 @@ timeout, and -- when the host is root -- a per-slot unprivileged uid whose every
 after the run. It cannot contain network access, reading world-readable files (the project
 checkout) or writing to world-writable places (``/tmp``); when not root it also cannot stop the
 code from signalling the parent, reading the parent's environment through ``/proc``, escaping the
-process group or forking without a per-sandbox ceiling. ``ProbeResult.uncontained`` lists exactly
+process group or forking without a per-sandbox ceiling; on either identity it can read other
+processes' command lines in ``/proc`` (never pass secrets on a command line). ``ProbeResult.uncontained`` lists exactly
 which hostile cases the running layer cannot contain, and the hostile test-suite skips those (with
 that reason) instead of passing them falsely.
 
@@ -107,7 +113,10 @@ _WRAPPER = r"""
 import os, resource, sys
 for item in sys.argv[1].split(","):
     name, soft, hard = item.split(":")
-    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (int(soft), int(hard)))
+    if name == "NICE":
+        os.nice(int(soft))
+    else:
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (int(soft), int(hard)))
 os.umask(0o077)
 argv = sys.argv[2:]
 try:
@@ -403,6 +412,51 @@ def _kill_uid(uid: int, rounds: int = 50) -> int:
     return killed
 
 
+class _UidLease:
+    """Exclusive use of one sandbox uid, across threads *and processes* of this host (several
+    Sandbox instances, rewarder actors, environment servers): an flock on a root-only lock file,
+    released when the run ends or the holder dies."""
+
+    LOCK_DIR = "/tmp/meshrl-sandbox-uids"
+    POOL = 1024
+    _local = threading.Lock()
+
+    def __init__(self, uid: int, fd: int):
+        self.uid = uid
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, base: int, sweep: bool) -> "_UidLease":
+        import fcntl
+
+        with cls._local:
+            os.makedirs(cls.LOCK_DIR, mode=0o700, exist_ok=True)
+            st = os.lstat(cls.LOCK_DIR)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not os.path.isdir(cls.LOCK_DIR):
+                raise SandboxUnavailable(f"{cls.LOCK_DIR} must be a directory owned by uid {os.geteuid()} with mode 0700")
+        deadline = time.monotonic() + 60
+        while True:
+            for i in range(cls.POOL):
+                uid = base + i
+                fd = os.open(os.path.join(cls.LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                if sweep:
+                    _kill_uid(uid)  # leftovers of a holder that died mid-run
+                return cls(uid, fd)
+            if time.monotonic() > deadline:
+                raise SandboxUnavailable(f"all {cls.POOL} sandbox uids from {base} are in use")
+            time.sleep(0.01)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+
+
 # --------------------------------------------------------------------------- the sandbox
 
 
@@ -578,11 +632,6 @@ class Sandbox:
 
     # ----------------------------------------------------------------- internals
 
-    def _slot_ids(self, slot: int) -> tuple[int | None, int | None]:
-        if not self.info.drop_uid:
-            return None, None
-        uid = self.cfg.sandbox_uid_base + slot
-        return uid, uid
 
     def _limits(self, timeout_s: float) -> str:
         c = self.cfg
@@ -596,6 +645,7 @@ class Sandbox:
             ("FSIZE", fsize, fsize),
             ("NOFILE", c.max_open_files, c.max_open_files),
             ("CORE", 0, 0),
+            ("NICE", c.nice, c.nice),
         ]
         return ",".join(f"{n}:{s}:{h}" for n, s, h in items)
 
@@ -655,7 +705,8 @@ class Sandbox:
         side_channel: bool,
     ) -> ExecResult:
         t0 = time.monotonic()
-        uid, gid = self._slot_ids(slot)
+        lease = _UidLease.acquire(self.cfg.sandbox_uid_base, sweep=self.layer == "rlimit") if self.info.drop_uid else None
+        uid = gid = lease.uid if lease is not None else None
         with self._counter_lock:
             self._counter += 1
             n = self._counter
@@ -689,7 +740,7 @@ class Sandbox:
                 for name, data in norm_files.items():
                     fd = os.memfd_create("sbxfile")
                     to_close.append(fd)
-                    os.write(fd, data) if len(data) < (1 << 20) else _write_all(fd, data)
+                    _write_all(fd, data)
                     os.lseek(fd, 0, os.SEEK_SET)
                     file_fds.append((fd, name))
                     pass_fds.append(fd)
@@ -787,6 +838,8 @@ class Sandbox:
                 _kill_uid(uid)
             if host_dir is not None:
                 shutil.rmtree(host_dir, ignore_errors=True)
+            if lease is not None:
+                lease.release()
 
     def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
         """Kill the whole execution: the sandbox init (its pid namespace goes with it), the
