@@ -15,8 +15,11 @@ from meshrl.envs.code_env import (
     CodeEnv,
     env_from_config,
     hint_text,
+    load_trajectories,
     make_code_env,
     parse_action,
+    run_episode,
+    save_trajectories,
 )
 from meshrl.envs.config import CodeEnvConfig, EnvConfig
 from meshrl.envs.sandbox import Sandbox
@@ -288,3 +291,20 @@ def test_hint_templates_cover_error_kinds():
     assert hint_text("code.test_failure", failed=2, total=5).startswith("Your function returns wrong results for 2 of 5")
     assert "?" in hint_text("code.syntax_error")  # missing fields do not raise
     assert hint_text(None) is None and hint_text("code.nope") is None
+
+
+def test_run_episode_and_trajectory_files(sb, tmp_path):
+    replies = iter([WRONG, GOOD])
+    seen = []
+
+    def policy(messages):
+        seen.append(messages)
+        return next(replies)
+
+    env = env_for(sb)
+    tr = run_episode(env, policy, episode_id="played")
+    assert tr["success"] and tr["num_turns"] == 2
+    assert seen[1] == env.state_at(1)  # the policy saw exactly what state_at replays
+    path = save_trajectories(tmp_path / "runs" / "traj.jsonl", [tr, tr])
+    back = load_trajectories(path)
+    assert len(back) == 2 and back[0]["episode_id"] == "played" and back[0]["turns"][1]["tests_passed"] == 5

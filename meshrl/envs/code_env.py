@@ -26,7 +26,8 @@ import random
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
 from meshrl.envs.base import Environment, Observation, State, TextAction
 from meshrl.envs.config import CodeEnvConfig, EnvConfig
@@ -545,3 +546,39 @@ def make_code_env(env: dict | None = None, task_ids: Sequence[str] | None = None
     """A CodeEnv from plain JSON settings (an ``EnvConfig`` as a dict): the factory the remote
     server uses, e.g. ``{"split": "test", "code": {"max_turns": 2}}``."""
     return env_from_config(EnvConfig.model_validate(env or {}), task_ids=task_ids)
+
+
+def run_episode(
+    env: Environment,
+    respond: Callable[[list[dict[str, str]]], str | TextAction],
+    seed: int | None = None,
+    episode_id: str | None = None,
+    **reset_kwargs: Any,
+) -> dict[str, Any]:
+    """Play one episode: ``respond(messages)`` is the policy (it sees the whole conversation and
+    returns its reply); returns ``env.trajectory()``. For evaluation loops and tests; the RL
+    runtime drives ``reset``/``step`` itself with token-level bookkeeping."""
+    obs = env.reset(seed=seed, episode_id=episode_id, **reset_kwargs)
+    messages = [dict(m) for m in obs.metadata.get("messages", [obs.message])]
+    while not obs.done:
+        reply = respond([dict(m) for m in messages])
+        action = reply if isinstance(reply, TextAction) else CodeAction(text=str(reply))
+        obs = env.step(action)
+        messages += [{"role": "assistant", "content": action.text}, obs.message]
+    return env.trajectory()
+
+
+def save_trajectories(path: str | Path, trajectories: Iterable[dict[str, Any]], append: bool = True) -> Path:
+    """Write trajectory records as JSON lines (appending by default)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("a" if append else "w", encoding="utf-8") as f:
+        for tr in trajectories:
+            f.write(json.dumps(tr, ensure_ascii=False) + "\n")
+    return p
+
+
+def load_trajectories(path: str | Path) -> list[dict[str, Any]]:
+    """Read trajectory records written by ``save_trajectories``."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
