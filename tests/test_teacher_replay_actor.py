@@ -93,7 +93,9 @@ def setup(tmp_path_factory):
 def spawn_pool(setup) -> None:
     """(Re)create the pool and subscribe it to the inbox."""
     setup.pm = this_host().spawn_procs(per_host={"procs": CHANNEL.procs})
-    setup.pool = setup.pm.spawn("teacher_replay", LoggedTeacherReplayActor, str(setup.log_path), setup.replay_cfg, CHANNEL)
+    setup.pool = setup.pm.spawn(
+        "teacher_replay", LoggedTeacherReplayActor, str(setup.log_path), setup.replay_cfg, CHANNEL
+    )
     infos = list(setup.pool.info.call().get(timeout=60).values())
     setup.pids = [info["pid"] for info in infos]
     setup.actor_of = {info["producer"]: setup.pool.slice(procs=rank) for rank, info in enumerate(infos)}

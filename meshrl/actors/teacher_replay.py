@@ -134,7 +134,9 @@ class TeacherReplayActor(Actor):
                 outcome = TraceReplayOutcome(result.pairs, result.metrics(), seconds=time.monotonic() - started)
             finally:
                 self.running -= 1
-        self.outbox.send(work_key, outcome, episode_id=trace.episode_id, step=WHOLE_EPISODE, policy_version=policy_version)
+        self.outbox.send(
+            work_key, outcome, episode_id=trace.episode_id, step=WHOLE_EPISODE, policy_version=policy_version
+        )
 
     async def _handle_undeliverable_message(self, message: object) -> bool:
         # Our consumer is gone: the result stays in the outbox until a new one subscribes.
@@ -142,5 +144,11 @@ class TeacherReplayActor(Actor):
         return True
 
     async def __cleanup__(self, exc: object) -> None:
+        # Cancel replays first: a replay broken by its closed client would otherwise be reported as
+        # failed, and the controller would take that for its result instead of re-submitting it.
+        unfinished = list(self.tasks.values())
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
         for client in self.clients:
             await client.aclose()

@@ -13,7 +13,9 @@ Delivery guarantee:
 * **Exactly-once acceptance by key** at the consumer: ``drain`` returns a key at most once and
   counts later copies as duplicates. Accepted keys are remembered until their policy version falls
   behind the stale horizon; after that any copy is dropped as stale, so the guarantee holds with
-  bounded memory (the horizon never moves back).
+  bounded memory (the horizon never moves back). This holds relative to the state the inbox
+  holds: an inbox restored from an older ``state_dict`` accepts again the keys accepted after it
+  was saved (wanted when the training on them was lost along with the consumer).
 * A message is **acknowledged** once the consumer has drained it (accepted, stale or duplicate) and
   the producer, told through ``ack(keys)``, has dropped it from its outbox. Acks are best effort:
   a lost ack only causes a re-send that the consumer drops as a duplicate (and acks again).
@@ -192,7 +194,7 @@ class DelayedInbox:
     def _classify(self, message: DelayedMessage) -> str:
         if message.key in self._accepted:
             return "duplicates"
-        if self._horizon is not None and message.policy_version < self._horizon:
+        if message.policy_version < self._horizon:  # set by drain() before classifying
             return "stale_dropped"
         return "accepted"
 
@@ -218,7 +220,8 @@ class DelayedInbox:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able dedupe, expectation and counter state, for checkpoints and for a replacement
-        inbox."""
+        inbox. Acks not yet fetched with ``acks()`` are not saved: their producers re-send those
+        messages, which are then dropped as duplicates and acknowledged again."""
         return {
             "format": STATE_FORMAT,
             "horizon": self._horizon,

@@ -27,7 +27,9 @@ class EchoProducer(Actor):
         return self.outbox.subscribe(port)
 
     @endpoint
-    async def submit(self, key: str, episode_id: str, policy_version: int, payload: Any = None, delay_s: float = 0.0) -> None:
+    async def submit(
+        self, key: str, episode_id: str, policy_version: int, payload: Any = None, delay_s: float = 0.0
+    ) -> None:
         """Send at once (in call order) if ``delay_s`` is 0, else from a background task later."""
         if delay_s <= 0:
             self.outbox.send(key, payload, episode_id=episode_id, step=0, policy_version=policy_version)
@@ -58,7 +60,9 @@ class LoggedTeacherReplayActor(TeacherReplayActor):
     """A teacher replay actor whose process writes stdout, stderr and DEBUG-level logs of every
     logger to ``log_path``, so a test can search everything it printed."""
 
-    def __init__(self, log_path: str, replay_cfg: ReplayConfig, channel_cfg: DelayedChannelConfig, name: str = "teacher_replay"):
+    def __init__(
+        self, log_path: str, replay_cfg: ReplayConfig, channel_cfg: DelayedChannelConfig, name: str = "teacher_replay"
+    ):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
