@@ -58,6 +58,9 @@ class Runtime:
         self.supervisor = Supervisor(self.meshes, cfg.faults)
         self.faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
         self.loop = GRPOLoop(cfg, self.task, self.renderer, self.meshes, self.supervisor, self.faults)
+        # version 0 = the initial weights, published so that a replaced generator can always pull
+        # the run's current version, even before the first update
+        self.learner_call("publish", lambda m: m.publish.call_one(0))
 
     def learner_call(self, what: str, call, timeout_s: float | None = None):
         """A direct learner call outside the loop's recovery (checkpoint save/load, export)."""
