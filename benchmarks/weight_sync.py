@@ -143,6 +143,7 @@ def main() -> None:
     chunk_counts = [int(k) for k in args.chunks.split(",")]
 
     silence_tcp_fallback_warning()
+    load_before = os.getloadavg()[0]
     source, weights = resolve_source(args.synthetic)
     print(f"weights: {weights}", flush=True)
     config = WeightSyncConfig()
@@ -196,6 +197,7 @@ def main() -> None:
         "sweep": rows,
         "rdma_backend_config": {k: v for k, v in get_global_config().items() if k.startswith("rdma")},
         "cpus": os.cpu_count(),
+        "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +210,7 @@ def main() -> None:
         print(f"{r['chunks']:>4} {r['publish_s']:>10.3f} {r['pull_s']:>8.3f} {r['pull_gbps']:>10.2f} "
               f"{r['ratio_to_memcpy']:>10.2f} {r['cold_pull_s']:>12.3f} "
               f"{r['load_state_dict_s']:>6.3f}/{r['copy_load_s']:.3f}")  # fmt: skip
+    print(f"host load average (1 min) {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"best: K={best['chunks']} {best['pull_gbps']:.2f} GB/s; weights identical after load: {same}")
     print(f"wrote {args.out}")
 
