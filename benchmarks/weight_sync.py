@@ -205,7 +205,8 @@ def main() -> None:
 
     print(f"\n{nbytes / 1e6:.0f} MB per version; memcpy {memcpy['median_gbps']:.2f} GB/s (median, same bytes)")
     print("load: model.load_state_dict(views) / copy_tensors(model.state_dict(), views)")
-    print(f"{'K':>4} {'publish s':>10} {'pull s':>8} {'pull GB/s':>10} {'vs memcpy':>10} {'cold pull s':>12} {'load s':>13}")
+    header = ("K", "publish s", "pull s", "pull GB/s", "vs memcpy", "cold pull s", "load s")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (4, 10, 8, 10, 10, 12, 13))))
     for r in rows:
         print(f"{r['chunks']:>4} {r['publish_s']:>10.3f} {r['pull_s']:>8.3f} {r['pull_gbps']:>10.2f} "
               f"{r['ratio_to_memcpy']:>10.2f} {r['cold_pull_s']:>12.3f} "
