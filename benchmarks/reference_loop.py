@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run_reference(cfg, steps: int, eval_every: int, eval_size: int) -> dict:
+def run_reference(cfg, steps: int, eval_every: int, eval_size: int, on_eval=None) -> dict:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -72,6 +72,8 @@ def run_reference(cfg, steps: int, eval_every: int, eval_size: int) -> dict:
         rewards.append(sum(t.reward for t in trajectories) / len(trajectories))
         if (eval_every and step % eval_every == 0) or step == steps:
             evals.append({"step": step, "accuracy": evaluate()})
+            if on_eval is not None:
+                on_eval({"steps_done": step, "step_s": step_times, "evals": evals, "reward_mean": rewards})
     return {
         "kind": "reference_single_process",
         "steps": steps,
@@ -98,12 +100,15 @@ def main() -> None:
     from meshrl.config.run import RunConfig
 
     cfg = load_config(RunConfig, args.config, args.overrides)
-    result = run_reference(cfg, args.steps, args.eval_every, args.eval_size)
-    result["config"] = args.config
-    result["overrides"] = args.overrides
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    meta = {"config": args.config, "overrides": args.overrides}
+
+    def checkpoint(partial: dict) -> None:  # partial results survive an interrupted run
+        out.write_text(json.dumps({**meta, "partial": True, **partial}, indent=1))
+
+    result = run_reference(cfg, args.steps, args.eval_every, args.eval_size, on_eval=checkpoint)
+    out.write_text(json.dumps({**meta, **result}, indent=1))
     print(f"reference loop: mean step {result['mean_step_s']:.2f}s over {args.steps} steps; held-out accuracy "
           + " -> ".join(f"{e['accuracy']:.1%}@{e['step']}" for e in result["evals"]))
     print(f"wrote {out}")
