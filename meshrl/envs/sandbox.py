@@ -119,6 +119,23 @@ for item in sys.argv[1].split(","):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (int(soft), int(hard)))
 os.umask(0o077)
 argv = sys.argv[2:]
+if argv[0] == "@py":
+    # `python script.py args...`: run it in this interpreter instead of starting another one
+    import runpy
+    sys.argv = argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:  # report like `python script.py` would, without our frames
+        import traceback
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename.startswith(("<string>", "<frozen runpy")):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        raise SystemExit(1)
+    raise SystemExit(0)
 try:
     os.execv(argv[0], argv)
 except OSError as e:
@@ -730,6 +747,8 @@ class Sandbox:
                 pass_fds.append(side_w)
             limits = self._limits(timeout_s)
             prog = list(argv)
+            if prog[0] in ("python", "python3") and len(prog) > 1 and not prog[1].startswith("-"):
+                prog[0] = "@py"  # the wrapper runs the script itself: one interpreter start, not two
             if self.layer == "bwrap":
                 if prog[0] in ("python", "python3"):
                     prog[0] = self._inner_python()
