@@ -9,6 +9,9 @@ It reads the test spec from stdin, deletes itself from the work directory, loads
     {"event": "test", "index": i, "passed": bool, "kind"?, "error_type"?, "error"?, "got"?}
     {"event": "done"}
 
+Loading the code and each test run under a SIGALRM limit; after the first test that hangs, the
+remaining tests are reported as timed out without running (they would most likely hang too).
+
 Tests are either ``code`` (statements that must not raise; HumanEval's asserts) or ``call`` +
 ``expected`` (an expression and a Python literal): the value is compared *strictly* -- same
 builtin type, recursively, floats with a tolerance -- so an object whose ``__eq__`` always answers
