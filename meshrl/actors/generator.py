@@ -46,6 +46,7 @@ class Generator(MeshrlActor):
         store: str = POLICY_STORE,
     ):
         silence_tcp_fallback_warning()
+        started = time.perf_counter()
         self.rank = current_rank().rank
         self.cfg = gen_cfg
         self.engine = make_engine(
@@ -56,9 +57,10 @@ class Generator(MeshrlActor):
         # the engine's first request pays a one-off warm-up (seconds on CPU): take it here, inside
         # the spawn deadline, so call deadlines only ever measure real work
         self.engine.generate([[1, 2, 3]], SampleRequest(n=1, max_tokens=2, temperature=0.0))
+        self.init_s = time.perf_counter() - started
 
     def describe(self) -> dict:
-        return {"rank": self.rank, "version": self.version, "backend": self.cfg.backend}
+        return {"rank": self.rank, "version": self.version, "backend": self.cfg.backend, "init_s": self.init_s}
 
     @endpoint
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> GenerationBatch:

@@ -97,6 +97,7 @@ class Supervisor:
     def recover(self, mesh: str, cause: str) -> float:
         """Replace ``mesh`` (and meshes sharing its processes), then re-sync them. Returns seconds."""
         self.charge(mesh, cause)
+        detected_at = time.time()
         log.warning("recovering mesh '%s' after failure: %s", mesh, cause)
         started = time.perf_counter()
         for name in self.meshes.respawn(mesh):
@@ -104,7 +105,8 @@ class Supervisor:
                 self.resync[name]()
         seconds = time.perf_counter() - started
         self.recovery_seconds.append(seconds)
-        self.events.append({"mesh": mesh, "cause": cause, "action": "replaced and re-synced", "recovery_s": seconds})
+        self.events.append({"mesh": mesh, "cause": cause, "action": "replaced and re-synced",
+                            "recovery_s": seconds, "detected_at": detected_at})
         log.warning("mesh '%s' replaced and re-synced in %.2fs", mesh, seconds)
         return seconds
 

@@ -36,6 +36,7 @@ class MeshGroup:
         self.proc_meshes: dict[str, Any] = {}
         self.actor_meshes: dict[str, Any] = {}
         self.pids: dict[str, list[int]] = {}
+        self.infos: dict[str, list[dict]] = {}
         self._specs: dict[str, _ActorSpec] = {}
         self._extra_meshes: dict[str, MeshSpec] = {}
         self.generation: dict[str, int] = {}
@@ -89,6 +90,7 @@ class MeshGroup:
             except Exception as e:  # ActorError / SupervisionError from a failed setup
                 raise MeshSpawnError(f"mesh '{name}' failed during setup: {first_line(e)}") from None
             self.pids[name] = [int(i["pid"]) for i in infos[name]]
+            self.infos[name] = infos[name]
         return infos
 
     def cohabitants(self, name: str) -> list[str]:
