@@ -12,6 +12,7 @@ from meshrl.channels.config import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
+from meshrl.training.channel_losses import DPOItem, SDPOItem, dpo_forward_backward, sdpo_forward_backward
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.policy import PolicyTrainer
 from meshrl.types import AdamParams, Datum
@@ -39,6 +40,17 @@ class Learner(MeshrlActor):
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_config: dict | None = None) -> dict:
         self.fault_point("forward_backward")
         return self.trainer.forward_backward(datums, loss_fn, loss_config)
+
+    @endpoint
+    def forward_backward_sdpo(self, items: list[SDPOItem], weight: float, beta: float, temperature: float,
+                              normaliser: float, is_weight_cap: float = 0.0) -> dict:
+        """Channel 2: add ``weight * JSD(student, hinted teacher)`` on error-site tokens to the gradients."""
+        return sdpo_forward_backward(self.trainer, items, weight, beta, temperature, normaliser, is_weight_cap)
+
+    @endpoint
+    def forward_backward_dpo(self, items: list[DPOItem], weight: float, dpo_beta: float) -> dict:
+        """Channel 3: add ``weight * DPO`` (reference = the initial policy) to the gradients."""
+        return dpo_forward_backward(self.trainer, items, weight, dpo_beta)
 
     @endpoint
     def optim_step(self, adam: AdamParams) -> dict:

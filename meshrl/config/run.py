@@ -6,6 +6,7 @@ from pydantic import Field
 
 from meshrl.channels.config import WeightSyncConfig
 from meshrl.config.base import Section
+from meshrl.config.channels import ReplayChannelConfig, SDPOConfig
 from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.learner import LearnerConfig
@@ -68,6 +69,12 @@ class RunConfig(Section):
 
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """Learner -> generator weight transfer."""
+
+    sdpo: SDPOConfig = SDPOConfig()
+    """Channel 2: SDPO hint self-distillation."""
+
+    replay: ReplayChannelConfig = ReplayChannelConfig()
+    """Channel 3: N-teacher trace replay (DPO over the delayed channel)."""
 
     faults: FaultsConfig = FaultsConfig()
     """Failure handling and fault injection."""

@@ -18,6 +18,7 @@ from meshrl.controller.rollouts import Trajectory, build_datums, group_advantage
 from meshrl.engines import SampleRequest
 
 log = logging.getLogger(__name__)
+SDPO_TEACHER = "sdpo_teacher"
 
 
 class StepError(RuntimeError):
@@ -63,7 +64,8 @@ class Counters:
 class GRPOLoop:
     """Drives generator, rewarder and learner meshes through synchronous GRPO steps."""
 
-    def __init__(self, cfg: RunConfig, task, renderer, meshes, supervisor: Supervisor, faults=None):
+    def __init__(self, cfg: RunConfig, task, renderer, meshes, supervisor: Supervisor, faults=None,
+                 replay=None):
         self.cfg = cfg
         self.task = task
         self.renderer = renderer
@@ -75,7 +77,22 @@ class GRPOLoop:
         self.cursor = 0
         self.step_index = 0  # the step being run (1-based once running)
         self.stop_tokens = tuple(renderer.get_stop_sequences())
+        self.replay = replay  # channel 3 (ReplayChannel) or None
+        self.sdpo_counts: dict[str, int] = {}
         supervisor.on_respawn("generator", self._resync_generators)
+        if cfg.sdpo.alpha > 0:
+            supervisor.on_respawn(SDPO_TEACHER, lambda: self._pull_teacher_weights(self.version))
+
+    def sync_readers(self, version: int) -> list[dict]:
+        """Every weight reader (generators, SDPO teacher) pulls ``version``; generator stats returned."""
+        pulls = self.pull_weights(version)
+        if self.cfg.sdpo.alpha > 0:
+            self._pull_teacher_weights(version)
+        return pulls
+
+    def _pull_teacher_weights(self, version: int) -> None:
+        self._remote(SDPO_TEACHER, "sync", lambda m: [m.update_weights.call(version)],
+                     self.cfg.sdpo.call_timeout_s, f"{SDPO_TEACHER}.update_weights")
 
     def _resync_generators(self) -> None:
         """A fresh generator mesh starts from the base weights: bring it to the current version."""
@@ -202,16 +219,72 @@ class GRPOLoop:
         advantages = group_advantages(trajectories, tc.advantage.std_normalize)
         datums, stats = build_datums(trajectories, advantages, tc.loss.normalize)
         metrics: dict[str, Any] = {f"batch/{k}": v for k, v in stats.items()}
+        grpo_loss = 0.0
         if datums:
             loss_config = self._loss_config()
             fb = self._learner("forward_backward",
                                lambda m: m.forward_backward.call_one(datums, tc.loss.name, loss_config))
             metrics.update({f"train/{k}": v for k, v in fb.items()})
+            grpo_loss = fb["loss"]
+        metrics["loss/grpo"] = grpo_loss
+        total = grpo_loss
+        if self.cfg.sdpo.alpha > 0:
+            sdpo = self._sdpo(trajectories)
+            metrics.update(sdpo)
+            total += self.cfg.sdpo.alpha * sdpo["loss/sdpo_jsd"]
+        if self.replay is not None:
+            dpo = self._replay_dpo()
+            metrics.update(dpo)
+            total += self.cfg.replay.beta * dpo["loss/replay_dpo"]
+        metrics["loss/total"] = total
         adam = self.cfg.learner.adam_params()
         opt = self._learner("optim_step", lambda m: m.optim_step.call_one(adam))
         metrics.update({f"train/{k}": v for k, v in opt.items()})
         metrics["timing/train_s"] = time.perf_counter() - t0
         return metrics
+
+    def _sdpo(self, trajectories: list[Trajectory]) -> dict:
+        """Channel 2: score the step's error sites with the hinted teacher, then add alpha * JSD."""
+        from meshrl.channels.sdpo import select_error_sites
+        from meshrl.training.channel_losses import SDPOItem
+
+        c = self.cfg.sdpo
+        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, c.max_sites_per_step)
+        for k, v in counts.items():
+            self.sdpo_counts[k] = self.sdpo_counts.get(k, 0) + v
+        out = {f"sdpo/{k}": float(v) for k, v in self.sdpo_counts.items()}
+        out["loss/sdpo_jsd"] = 0.0
+        if not sites:
+            return out
+        parts = split_evenly(sites, self.meshes.procs_of(SDPO_TEACHER))
+
+        def issue(teachers):
+            return [teachers.slice(procs=r).score_sites.call_one(
+                [(s.teacher_tokens, s.teacher_start, s.length) for s in part], c.top_k) for r, part in enumerate(parts)]
+
+        scored = self._remote(SDPO_TEACHER, "sdpo", issue, c.call_timeout_s, f"{SDPO_TEACHER}.score_sites")
+        topk = [t for reply in scored for t in reply["topk"]]
+        items = [SDPOItem(s.student_tokens, s.student_start, s.length, idx, lp, s.sampler_logprobs)
+                 for s, (idx, lp) in zip(sites, topk)]
+        normaliser = float(sum(s.length for s in sites))
+        fb = self._learner("forward_backward_sdpo", lambda m: m.forward_backward_sdpo.call_one(
+            items, c.alpha, c.jsd_beta, c.temperature, normaliser, c.is_weight_cap))
+        out.update({f"sdpo/{k}": v for k, v in fb.items() if k != "jsd"})
+        out["loss/sdpo_jsd"] = fb["jsd"]
+        return out
+
+    def _replay_dpo(self) -> dict:
+        """Channel 3: train on the DPO pairs that have arrived (never waits for teachers)."""
+        c = self.cfg.replay
+        out = self.replay.drain(self.version)
+        items = self.replay.take(c.max_pairs_per_step)
+        out["loss/replay_dpo"] = 0.0
+        if items:
+            fb = self._learner("forward_backward_dpo",
+                               lambda m: m.forward_backward_dpo.call_one(items, c.beta, c.dpo_beta))
+            out.update({f"dpo/{k}": v for k, v in fb.items() if k != "loss"})
+            out["loss/replay_dpo"] = fb["loss"]
+        return out
 
     def sync_weights(self) -> dict:
         """Publish the learner's weights as the next version and have every generator pull them."""
@@ -220,7 +293,7 @@ class GRPOLoop:
         pub = self._learner("publish", lambda m: m.publish.call_one(version))
         self.version = version
         t1 = time.perf_counter()
-        pulls = self.pull_weights(version)
+        pulls = self.sync_readers(version)
         t2 = time.perf_counter()
         pull_s = max(p["pull_s"] for p in pulls)
         nbytes = pub["bytes"]
@@ -269,6 +342,8 @@ class GRPOLoop:
             "batch/trajectories": len(trajectories),
             "batch/groups": len({t.group for t in trajectories}),
         })
+        if self.replay is not None:
+            self.replay.submit(trajectories, self.version)
         metrics.update(self.train(trajectories))
         metrics.update(self.sync_weights())
         metrics.update(self.counters.as_metrics())
@@ -278,14 +353,20 @@ class GRPOLoop:
 
     def state_dict(self) -> dict:
         """Controller-side training state for checkpoints (JSON-able)."""
-        return {"cursor": self.cursor, "version": self.version, "step_index": self.step_index,
-                "counters": dataclasses.asdict(self.counters)}
+        state = {"cursor": self.cursor, "version": self.version, "step_index": self.step_index,
+                 "counters": dataclasses.asdict(self.counters), "sdpo_counts": dict(self.sdpo_counts)}
+        if self.replay is not None:
+            state["replay"] = self.replay.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
         self.version = int(state["version"])
         self.step_index = int(state["step_index"])
         self.counters = Counters(**state["counters"])
+        self.sdpo_counts = dict(state.get("sdpo_counts", {}))
+        if self.replay is not None and "replay" in state:
+            self.replay.load_state_dict(state["replay"])
 
     def _loss_config(self) -> dict:
         loss = self.cfg.trainer.loss

@@ -50,6 +50,13 @@ class Runtime:
             self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
             self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
             self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
+            if cfg.sdpo.alpha > 0:
+                from meshrl.actors.sdpo_teacher import SDPOTeacherActor
+                from meshrl.controller.grpo import SDPO_TEACHER
+
+                self.meshes.add_mesh(SDPO_TEACHER, cfg.sdpo.mesh.procs, cfg.sdpo.mesh.colocate_with)
+                self.meshes.spawn(SDPO_TEACHER, SDPOTeacherActor, path, cfg.model, cfg.weight_sync,
+                                  cfg.learner.torch_threads)
             self.infos = self.meshes.wait_ready()
         except BaseException:
             self.meshes.stop()
@@ -57,7 +64,17 @@ class Runtime:
         log.info("meshes ready in %.1fs: %s", time.perf_counter() - started, self.meshes.pids)
         self.supervisor = Supervisor(self.meshes, cfg.faults)
         self.faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
-        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.meshes, self.supervisor, self.faults)
+        self.replay = None
+        if cfg.replay.beta > 0:
+            from meshrl.controller.replay_channel import ReplayChannel
+
+            try:
+                self.replay = ReplayChannel(cfg.replay, self.meshes, self.supervisor, self.renderer)
+            except BaseException:
+                self.meshes.stop()
+                raise
+        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.meshes, self.supervisor, self.faults,
+                             self.replay)
         # version 0 = the initial weights, published so that a replaced generator can always pull
         # the run's current version, even before the first update
         self.learner_call("publish", lambda m: m.publish.call_one(0))
@@ -82,9 +99,11 @@ class Runtime:
                                        "counters": self.loop.state_dict()["counters"]})
         version = self.loop.version
         self.learner_call("publish", lambda m: m.publish.call_one(version))
-        self.loop.pull_weights(version)
+        self.loop.sync_readers(version)
 
     def close(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
         self.meshes.stop()
 
     def __enter__(self) -> "Runtime":

@@ -87,6 +87,29 @@ class HFEngine:
         return out
 
     @torch.no_grad()
+    def topk_logprobs(self, sequences: list[list[int]], starts: list[int], lengths: list[int],
+                      k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each sequence, the top-``k`` (indices int32, log-probs float32) of the next-token
+        distribution (temperature 1) at the positions predicting ``seq[start:start+length]``;
+        ``k = 0`` returns the full vocabulary (indices = arange(V))."""
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, seq in enumerate(sequences):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
+        out = []
+        for i, (start, length) in enumerate(zip(starts, lengths)):
+            logp = torch.log_softmax(logits[i, start - 1 : start - 1 + length].float(), dim=-1).cpu()
+            if k == 0:
+                out.append((torch.arange(logp.shape[-1], dtype=torch.int32).expand(length, -1).contiguous(), logp))
+            else:
+                values, indices = logp.topk(k, dim=-1)
+                out.append((indices.to(torch.int32), values))
+        return out
+
+    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict()  # includes tied aliases such as lm_head.weight
         for name, tensor in named_tensors:

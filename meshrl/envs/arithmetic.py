@@ -44,7 +44,11 @@ def grade_integer_answer(response: str, answer: str) -> tuple[float, dict]:
     """Reward 1 if the last integer of the response equals the answer, else 0; never raises."""
     got = extract_last_integer(response)
     correct = got is not None and str(got) == str(answer).strip()
-    return (1.0 if correct else 0.0), {"extracted": got, "correct": correct, "format_ok": got is not None}
+    info = {"extracted": got, "correct": correct, "format_ok": got is not None}
+    if not correct:
+        kind = "wrong_answer" if got is not None else "wrong_format"
+        info.update(error_kind=kind, hint_template_key=f"math.{kind}")
+    return (1.0 if correct else 0.0), info
 
 
 class ArithmeticTask:

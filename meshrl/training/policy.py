@@ -80,6 +80,7 @@ class PolicyTrainer:
         )
         self.pending_tokens = 0  # valid tokens whose gradients are accumulated but not yet applied
         self.steps_applied = 0  # optimizer steps taken (restored from checkpoints)
+        self.reference = None  # frozen initial policy for DPO, loaded on first use
 
     # ---- forward -------------------------------------------------------------------------
     def _autocast(self):
@@ -87,15 +88,19 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _sequence_logprobs(self, mb, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprob (and entropy) of ``target_tokens`` at every valid model_input position, as [B, T]
-        tensors (zero elsewhere). The vocabulary projection runs only on valid positions, in the
-        autocast dtype, and the log-softmax is chunked so no float32 [N, V] tensor is formed."""
+    def valid_logits(self, mb, valid: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] at the N valid model_input positions (row-major over batch, position).
+        The vocabulary projection runs only there, in the autocast dtype."""
         with self._autocast():
             hidden = self.model.get_decoder()(
                 input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device)
             ).last_hidden_state
-            logits = self.model.get_output_embeddings()(hidden[valid])
+            return self.model.get_output_embeddings()(hidden[valid])
+
+    def sequence_logprobs(self, mb, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob (and entropy) of ``target_tokens`` at every valid model_input position, as [B, T]
+        tensors (zero elsewhere); the log-softmax is chunked so no float32 [N, V] tensor is formed."""
+        logits = self.valid_logits(mb, valid)
         targets = mb.inputs["target_tokens"].to(self.device)[valid]
         logp_rows, entropy_rows = token_logprobs_and_entropy(logits, targets, chunk_size=self.cfg.logprob_chunk_tokens)
         logp = torch.zeros(valid.shape, dtype=logp_rows.dtype, device=self.device).masked_scatter(valid, logp_rows)
@@ -120,7 +125,7 @@ class PolicyTrainer:
                 valid = inputs[weight_key] > 0
             else:
                 valid = mb.attention_mask.to(self.device) > 0
-            logp, entropy = self._sequence_logprobs(mb, valid)
+            logp, entropy = self.sequence_logprobs(mb, valid)
             if loss_fn == "cross_entropy":
                 out = losses.LossOutput(-(logp * inputs["weights"]).sum(), {})
             else:
@@ -166,7 +171,7 @@ class PolicyTrainer:
         for datum in datums:
             mb = pad_datums([datum], self.pad_id)
             valid = mb.attention_mask.to(self.device) > 0
-            logp, _ = self._sequence_logprobs(mb, valid)
+            logp, _ = self.sequence_logprobs(mb, valid)
             out.append(logp[0].cpu().tolist())
         return out
 

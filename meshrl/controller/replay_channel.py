@@ -1,0 +1,179 @@
+"""Controller side of channel 3 (N-teacher trace replay): submit frozen traces to the pool of
+TeacherReplayActors, drain their delayed results without waiting, and turn agreed-on teacher
+actions into DPO items for the learner.
+
+Training never waits on teachers: `submit` returns once the actors have queued the work and
+`drain` only takes what has already arrived. The pool is supervised like any mesh; a replaced pool
+is re-subscribed to the inbox and given back the work it had not delivered, and the inbox's dedupe
+makes sure each trace's result is used once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from meshrl.config.channels import ReplayChannelConfig
+from meshrl.training.channel_losses import DPOItem
+
+log = logging.getLogger(__name__)
+POOL = "teacher_replay"
+
+
+@dataclass
+class PendingTrace:
+    """What the controller keeps for a submitted trace until its result arrives."""
+
+    trace: object
+    version: int
+    producer: str
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+
+
+class ReplayChannel:
+    """Submits traces, drains pairs, buffers DPO items; its state goes into checkpoints."""
+
+    def __init__(self, cfg: ReplayChannelConfig, meshes, supervisor, renderer):
+        from meshrl.actors.teacher_replay import TeacherReplayActor, producer_name
+        from meshrl.channels.delayed import DelayedInbox
+
+        self.cfg = cfg
+        self.meshes = meshes
+        self.sup = supervisor
+        self.renderer = renderer
+        self.stop_token = renderer.get_stop_sequences()[0]
+        self.inbox = DelayedInbox()
+        self.pending: dict[str, PendingTrace] = {}
+        self.buffer: list[DPOItem] = []
+        self.counts: Counter[str] = Counter()
+        self.outcomes: Counter[str] = Counter()
+        self.producers = [producer_name(POOL, r) for r in range(cfg.channel.procs)]
+        meshes.add_mesh(POOL, cfg.channel.procs)
+        meshes.spawn(POOL, TeacherReplayActor, cfg.teachers, cfg.channel, POOL)
+        meshes.wait_ready([POOL])
+        self._subscribe()
+        supervisor.on_respawn(POOL, self._after_respawn)
+
+    # ---- remote helpers --------------------------------------------------------------------
+    def _call(self, what: str, issue):
+        from meshrl.controller.grpo import wait_all
+
+        return self.sup.run(POOL, lambda: wait_all(issue(self.meshes[POOL]), self.cfg.channel.rpc_timeout_s,
+                                                   f"{POOL}.{what}"), f"{POOL}.{what}")
+
+    def _subscribe(self) -> None:
+        port = self.inbox.port
+        self._call("subscribe", lambda pool: [pool.subscribe.call(port)])
+
+    def _after_respawn(self) -> None:
+        """A fresh pool: subscribe it and give it back every trace not yet delivered."""
+        from meshrl.controller.grpo import wait_all
+
+        pool = self.meshes[POOL]
+        wait_all([pool.subscribe.call(self.inbox.port)], self.cfg.channel.rpc_timeout_s, f"{POOL}.subscribe")
+        keys = self.inbox.outstanding()
+        futures = [self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace,
+                                                                              self.pending[k].version)
+                   for k in keys if k in self.pending]
+        wait_all(futures, self.cfg.channel.rpc_timeout_s, f"{POOL}.submit")
+        self.counts["resubmitted"] += len(futures)
+
+    def _actor(self, pool, producer: str):
+        return pool.slice(procs=self.producers.index(producer))
+
+    # ---- the channel ------------------------------------------------------------------------
+    def submit(self, trajectories: list, version: int) -> None:
+        """Queue the step's selected trajectories for replay (never waits for the teachers)."""
+        from meshrl.channels.sdpo import error_kind
+        from meshrl.teachers.replay import Trace, TraceStep
+
+        chosen = [t for t in trajectories if t.tokens and (self.cfg.select == "all" or error_kind(t.info))]
+        room = self.cfg.max_outstanding - len(self.inbox.outstanding())
+        if len(chosen) > room:
+            self.counts["skipped_backpressure"] += len(chosen) - max(room, 0)
+        chosen = chosen[: max(0, min(room, self.cfg.traces_per_step))]
+        for i, t in enumerate(chosen):
+            key = f"v{version}/{t.id}"
+            producer = self.producers[(self.counts["submitted"] + i) % len(self.producers)]
+            context = self.renderer.conversation_messages(list(t.problem.messages))
+            trace = Trace(episode_id=t.id, steps=[TraceStep(context=context, action=t.response_text)])
+            self.pending[key] = PendingTrace(trace, version, producer, list(t.prompt_tokens), list(t.tokens))
+            self.inbox.expect(key, producer)
+        if not chosen:
+            return
+
+        def issue(pool):
+            return [self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace, version)
+                    for k in (f"v{version}/{t.id}" for t in chosen)]
+
+        self._call("submit", issue)
+        self.counts["submitted"] += len(chosen)
+
+    def drain(self, version: int) -> dict[str, float]:
+        """Take every result that has arrived: pairs become DPO items in the buffer."""
+        messages = self.inbox.drain(version, self.cfg.channel.max_version_lag)
+        for msg in messages:
+            pending = self.pending.pop(msg.key, None)
+            outcome = msg.payload
+            if outcome.error:
+                self.counts["replay_errors"] += 1
+            for name, value in outcome.metrics.items():
+                self.outcomes[name] += value
+            if pending is None:
+                continue
+            for pair in outcome.pairs:
+                chosen = self.renderer.encode(pair.chosen) + [self.stop_token]
+                if chosen == pending.response_tokens:
+                    self.counts["pairs_identical"] += 1
+                    continue
+                self.buffer.append(DPOItem(msg.key, pending.prompt_tokens, chosen, pending.response_tokens))
+                self.counts["pairs"] += 1
+        stats = self.inbox.stats()
+        outstanding = set(self.inbox.outstanding())
+        for key in [k for k in self.pending if k not in outstanding]:  # drained as stale or duplicate
+            self.pending.pop(key)
+        acks = self.inbox.acks()
+        if acks:
+            self._call("ack", lambda pool: [self._actor(pool, p).ack.call_one(keys) for p, keys in acks.items()])
+        return {
+            **{k: float(v) for k, v in self.outcomes.items()},  # teacher calls, failures, spend
+            **{f"replay/{k}": float(v) for k, v in self.counts.items()},
+            "replay/stale_dropped": float(stats["stale_dropped"]),
+            "replay/duplicates": float(stats["duplicates"]),
+            "replay/outstanding": float(len(self.inbox.outstanding())),
+            "replay/buffered_pairs": float(len(self.buffer)),
+        }
+
+    def take(self, n: int) -> list[DPOItem]:
+        """Up to ``n`` buffered DPO items, oldest first."""
+        items, self.buffer = self.buffer[:n], self.buffer[n:]
+        return items
+
+    def state_dict(self) -> dict:
+        """JSON-able: dedupe state, traces still being replayed, buffered pairs, counters."""
+        return {
+            "inbox": self.inbox.state_dict(),
+            "pending": {k: {**vars(p), "trace": dataclasses.asdict(p.trace)} for k, p in self.pending.items()},
+            "buffer": [vars(i) for i in self.buffer],
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore after a resume and hand the traces that were in flight to the (fresh) pool."""
+        from meshrl.teachers.replay import Trace, TraceStep
+
+        self.inbox.load_state_dict(state["inbox"])
+        self.pending = {}
+        for key, p in state["pending"].items():
+            trace = Trace(p["trace"]["episode_id"], [TraceStep(**s) for s in p["trace"]["steps"]])
+            self.pending[key] = PendingTrace(trace, p["version"], p["producer"], p["prompt_tokens"],
+                                             p["response_tokens"])
+        self.buffer = [DPOItem(**i) for i in state["buffer"]]
+        self.counts = Counter(state["counts"])
+        self._after_respawn()
+
+    def close(self) -> None:
+        self.inbox.close()

@@ -1,0 +1,107 @@
+"""Channel 2 data preparation on the real SmolLM2 tokenizer: error sites, hint insertion at the
+token level, and the JSD mask covering exactly the error-site tokens."""
+
+import pytest
+import torch
+
+from meshrl.channels.sdpo import build_error_site, error_kind, insert_hint, render_hint, select_error_sites
+from meshrl.config.channels import DEFAULT_HINTS
+from meshrl.controller.rollouts import Trajectory
+from meshrl.envs.arithmetic import Problem, grade_integer_answer
+from meshrl.renderers import renderer_for_tokenizer
+from meshrl.training.channel_losses import _span_datum
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm_tokenizer):
+    return renderer_for_tokenizer(smollm_tokenizer)
+
+
+def _traj(renderer, problem, response, tid="t0", info=None):
+    prompt = renderer.build_generation_prompt(list(problem.messages))
+    tokens = renderer.encode(response) + renderer.get_stop_sequences()
+    reward, graded = grade_integer_answer(response, problem.answer)
+    return Trajectory(tid, 0, problem, prompt, tokens, [-1.0] * len(tokens), [1] * len(tokens), 0,
+                      response, "stop", reward, info if info is not None else graded)
+
+
+PROBLEM = Problem("p", ({"role": "user", "content": "What is 12 + 35?"},), "47", {"a": 12, "op": "+", "b": 35})
+
+
+def test_error_kinds_from_verifier_info():
+    assert error_kind(grade_integer_answer("It is 47.", "47")[1]) is None
+    assert error_kind(grade_integer_answer("It is 46.", "47")[1]) == "wrong_answer"
+    assert error_kind(grade_integer_answer("no idea", "47")[1]) == "wrong_format"
+    assert error_kind({"correct": False, "error": "grader raised"}) is None
+    assert error_kind({"error_kind": "syntax_error"}) == "syntax_error"
+
+
+def test_hint_insertion_equals_rendering_the_hinted_conversation(renderer, smollm_tokenizer):
+    prompt = renderer.build_generation_prompt(list(PROBLEM.messages))
+    hint = "Hint: 46 is not right. The correct answer is 47."
+    hinted = insert_hint(renderer, prompt, hint)
+    messages = list(PROBLEM.messages) + [{"role": "user", "content": hint}]
+    assert hinted == renderer.build_generation_prompt(messages)
+    expected = smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert smollm_tokenizer.decode(hinted) == expected
+    assert hinted[: len(prompt) - 3] == prompt[:-3]  # the student's prefix is reused token for token
+
+
+def test_hint_insertion_at_a_later_turn_of_a_multi_turn_episode(renderer):
+    first = renderer.build_generation_prompt(list(PROBLEM.messages))
+    reply = renderer.encode("```python\nprint(1/0)\n```") + renderer.get_stop_sequences()
+    observation = {"role": "user", "content": "ZeroDivisionError: division by zero"}
+    prefix = first + reply + renderer.bridge(first + reply, [observation])
+    hinted = insert_hint(renderer, prefix, "Hint: do not divide by zero.")
+    conversation = list(PROBLEM.messages) + [
+        {"role": "assistant", "content": "```python\nprint(1/0)\n```"}, observation,
+        {"role": "user", "content": "Hint: do not divide by zero."}]
+    assert hinted == renderer.build_generation_prompt(conversation)
+    with pytest.raises(ValueError, match="generation header"):
+        insert_hint(renderer, first + reply, "hint")
+
+
+def test_error_site_aligns_student_and_teacher_on_the_same_response_tokens(renderer):
+    traj = _traj(renderer, PROBLEM, "12 + 35 = 46")
+    sites, counts = select_error_sites(renderer, [traj, _traj(renderer, PROBLEM, "47", "t1")], DEFAULT_HINTS, 8)
+    assert counts["error_sites"] == 1 and counts["hints"] == 1 and len(sites) == 1
+    site = sites[0]
+    assert site.hint == "Hint: 46 is not right. The correct answer is 47."
+    response = site.student_tokens[site.student_start:]
+    assert response == traj.tokens == site.teacher_tokens[site.teacher_start:]
+    assert site.length == len(traj.tokens)
+
+    datum = _span_datum(site.student_tokens, site.student_start, site.length)
+    mask = datum.loss_fn_inputs["mask"]
+    positions = torch.nonzero(mask).squeeze(-1).tolist()
+    assert positions == list(range(site.student_start - 1, site.student_start - 1 + site.length))
+    assert datum.loss_fn_inputs["target_tokens"][mask > 0].tolist() == response
+
+
+def test_error_span_limits_the_site_to_the_failing_turn(renderer):
+    prompt = renderer.build_generation_prompt(list(PROBLEM.messages))
+    stop = renderer.get_stop_sequences()
+    reply1 = renderer.encode("```python\nprint(46)\n```") + stop
+    between = renderer.bridge(prompt + reply1, [{"role": "user", "content": "Tests failed: 0 of 1 passed."}])
+    reply2 = renderer.encode("```python\nprint(45)\n```") + stop
+    tokens = reply1 + between + reply2
+    span = (len(reply1) + len(between), len(tokens))
+    info = {"correct": False, "error_kind": "test_failure", "hint": "Hint: check the sum.", "error_span": span}
+    traj = Trajectory("mt", 0, PROBLEM, prompt, tokens, [-1.0] * len(tokens),
+                      [1] * len(reply1) + [0] * len(between) + [1] * len(reply2), 0, "", "stop", 0.0, info)
+    site = build_error_site(renderer, traj, info["hint"], "test_failure")
+    assert site.length == len(reply2)
+    assert site.student_tokens == prompt + tokens
+    assert site.student_tokens[site.student_start:] == reply2 == site.teacher_tokens[site.teacher_start:]
+    assert site.teacher_tokens[: len(prompt) + len(reply1)] == prompt + reply1  # history reused as is
+    bad = Trajectory("bad", 0, PROBLEM, prompt, tokens, traj.logprobs, traj.mask, 0, "", "stop", 0.0,
+                     {**info, "error_span": (2, 5)})
+    with pytest.raises(ValueError, match="generation header"):
+        build_error_site(renderer, bad, "hint", "test_failure")
+
+
+def test_missing_hint_template_is_counted_not_fatal(renderer):
+    traj = _traj(renderer, PROBLEM, "x", info={"correct": False, "error_kind": "tool_not_found"})
+    sites, counts = select_error_sites(renderer, [traj], {}, 8)
+    assert sites == [] and counts["no_hint_template"] == 1
+    assert render_hint({"k": "{a} and {missing}"}, "k", {"a": 1}) == "1 and ?"
