@@ -130,7 +130,7 @@ class ReplayChannel:
                     self.counts["pairs_identical"] += 1
                     continue
                 self.buffer.append(DPOItem(msg.key, pending.prompt_tokens, chosen, pending.response_tokens))
-                self.counts["pairs"] += 1
+                self.counts["dpo_items"] += 1
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
         for key in [k for k in self.pending if k not in outstanding]:  # drained as stale or duplicate
