@@ -60,6 +60,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_teachers_serve(args: argparse.Namespace) -> int:
+    from meshrl.models.provision import resolve_model
+    from meshrl.teachers.serve import LocalTeacherServer, TeacherServerError
+
+    try:
+        path = resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    server = LocalTeacherServer(path, args.name or args.model, port=args.port)
+    try:
+        server.start()
+    except TeacherServerError as e:
+        return _fail(str(e))
+    print(f"teacher '{server.served_name}' serving at {server.base_url} (log: {server.log_path}); Ctrl-C stops it")
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     print(config_reference_markdown(), end="")
     return 0
@@ -102,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--force", action="store_true", help="rebuild even if cached")
     models.add_argument("--verify", action="store_true", help="re-hash cached files")
     models.set_defaults(func=cmd_models)
+
+    teachers = sub.add_parser("teachers", help="local OpenAI-compatible teachers for trace replay")
+    teachers.add_argument("action", choices=["serve"])
+    teachers.add_argument("--model", default="smollm2-135m-instruct", help="cached model name or HF directory")
+    teachers.add_argument("--name", help="served model name (default: --model)")
+    teachers.add_argument("--port", type=int, default=8001)
+    teachers.set_defaults(func=cmd_teachers_serve)
 
     ref = sub.add_parser("config-reference", help="print every config key with its meaning (Markdown)")
     ref.set_defaults(func=cmd_config_reference)
