@@ -23,6 +23,10 @@ def make_task(cfg: TaskConfig):
     """The task object named by `task.kind`."""
     if cfg.kind == "arithmetic":
         return ArithmeticTask(cfg.arithmetic)
+    if cfg.kind == "code":
+        from meshrl.controller.multiturn import CodeTaskSet
+
+        return CodeTaskSet(cfg.code)
     raise ValueError(f"task.kind = {cfg.kind!r}: no such task")
 
 

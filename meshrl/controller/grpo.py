@@ -78,6 +78,7 @@ class GRPOLoop:
         self.step_index = 0  # the step being run (1-based once running)
         self.stop_tokens = tuple(renderer.get_stop_sequences())
         self.replay = replay  # channel 3 (ReplayChannel) or None
+        self.episode_records: list[dict] = []  # multi-turn episode records not yet written out
         self.sdpo_counts: dict[str, int] = {}
         supervisor.on_respawn("generator", self._resync_generators)
         if cfg.sdpo.alpha > 0:
@@ -171,8 +172,41 @@ class GRPOLoop:
         return (self.cfg.generator.seed * 1_000_003 + cursor * 7919) % (2**31 - 1)
 
     # ---- stages -----------------------------------------------------------------------------
+    def _episodes(self, tasks: list, group_size: int, request: SampleRequest, tag: str):
+        """Multi-turn episodes in the env mesh; a failed env mesh is replaced and the whole batch of
+        episodes replayed (it is seeded, so the retry samples the same tokens)."""
+        from meshrl.controller.multiturn import ENV, run_episodes
+
+        trajectories, records = self.sup.run(ENV, lambda: run_episodes(self, tasks, group_size, request, tag),
+                                             f"{ENV} episodes")
+        self.episode_records.extend(records)
+        return trajectories
+
+    def _rollout_code(self) -> tuple[list[Trajectory], dict]:
+        t0 = time.perf_counter()
+        tc = self.cfg.trainer
+        cursor = self.cursor
+        tasks = self.task.train_batch(cursor, tc.prompts_per_step)
+        self.cursor += tc.prompts_per_step
+        s = self.cfg.generator.sampling
+        request = SampleRequest(n=1, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                stop_token_ids=self.stop_tokens, seed=self.sampling_seed(cursor))
+        trajectories = self._episodes(tasks, tc.group_size, request, f"train{cursor}")
+        n = max(len(trajectories), 1)
+        gen_tokens = sum(t.sampled_tokens for t in trajectories)
+        elapsed = time.perf_counter() - t0
+        return trajectories, {
+            "timing/generate_s": elapsed,
+            "gen/tokens": gen_tokens,
+            "gen/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
+            "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
+            "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n,
+        }
+
     def rollout(self) -> tuple[list[Trajectory], dict]:
-        """Sample G completions for the next batch of problems and score them."""
+        """Sample G completions (or G multi-turn episodes) per problem and score them."""
+        if self.cfg.task.kind == "code":
+            return self._rollout_code()
         t0 = time.perf_counter()
         tc = self.cfg.trainer
         problems = self.task.train_batch(self.cursor, tc.prompts_per_step)
@@ -309,8 +343,17 @@ class GRPOLoop:
         }
 
     def evaluate(self) -> dict:
-        """Greedy accuracy on the held-out problems."""
+        """Greedy accuracy on the held-out problems (episode success rate for code tasks)."""
         t0 = time.perf_counter()
+        if self.cfg.task.kind == "code":
+            request = SampleRequest(n=1, max_tokens=self.cfg.generator.sampling.max_new_tokens, temperature=0.0,
+                                    stop_token_ids=self.stop_tokens)
+            held = self.task.heldout(self.cfg.trainer.eval.size)
+            trajectories = self._episodes(held, 1, request, f"eval{self.version}")
+            n = max(len(trajectories), 1)
+            return {"eval/accuracy": sum(bool(t.info["correct"]) for t in trajectories) / n,
+                    "eval/reward_mean": sum(t.reward for t in trajectories) / n,
+                    "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
         problems, prompts = self._prompt_tokens(self.task.heldout(self.cfg.trainer.eval.size))
         request = SampleRequest(n=1, max_tokens=self.cfg.generator.sampling.max_new_tokens, temperature=0.0,
                                 stop_token_ids=self.stop_tokens)

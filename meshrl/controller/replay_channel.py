@@ -29,8 +29,8 @@ class PendingTrace:
     trace: object
     version: int
     producer: str
-    prompt_tokens: list[int]
-    response_tokens: list[int]
+    steps: list[tuple[list[int], list[int]]]
+    """Per student step: (the exact tokens before the step's reply, the reply's tokens)."""
 
 
 class ReplayChannel:
@@ -88,7 +88,6 @@ class ReplayChannel:
     def submit(self, trajectories: list, version: int) -> None:
         """Queue the step's selected trajectories for replay (never waits for the teachers)."""
         from meshrl.channels.sdpo import error_kind
-        from meshrl.teachers.replay import Trace, TraceStep
 
         chosen = [t for t in trajectories if t.tokens and (self.cfg.select == "all" or error_kind(t.info))]
         room = self.cfg.max_outstanding - len(self.inbox.outstanding())
@@ -98,9 +97,8 @@ class ReplayChannel:
         for i, t in enumerate(chosen):
             key = f"v{version}/{t.id}"
             producer = self.producers[(self.counts["submitted"] + i) % len(self.producers)]
-            context = self.renderer.conversation_messages(list(t.problem.messages))
-            trace = Trace(episode_id=t.id, steps=[TraceStep(context=context, action=t.response_text)])
-            self.pending[key] = PendingTrace(trace, version, producer, list(t.prompt_tokens), list(t.tokens))
+            trace, steps = self._frozen_trace(t)
+            self.pending[key] = PendingTrace(trace, version, producer, steps)
             self.inbox.expect(key, producer)
         if not chosen:
             return
@@ -111,6 +109,18 @@ class ReplayChannel:
 
         self._call("submit", issue)
         self.counts["submitted"] += len(chosen)
+
+    def _frozen_trace(self, t):
+        """The trace teachers replay (the exact contexts the student saw) and, per step, its tokens."""
+        from meshrl.teachers.replay import Trace, TraceStep
+
+        turns = t.info.get("turns")
+        if not turns:  # single turn: the prompt messages as the template renders them
+            turns = [(self.renderer.conversation_messages(list(t.problem.messages)), t.response_text, 0, len(t.tokens))]
+        steps = [TraceStep(context=list(context), action=text) for context, text, _, _ in turns]
+        tokens = [(list(t.prompt_tokens) + list(t.tokens[:start]), list(t.tokens[start:end]))
+                  for _, _, start, end in turns]
+        return Trace(episode_id=t.id, steps=steps), tokens
 
     def drain(self, version: int) -> dict[str, float]:
         """Take every result that has arrived: pairs become DPO items in the buffer."""
@@ -125,11 +135,12 @@ class ReplayChannel:
             if pending is None:
                 continue
             for pair in outcome.pairs:
+                prefix, rejected = pending.steps[pair.step_index]
                 chosen = self.renderer.encode(pair.chosen) + [self.stop_token]
-                if chosen == pending.response_tokens:
+                if chosen == rejected:
                     self.counts["pairs_identical"] += 1
                     continue
-                self.buffer.append(DPOItem(msg.key, pending.prompt_tokens, chosen, pending.response_tokens))
+                self.buffer.append(DPOItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected))
                 self.counts["dpo_items"] += 1
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
@@ -169,8 +180,8 @@ class ReplayChannel:
         self.pending = {}
         for key, p in state["pending"].items():
             trace = Trace(p["trace"]["episode_id"], [TraceStep(**s) for s in p["trace"]["steps"]])
-            self.pending[key] = PendingTrace(trace, p["version"], p["producer"], p["prompt_tokens"],
-                                             p["response_tokens"])
+            self.pending[key] = PendingTrace(trace, p["version"], p["producer"],
+                                             [(list(a), list(b)) for a, b in p["steps"]])
         self.buffer = [DPOItem(**i) for i in state["buffer"]]
         self.counts = Counter(state["counts"])
         self._after_respawn()

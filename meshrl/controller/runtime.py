@@ -49,7 +49,15 @@ class Runtime:
             path = str(self.model_path)
             self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
             self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
-            self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
+            if cfg.task.kind == "code":  # the env mesh (sandboxed episodes) takes the rewarder's place
+                from meshrl.actors.env_actor import EnvActor
+                from meshrl.controller.multiturn import ENV
+
+                spec = cfg.meshes.rewarder
+                self.meshes.add_mesh(ENV, spec.procs, spec.colocate_with)
+                self.meshes.spawn(ENV, EnvActor, cfg.task.code.env)
+            else:
+                self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
             if cfg.sdpo.alpha > 0:
                 from meshrl.actors.sdpo_teacher import SDPOTeacherActor
                 from meshrl.controller.grpo import SDPO_TEACHER

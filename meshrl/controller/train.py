@@ -123,6 +123,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     continue
                 step += 1
                 _log_recoveries(metrics, rt.supervisor, step, result)
+                _save_episodes(run_dir, loop)
                 record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
                 metrics.log(record)
                 result["steps"] = step
@@ -145,6 +146,16 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     result["mean_step_s"] = sum(r["timing/step_s"] for r in train) / max(len(train), 1)
     result["wall_s"] = time.perf_counter() - t_start
     return result
+
+
+def _save_episodes(run_dir: Path, loop) -> None:
+    """Append the multi-turn episode records of the step (turns, code, outputs, rewards) to
+    `trajectories.jsonl`."""
+    if loop.episode_records:
+        from meshrl.envs.code_env import save_trajectories
+
+        save_trajectories(run_dir / "trajectories.jsonl", loop.episode_records)
+        loop.episode_records.clear()
 
 
 def _log_recoveries(metrics, supervisor, step: int, result: dict) -> None:
