@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
-from meshrl.envs.code_env import CodeAction, CodeEnv, tasks_from_config
+from meshrl.envs.code_env import CodeAction, CodeEnv
 from meshrl.envs.config import EnvConfig
 from meshrl.envs.sandbox import Sandbox
+from meshrl.envs.tasks import CodeTask
 
 
 def _observation_record(obs) -> dict:
@@ -29,20 +30,19 @@ class EnvActor(MeshrlActor):
     def __init__(self, env_cfg: EnvConfig):
         self.cfg = env_cfg
         self.sandbox = Sandbox(env_cfg.sandbox)
-        self.tasks = {t.task_id: t for t in tasks_from_config(env_cfg.model_copy(update={"split": "all"}))}
         self.envs: dict[str, CodeEnv] = {}
         self.pool = ThreadPoolExecutor(max_workers=env_cfg.sandbox.max_parallel)
 
     def describe(self) -> dict:
-        return {"layer": Sandbox.probe(self.cfg.sandbox).layer, "tasks": len(self.tasks)}
+        return {"layer": self.sandbox.layer}
 
     @endpoint
-    def reset(self, episodes: list[tuple[str, str]]) -> list[list[dict]]:
-        """Open one episode per (episode_id, task_id); returns each episode's initial messages."""
+    def reset(self, episodes: list[tuple[str, CodeTask]]) -> list[list[dict]]:
+        """Open one episode per (episode_id, task); returns each episode's initial messages."""
         out = []
-        for episode_id, task_id in episodes:
-            env = CodeEnv(self.tasks[task_id], self.sandbox, self.cfg.code)
-            obs = env.reset(episode_id=episode_id, task_id=task_id)
+        for episode_id, task in episodes:
+            env = CodeEnv(task, self.sandbox, self.cfg.code)
+            obs = env.reset(episode_id=episode_id)
             self.envs[episode_id] = env
             out.append(obs.metadata["messages"])
         return out

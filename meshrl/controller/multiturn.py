@@ -96,7 +96,7 @@ def run_episodes(loop, tasks: list, group_size: int, request: SampleRequest, tag
                     out[ep.id] = value
         return [out[ep.id] for ep, _ in per_episode]
 
-    initial = call("reset", [(ep, (ep.id, ep.task.task_id)) for ep in episodes])
+    initial = call("reset", [(ep, (ep.id, ep.task)) for ep in episodes])
     limit = cfg.model.max_model_len - request.max_tokens
     active = []
     for ep, messages in zip(episodes, initial):
