@@ -140,9 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow flags (`train --overwrite learner.lr=1e-5`): argparse leaves those over
+    if extra and (args.command != "train" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     return args.func(args)
 
 
+def console_main() -> None:
+    """The `meshrl` console script."""
+    code = main()
+    if "monarch" in sys.modules:
+        # Meshes are stopped and files closed by now. Leave without interpreter finalisation:
+        # tearing down Monarch's and the engines' native threads at exit can abort the process
+        # ("FATAL: exception not rethrown") after a run that succeeded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
