@@ -28,10 +28,11 @@ COMMON = ["trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkp
 
 
 def test_full_arm_trains_on_all_three_terms(tiny_run_config):
-    script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error")}
+    script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error"), "hinter": "Hint: add carefully."}
     with FakeOpenAIServer(script) as server:
+        hinter = f"sdpo.hint_generator={{enabled: true, endpoint: {{name: h, base_url: '{server.base_url}', model: hinter}}}}"
         cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "replay.beta=0.5",
-                              "replay.channel.procs=1", _teachers(server.base_url))
+                              "replay.channel.procs=1", _teachers(server.base_url), hinter)
         train = _run(cfg)
         requests = server.chat_requests("m0")
     assert len(train) == 4
@@ -43,6 +44,7 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config):
         assert r["loss/total"] == pytest.approx(expected)
     last = train[-1]
     assert last["sdpo/error_sites"] > 0 and last["sdpo/hints"] > 0
+    assert last["sdpo/llm_hints"] > 0 and last["sdpo/llm_hint_ok"] > 0  # the optional LLM hint generator
     assert last["replay/submitted"] > 0 and last["replay/dpo_items"] > 0
     assert last["replay/failures/server_error"] > 0  # the failing teacher is counted, training went on
     # every teacher saw the student's exact context (the default system prompt included)

@@ -36,10 +36,14 @@ def _check_run(run_dir, steps, group_size, prompts):
 
 def test_code_task_runs_multi_turn_grpo_with_the_tiny_model(tiny_run_config):
     cfg = tiny_run_config("output.name=code-tiny", "trainer.steps=2", "trainer.prompts_per_step=2",
-                          "trainer.group_size=2", *CODE)
+                          "trainer.group_size=2", *CODE,
+                          "faults.inject=[{mesh: env, at_step: 2, action: kill, during: step_start}]")
     run_dir = make_run_dir(cfg, overwrite=True)
     run_training(cfg, run_dir)
     train, episodes = _check_run(run_dir, 2, 2, 2)
+    # the env process was killed before step 2: replaced, and the step's episodes replayed in full
+    faults = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "fault"]
+    assert [f["mesh"] for f in faults] == ["env"] and train[-1]["faults/restarts/env"] == 1
     # the random model never writes valid code: every episode uses both turns and fails with a marker
     assert all(e["num_turns"] == 2 for e in episodes)
     assert all(t["error_kind"] for e in episodes for t in e["turns"])

@@ -14,9 +14,9 @@ from pathlib import Path
 from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
-
+from meshrl.actors.follower import PolicyFollower
 from meshrl.channels.config import WeightSyncConfig
-from meshrl.channels.weight_store import WeightPuller, silence_tcp_fallback_warning
+from meshrl.channels.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
 from meshrl.engines import Completion, SampleRequest, make_engine
@@ -52,7 +52,7 @@ class Generator(MeshrlActor):
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank
         )
-        self.puller = WeightPuller(store, sync_cfg)
+        self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0
         # the engine's first request pays a one-off warm-up (seconds on CPU): take it here, inside
         # the spawn deadline, so call deadlines only ever measure real work
@@ -83,17 +83,6 @@ class Generator(MeshrlActor):
     @endpoint
     def update_weights(self, min_version: int) -> dict:
         """Pull the newest published version (>= min_version) and load it into the engine."""
-        result = self.puller.pull(min_version)
-        load_s = 0.0
-        if result.stats.nbytes:
-            started = time.perf_counter()
-            self.engine.load_weights(result.tensors.items())
-            load_s = time.perf_counter() - started
-        self.version = result.version
-        return {
-            "version": result.version,
-            "pull_s": result.stats.seconds,
-            "transfer_s": result.stats.transfer_seconds,
-            "bytes": result.stats.nbytes,
-            "load_s": load_s,
-        }
+        stats = self.follower.update(self.engine, min_version)
+        self.version = self.follower.version
+        return stats

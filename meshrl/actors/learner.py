@@ -78,7 +78,7 @@ class Learner(MeshrlActor):
 
     @endpoint
     def publish(self, version: int) -> dict:
-        """Publish the current weights (LoRA merged) as ``version`` in the weight store."""
-        stats = self.publisher.publish(self.trainer.inference_state_dict(), version)
+        """Publish the current weights (LoRA merged, or the adapter only) as ``version``."""
+        stats = self.publisher.publish(self.trainer.sync_state_dict(), version)
         return {"version": stats.version, "bytes": stats.nbytes, "publish_s": stats.seconds,
                 "pack_s": stats.pack_seconds}

@@ -13,7 +13,8 @@ from monarch.actor import endpoint
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
 from meshrl.channels.config import WeightSyncConfig
-from meshrl.channels.weight_store import WeightPuller, silence_tcp_fallback_warning
+from meshrl.actors.follower import PolicyFollower
+from meshrl.channels.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
 from meshrl.engines.hf_engine import HFEngine
@@ -27,7 +28,7 @@ class SDPOTeacherActor(MeshrlActor):
         silence_tcp_fallback_warning()
         engine_cfg = GeneratorConfig(backend="hf", torch_threads=torch_threads)
         self.engine = HFEngine(Path(model_path), engine_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=0)
-        self.puller = WeightPuller(store, sync_cfg)
+        self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0
 
     def describe(self) -> dict:
@@ -35,11 +36,9 @@ class SDPOTeacherActor(MeshrlActor):
 
     @endpoint
     def update_weights(self, min_version: int) -> dict:
-        result = self.puller.pull(min_version)
-        if result.stats.nbytes:
-            self.engine.load_weights(result.tensors.items())
-        self.version = result.version
-        return {"version": self.version, "pull_s": result.stats.seconds, "bytes": result.stats.nbytes}
+        stats = self.follower.update(self.engine, min_version)
+        self.version = self.follower.version
+        return stats
 
     @endpoint
     def score_sites(self, sites: list[tuple[list[int], int, int]], top_k: int) -> dict:

@@ -69,6 +69,7 @@ class TeacherReplayActor(Actor):
         self.running = 0
         self.counts: Counter[str] = Counter()
         self.teacher_failures: Counter[str] = Counter()
+        self.drop_results = 0  # results to drop (fault injection)
 
     @endpoint
     async def info(self) -> dict:
@@ -95,6 +96,13 @@ class TeacherReplayActor(Actor):
         return True
 
     @endpoint
+    async def inject_fault(self, endpoint_name: str, action: str, seconds: float = 0.0) -> None:
+        """Fault injection: ``action == "drop"`` loses the next result instead of sending it."""
+        if action != "drop":
+            raise ValueError(f"teacher replay actors support only the 'drop' fault, got {action!r}")
+        self.drop_results += 1
+
+    @endpoint
     async def ack(self, keys: list[str]) -> int:
         """Drop acknowledged results; returns how many were held."""
         return self.outbox.ack(keys)
@@ -105,7 +113,7 @@ class TeacherReplayActor(Actor):
         return {
             "producer": self.producer,
             **{name: self.counts[name] for name in ("submitted", "replayed", "replay_errors", "pairs",
-                                                  "duplicate_submissions", "peak_running")},
+                                                  "duplicate_submissions", "peak_running", "dropped_by_fault")},
             "running": self.running,
             "queued": len(self.tasks) - self.running,
             **self.outbox.stats(),
@@ -134,6 +142,10 @@ class TeacherReplayActor(Actor):
                 outcome = TraceReplayOutcome(result.pairs, result.metrics(), seconds=time.monotonic() - started)
             finally:
                 self.running -= 1
+        if self.drop_results > 0:  # fault injection: the reply is lost on the way
+            self.drop_results -= 1
+            self.counts["dropped_by_fault"] += 1
+            return
         self.outbox.send(
             work_key, outcome, episode_id=trace.episode_id, step=WHOLE_EPISODE, policy_version=policy_version
         )

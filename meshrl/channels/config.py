@@ -60,3 +60,10 @@ class DelayedChannelConfig(Section):
 
     rpc_timeout_s: float = Field(30.0, gt=0)
     """Deadline of each control call to the pool (subscribe, submit, ack, stats)."""
+
+    result_timeout_s: float = Field(300.0, gt=0)
+    """A submitted trace whose result has not arrived after this long is submitted again (a lost
+    reply); after `max_attempts` it is abandoned and counted."""
+
+    max_attempts: int = Field(2, ge=1)
+    """Submissions of one trace before it is abandoned."""

@@ -142,6 +142,10 @@ class DelayedInbox:
         """Record that work ``key`` was submitted to ``producer`` (again, if re-submitted)."""
         self._expected[key] = producer
 
+    def forget(self, key: str) -> None:
+        """Stop expecting ``key`` (its work was abandoned); a late result is still accepted once."""
+        self._expected.pop(key, None)
+
     def outstanding(self, producer: str | None = None) -> list[str]:
         """Keys submitted (to ``producer``, or to any) and not drained yet, in submission order."""
         return [k for k, p in self._expected.items() if producer is None or p == producer]

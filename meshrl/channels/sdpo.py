@@ -100,10 +100,17 @@ def hint_fields(trajectory) -> dict[str, Any]:
 
 
 def select_error_sites(renderer: Renderer, trajectories: list, templates: dict[str, str],
-                       limit: int) -> tuple[list[ErrorSite], dict[str, int]]:
-    """Error sites of a step (at most ``limit``), each with its rendered hint; counts by outcome."""
+                       limit: int, hint_source=None) -> tuple[list[ErrorSite], dict[str, int]]:
+    """Error sites of a step (at most ``limit``), each with its hint; counts by outcome.
+    ``hint_source(trajectories, kinds) -> list[str | None]`` (e.g. an LLM) is asked first; the
+    environment's hint and the templates fill in where it has none."""
     sites: list[ErrorSite] = []
-    counts = {"error_sites": 0, "hints": 0, "no_hint_template": 0, "empty_response": 0}
+    counts = {"error_sites": 0, "hints": 0, "llm_hints": 0, "no_hint_template": 0, "empty_response": 0}
+    failed = [(t, error_kind(t.info)) for t in trajectories]
+    failed = [(t, k) for t, k in failed if k is not None]
+    candidates = [(t, k) for t, k in failed if t.tokens][:limit]
+    generated = hint_source([t for t, _ in candidates], [k for _, k in candidates]) if hint_source else []
+    generated_by_id = {t.id: h for (t, _), h in zip(candidates, generated) if h}
     for t in trajectories:
         kind = error_kind(t.info)
         if kind is None:
@@ -112,7 +119,12 @@ def select_error_sites(renderer: Renderer, trajectories: list, templates: dict[s
         if not t.tokens:
             counts["empty_response"] += 1
             continue
-        hint = t.info.get("hint") or render_hint(templates, t.info.get("hint_template_key") or kind, hint_fields(t))
+        hint = generated_by_id.get(t.id)
+        if hint:
+            counts["llm_hints"] += 1
+        else:
+            hint = t.info.get("hint") or render_hint(templates, t.info.get("hint_template_key") or kind,
+                                                     hint_fields(t))
         if not hint:
             counts["no_hint_template"] += 1
             continue

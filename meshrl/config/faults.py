@@ -18,12 +18,14 @@ class FaultInjection(Section):
     at_step: int = Field(ge=1)
     """Training step during which the fault happens."""
 
-    action: Literal["kill", "delay", "raise"] = "kill"
+    action: Literal["kill", "delay", "raise", "drop"] = "kill"
     """`kill`: SIGKILL the actor's process; `delay`: the endpoint sleeps `seconds` (a hung actor
-    when longer than the call deadline); `raise`: the endpoint raises once."""
+    when longer than the call deadline); `raise`: the endpoint raises once; `drop`: a teacher
+    replay actor loses its next result (a teacher reply that never arrives)."""
 
-    during: Literal["step_start", "generate", "score", "train"] = "generate"
-    """For `kill`: the phase in flight when the process is killed (`step_start` = before any call)."""
+    during: Literal["step_start", "generate", "score", "train", "sync", "sdpo"] = "generate"
+    """For `kill`: the phase in flight when the process is killed (`step_start` = before any call;
+    `sdpo` = the SDPO teacher's scoring call)."""
 
     endpoint: str = "generate"
     """For `delay` / `raise`: the endpoint that misbehaves on its next call."""

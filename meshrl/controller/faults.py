@@ -25,7 +25,7 @@ class FaultInjector:
         for fault in list(self.pending):
             if fault.at_step != step:
                 continue
-            if phase == "step_start" and fault.action in ("delay", "raise"):
+            if phase == "step_start" and fault.action in ("delay", "raise", "drop"):
                 self._arm_endpoint(fault)
             elif fault.action == "kill" and fault.during == phase:
                 self._kill(fault, delay_s=0.0 if phase == "step_start" else fault.seconds)

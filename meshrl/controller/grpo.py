@@ -80,6 +80,7 @@ class GRPOLoop:
         self.replay = replay  # channel 3 (ReplayChannel) or None
         self.episode_records: list[dict] = []  # multi-turn episode records not yet written out
         self.sdpo_counts: dict[str, int] = {}
+        self.hint_source = None  # LLM hint generator (sdpo.hint_generator), built on first use
         supervisor.on_respawn("generator", self._resync_generators)
         if cfg.sdpo.alpha > 0:
             supervisor.on_respawn(SDPO_TEACHER, lambda: self._pull_teacher_weights(self.version))
@@ -283,7 +284,15 @@ class GRPOLoop:
         from meshrl.training.channel_losses import SDPOItem
 
         c = self.cfg.sdpo
-        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, c.max_sites_per_step)
+        if c.hint_generator.enabled and self.hint_source is None:
+            from meshrl.controller.hinting import llm_hint_source
+
+            self.hint_source = llm_hint_source(c.hint_generator, self.renderer, c.call_timeout_s)
+        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, c.max_sites_per_step,
+                                           self.hint_source)
+        if self.hint_source is not None:
+            counts.update({f"llm_hint_{k}": v for k, v in self.hint_source.counts.items()})
+            self.hint_source.counts.clear()
         for k, v in counts.items():
             self.sdpo_counts[k] = self.sdpo_counts.get(k, 0) + v
         out = {f"sdpo/{k}": float(v) for k, v in self.sdpo_counts.items()}

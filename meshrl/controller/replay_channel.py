@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class PendingTrace:
     producer: str
     steps: list[tuple[list[int], list[int]]]
     """Per student step: (the exact tokens before the step's reply, the reply's tokens)."""
+    submitted_at: float = 0.0
+    attempts: int = 1
 
 
 class ReplayChannel:
@@ -98,7 +101,7 @@ class ReplayChannel:
             key = f"v{version}/{t.id}"
             producer = self.producers[(self.counts["submitted"] + i) % len(self.producers)]
             trace, steps = self._frozen_trace(t)
-            self.pending[key] = PendingTrace(trace, version, producer, steps)
+            self.pending[key] = PendingTrace(trace, version, producer, steps, time.monotonic())
             self.inbox.expect(key, producer)
         if not chosen:
             return
@@ -146,6 +149,7 @@ class ReplayChannel:
         outstanding = set(self.inbox.outstanding())
         for key in [k for k in self.pending if k not in outstanding]:  # drained as stale or duplicate
             self.pending.pop(key)
+        self._retry_lost(outstanding)
         acks = self.inbox.acks()
         if acks:
             self._call("ack", lambda pool: [self._actor(pool, p).ack.call_one(keys) for p, keys in acks.items()])
@@ -157,6 +161,31 @@ class ReplayChannel:
             "replay/outstanding": float(len(self.inbox.outstanding())),
             "replay/buffered_pairs": float(len(self.buffer)),
         }
+
+    def _retry_lost(self, outstanding: set[str]) -> None:
+        """Results overdue by `result_timeout_s` were lost: submit again, or abandon after
+        `max_attempts` (both counted)."""
+        c = self.cfg.channel
+        now = time.monotonic()
+        overdue = [k for k in outstanding if k in self.pending and now - self.pending[k].submitted_at > c.result_timeout_s]
+        retry = []
+        for key in overdue:
+            p = self.pending[key]
+            if p.attempts >= c.max_attempts:
+                self.inbox.forget(key)
+                self.pending.pop(key)
+                self.counts["abandoned"] += 1
+                log.warning("replay of %s abandoned after %d attempts without a result", key, p.attempts)
+            else:
+                p.attempts += 1
+                p.submitted_at = now
+                retry.append(key)
+        if retry:
+            self._call("submit", lambda pool: [
+                self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace,
+                                                                            self.pending[k].version)
+                for k in retry])
+            self.counts["resubmitted_lost"] += len(retry)
 
     def take(self, n: int) -> list[DPOItem]:
         """Up to ``n`` buffered DPO items, oldest first."""
@@ -181,7 +210,8 @@ class ReplayChannel:
         for key, p in state["pending"].items():
             trace = Trace(p["trace"]["episode_id"], [TraceStep(**s) for s in p["trace"]["steps"]])
             self.pending[key] = PendingTrace(trace, p["version"], p["producer"],
-                                             [(list(a), list(b)) for a, b in p["steps"]])
+                                             [(list(a), list(b)) for a, b in p["steps"]], time.monotonic(),
+                                             p["attempts"])
         self.buffer = [DPOItem(**i) for i in state["buffer"]]
         self.counts = Counter(state["counts"])
         self._after_respawn()

@@ -176,6 +176,15 @@ class PolicyTrainer:
         return out
 
     # ---- weights for inference -----------------------------------------------------------
+    def sync_state_dict(self) -> dict[str, torch.Tensor]:
+        """What the learner publishes for readers: the merged weights, or under
+        `lora.sync: adapter` only the adapter matrices (readers merge them)."""
+        if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":
+            from meshrl.training.lora import adapter_state_dict
+
+            return adapter_state_dict(self.model)
+        return self.inference_state_dict()
+
     @torch.no_grad()
     def inference_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """HF-named weights as the generators load them: LoRA merged. A tied lm_head stays in (as

@@ -1,0 +1,39 @@
+"""PolicyFollower: how a weight reader (generator, SDPO teacher) keeps its engine on the learner's
+latest version — pull from the weight store, merge a LoRA adapter into the base weights when only
+the adapter was published, load into the engine between requests."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from meshrl.channels.config import WeightSyncConfig
+from meshrl.channels.weight_store import WeightPuller
+from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
+
+
+class PolicyFollower:
+    """Owns the puller and (for adapter-only sync) the base weights adapters are merged into."""
+
+    def __init__(self, store: str, sync_cfg: WeightSyncConfig, model_path: Path):
+        self.puller = WeightPuller(store, sync_cfg)
+        self.model_path = Path(model_path)
+        self._base = None
+        self.version = 0
+
+    def update(self, engine, min_version: int) -> dict:
+        """Pull the newest version >= ``min_version`` and load it into ``engine``."""
+        result = self.puller.pull(min_version)
+        load_s = 0.0
+        if result.stats.nbytes:
+            started = time.perf_counter()
+            tensors = result.tensors
+            if is_adapter(tensors):
+                if self._base is None:
+                    self._base = load_base_state(self.model_path)
+                tensors = merge_adapter(self._base, tensors)
+            engine.load_weights(tensors.items())
+            load_s = time.perf_counter() - started
+        self.version = result.version
+        return {"version": result.version, "pull_s": result.stats.seconds,
+                "transfer_s": result.stats.transfer_seconds, "bytes": result.stats.nbytes, "load_s": load_s}
