@@ -31,7 +31,7 @@ class MeshesConfig(Section):
     rewarder: MeshSpec = MeshSpec()
     """Rewarder processes (verifiers)."""
 
-    supervision_poll_s: float = Field(1.0, gt=0)
+    supervision_poll_s: float = Field(0.5, gt=0)
     """How often Monarch polls child processes for failure (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY)."""
 
     spawn_timeout_s: float = Field(300.0, gt=0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrl.config.run import RunConfig
-from meshrl.controller.supervisor import CallTimeout, Supervisor
+from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.controller.rollouts import Trajectory, build_datums, group_advantages, uniform_groups
 from meshrl.engines import SampleRequest
 
@@ -23,19 +23,6 @@ SDPO_TEACHER = "sdpo_teacher"
 
 class StepError(RuntimeError):
     """A step cannot proceed; the message names the mesh and the call."""
-
-
-def wait_all(futures: list[Any], timeout_s: float, what: str) -> list[Any]:
-    """Wait for every future with one shared deadline; raise StepError naming the call."""
-    deadline = time.monotonic() + timeout_s
-    out = []
-    for fut in futures:
-        remaining = max(0.001, deadline - time.monotonic())
-        try:
-            out.append(fut.get(timeout=remaining))
-        except TimeoutError:
-            raise CallTimeout(f"{what} timed out after {timeout_s:g}s") from None
-    return out
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -108,7 +95,7 @@ class GRPOLoop:
             if self.faults is not None:
                 self.faults.before_call(self.step_index, mesh, phase)
             futures = issue(self.meshes[mesh])
-            return wait_all(futures, timeout_s, what)
+            return wait_all(futures, timeout_s, what, watch=lambda: self.meshes.dead_process(mesh))
 
         return self.sup.run(mesh, attempt, what)
 

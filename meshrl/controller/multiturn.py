@@ -71,7 +71,7 @@ class _Episode:
 
 def run_episodes(loop, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], list[dict]]:
     """Play ``group_size`` episodes of each task; returns trajectories and the env's episode records."""
-    from meshrl.controller.grpo import wait_all
+    from meshrl.controller.supervisor import wait_all
 
     cfg = loop.cfg
     env_mesh = loop.meshes[ENV]
@@ -88,7 +88,7 @@ def run_episodes(loop, tasks: list, group_size: int, request: SampleRequest, tag
         groups = by_rank(per_episode)
         futures = [getattr(env_mesh.slice(procs=r), endpoint).call_one([arg for _, arg in groups[r]])
                    for r in range(ranks) if groups[r]]
-        replies = iter(wait_all(futures, timeout, f"{ENV}.{endpoint}"))
+        replies = iter(wait_all(futures, timeout, f"{ENV}.{endpoint}", watch=lambda: loop.meshes.dead_process(ENV)))
         out = {}
         for r in range(ranks):
             if groups[r]:

@@ -62,10 +62,11 @@ class ReplayChannel:
 
     # ---- remote helpers --------------------------------------------------------------------
     def _call(self, what: str, issue):
-        from meshrl.controller.grpo import wait_all
+        from meshrl.controller.supervisor import wait_all
 
         return self.sup.run(POOL, lambda: wait_all(issue(self.meshes[POOL]), self.cfg.channel.rpc_timeout_s,
-                                                   f"{POOL}.{what}"), f"{POOL}.{what}")
+                                                   f"{POOL}.{what}", watch=lambda: self.meshes.dead_process(POOL)),
+                            f"{POOL}.{what}")
 
     def _subscribe(self) -> None:
         port = self.inbox.port
@@ -73,7 +74,7 @@ class ReplayChannel:
 
     def _after_respawn(self) -> None:
         """A fresh pool: subscribe it and give it back every trace not yet delivered."""
-        from meshrl.controller.grpo import wait_all
+        from meshrl.controller.supervisor import wait_all
 
         pool = self.meshes[POOL]
         wait_all([pool.subscribe.call(self.inbox.port)], self.cfg.channel.rpc_timeout_s, f"{POOL}.subscribe")

@@ -29,6 +29,35 @@ class CallTimeout(RuntimeError):
     """A remote call did not answer within its deadline (treated as a hung actor)."""
 
 
+class ProcessDied(RuntimeError):
+    """A process serving a call was found dead while the call was in flight."""
+
+
+WATCH_INTERVAL_S = 0.25
+
+
+def wait_all(futures: list, timeout_s: float, what: str, watch: Callable[[], str | None] | None = None) -> list:
+    """Wait for every future with one shared deadline (CallTimeout names the call). While
+    waiting, ``watch()`` is asked every 0.25 s whether a process serving the call has died
+    (ProcessDied): on one host this sees a SIGKILL within a poll, even when Monarch's own report
+    of the death takes longer."""
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for fut in futures:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CallTimeout(f"{what} timed out after {timeout_s:g}s")
+            try:
+                out.append(fut.get(timeout=min(remaining, WATCH_INTERVAL_S) if watch else remaining))
+                break
+            except TimeoutError:
+                reason = watch() if watch else None
+                if reason:
+                    raise ProcessDied(f"{what}: {reason}") from None
+    return out
+
+
 class MeshLost(RuntimeError):
     """A mesh failed; carries the mesh name and a one-line cause."""
 
@@ -49,7 +78,7 @@ def recoverable_errors() -> tuple[type[BaseException], ...]:
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
     from monarch.actor import ActorError
 
-    return (SupervisionError, ActorError, CallTimeout)
+    return (SupervisionError, ActorError, CallTimeout, ProcessDied)
 
 
 class Supervisor:

@@ -10,6 +10,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from meshrl.config.meshes import MeshesConfig, MeshSpec
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class MeshGroup:
         self.infos: dict[str, list[dict]] = {}
         self._specs: dict[str, _ActorSpec] = {}
         self._extra_meshes: dict[str, MeshSpec] = {}
+        self._stopping: list[tuple[str, Any]] = []  # (name, stop future) of replaced proc meshes
         self.generation: dict[str, int] = {}
 
     def procs_of(self, name: str) -> int:
@@ -98,22 +101,33 @@ class MeshGroup:
         owner = self._owner(name)
         return [n for n, spec in self._specs.items() if spec.owner == owner]
 
-    def respawn(self, name: str, stop_timeout_s: float = 10.0) -> list[str]:
+    def respawn(self, name: str) -> list[str]:
         """Replace the proc mesh under ``name`` and re-create every actor mesh that lived on it.
         Returns the names of the re-created actor meshes (already ready)."""
         owner = self._owner(name)
         names = self.cohabitants(name)
         old = self.proc_meshes.pop(owner, None)
         if old is not None:
-            try:
-                old.stop().get(timeout=stop_timeout_s)
-            except Exception as e:  # noqa: BLE001 - a lost host cannot be stopped; abandon it
-                log.warning("stopping damaged mesh '%s' failed (%s); abandoning it", owner, first_line(e))
+            # stop the damaged mesh in the background: the replacement need not wait for it
+            self._stopping.append((owner, old.stop()))
         for n in names:
             spec = self._specs[n]
             self.actor_meshes[n] = self._procs(owner).spawn(n, spec.actor_cls, *spec.args, **spec.kwargs)
         self.wait_ready(names)
         return names
+
+    def dead_process(self, name: str) -> str | None:
+        """A one-line reason if a process of mesh ``name`` (or of the mesh whose processes it
+        shares) has exited; None while all are alive. Local processes only."""
+        for mesh in self.cohabitants(name):
+            for pid in self.pids.get(mesh, []):
+                try:
+                    status = psutil.Process(pid).status()
+                except psutil.NoSuchProcess:
+                    return f"process {pid} of mesh '{mesh}' is gone"
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    return f"process {pid} of mesh '{mesh}' died"
+        return None
 
     def kill(self, name: str, rank: int = 0, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to the process of actor ``rank`` of mesh ``name`` (fault injection)."""
@@ -122,12 +136,15 @@ class MeshGroup:
         return pid
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop every proc mesh; a mesh that will not stop is logged and abandoned."""
-        for name, pm in list(self.proc_meshes.items()):
+        """Stop every proc mesh (and finish stopping replaced ones); a mesh that will not stop is
+        logged and abandoned (a lost host cannot be stopped)."""
+        futures = [(name, pm.stop()) for name, pm in self.proc_meshes.items()] + self._stopping
+        for name, fut in futures:
             try:
-                pm.stop().get(timeout=timeout_s)
+                fut.get(timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - shutdown is best effort
                 log.warning("stopping mesh '%s' failed: %s", name, first_line(e))
+        self._stopping.clear()
         self.proc_meshes.clear()
         self.actor_meshes.clear()
 
