@@ -164,92 +164,11 @@ def compute_token_logprobs(
     return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)
 
 
-class _ChunkedHiddenLogprobs(torch.autograd.Function):
-    """log p(target) and entropy from hidden states and an lm_head weight, never forming all logits."""
-
-    @staticmethod
-    def forward(ctx, hidden2d, weight, targets, chunk_size: int, temperature: float, with_entropy: bool):
-        n = hidden2d.shape[0]
-        logp = torch.empty(n, dtype=_compute_dtype(hidden2d), device=hidden2d.device)
-        entropy = torch.zeros_like(logp)
-        lse = torch.empty_like(logp)
-        for start in range(0, n, chunk_size):
-            sl = slice(start, start + chunk_size)
-            z = torch.nn.functional.linear(hidden2d[sl], weight).to(logp.dtype).div_(temperature)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[sl] = chunk_lse
-            logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - chunk_lse
-            if with_entropy:
-                z.sub_(chunk_lse[:, None])
-                entropy[sl] = -(z.exp() * z).nan_to_num_(0.0).sum(-1)  # 0 * log 0 = 0
-        ctx.save_for_backward(hidden2d, weight, targets, lse, entropy)
-        ctx.chunk_size = chunk_size
-        ctx.temperature = temperature
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden2d, weight, targets, lse, entropy = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden2d) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        if grad_logp is None and grad_entropy is None:
-            return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
-        for start in range(0, hidden2d.shape[0], ctx.chunk_size):
-            sl = slice(start, start + ctx.chunk_size)
-            h = hidden2d[sl]
-            log_p = torch.nn.functional.linear(h, weight).to(lse.dtype).div_(ctx.temperature).sub_(lse[sl, None])
-            p = log_p.exp()
-            g = torch.zeros_like(p)
-            if grad_logp is not None:
-                g.sub_(p * grad_logp[sl, None])
-                g.scatter_add_(1, targets[sl, None], grad_logp[sl, None].to(g.dtype))
-            if grad_entropy is not None:
-                g.sub_((p * (log_p + entropy[sl, None])).nan_to_num_(0.0) * grad_entropy[sl, None])
-            g = g.div_(ctx.temperature).to(weight.dtype)  # dL/dz for this chunk, [c, V]
-            if need_h:
-                grad_h[sl] = (g @ weight).to(grad_h.dtype)
-            if need_w:
-                grad_w += (g.t() @ h.to(weight.dtype)).to(grad_w.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
-
-
-def compute_token_logprobs_from_hidden(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    tokens: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> TokenLogprobs:
-    """Like :func:`compute_token_logprobs`, from final hidden states [B, T, H] and lm_head [V, H].
-
-    Logits are formed one [chunk, V] block at a time (forward and backward), so full logits never
-    exist; gradients flow to both ``hidden`` and ``lm_head_weight``.  No lm_head bias is supported.
-    """
-    if hidden.dim() != 3 or tokens.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"expected hidden [B, T, H] and tokens [B, T], got {tuple(hidden.shape)}, {tuple(tokens.shape)}"
-        )
-    batch, length, width = hidden.shape
-    shifted_hidden = hidden[:, :-1].reshape(-1, width)  # copies [B*(T-1), H] only, never [.., V]
-    targets = tokens[:, 1:].reshape(-1).long()
-    logp, entropy = _ChunkedHiddenLogprobs.apply(
-        shifted_hidden, lm_head_weight, targets, chunk_size, float(temperature), return_entropy
-    )
-    shape = (batch, length - 1)
-    return TokenLogprobs(logp.view(shape), entropy.view(shape) if return_entropy else None)
-
-
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "TokenLogprobs",
     "causal_shift",
     "compute_token_logprobs",
-    "compute_token_logprobs_from_hidden",
     "selective_log_softmax",
     "token_logprobs_and_entropy",
 ]

@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshrl.logprobs import (
     causal_shift,
     compute_token_logprobs,
-    compute_token_logprobs_from_hidden,
     selective_log_softmax,
     token_logprobs_and_entropy,
 )
@@ -116,39 +115,6 @@ def test_no_float32_tensor_of_batch_size_is_materialised():
     with LargestFloatTensor() as naive_tracker:
         torch.log_softmax(logits.float(), -1)
     assert naive_tracker.largest == batch * length * vocab
-
-
-def test_hidden_state_variant_equals_full_logits_and_never_forms_them():
-    g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(2, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(13, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 13, (2, 7), generator=g)
-    out = compute_token_logprobs_from_hidden(hidden, weight, tokens, chunk_size=3, temperature=0.9, return_entropy=True)
-    ref = compute_token_logprobs(hidden @ weight.T, tokens, temperature=0.9, return_entropy=True)
-    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-12, atol=1e-12)
-    upstream = torch.randn(2, 6, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((out.logprobs * upstream).sum() + out.entropy.sum(), (hidden, weight))
-    ref_grads = torch.autograd.grad((ref.logprobs * upstream).sum() + ref.entropy.sum(), (hidden, weight))
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    lean = compute_token_logprobs_from_hidden(hidden, weight, tokens, chunk_size=5)  # no entropy work
-    assert lean.entropy is None
-    grads = torch.autograd.grad((lean.logprobs * upstream).sum(), (hidden, weight))
-    ref = compute_token_logprobs(hidden @ weight.T, tokens)
-    ref_grads = torch.autograd.grad((ref.logprobs * upstream).sum(), (hidden, weight))
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-    batch, length, width, vocab, chunk = 2, 64, 16, 512, 16
-    hidden = torch.randn(batch, length, width, requires_grad=True)
-    weight = torch.randn(vocab, width, requires_grad=True)
-    tokens = torch.randint(0, vocab, (batch, length))
-    with LargestFloatTensor() as tracker:
-        out = compute_token_logprobs_from_hidden(hidden, weight, tokens, chunk_size=chunk)
-        out.logprobs.sum().backward()
-    assert tracker.largest <= max(chunk * vocab, vocab * width, batch * length * width)
-    assert tracker.largest < batch * (length - 1) * vocab
 
 
 def test_shape_errors_are_one_line():
