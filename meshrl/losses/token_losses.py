@@ -59,6 +59,28 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Te
     }
 
 
+def _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask):
+    """(w, valid, A, log rho, rho) for the ratio-based losses, each exactly 0 on invalid tokens."""
+    _check_logprobs(target_logprobs, sampling_logprobs)
+    w, valid = as_weights(mask, target_logprobs)
+    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
+    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
+    return w, valid, adv, log_ratio, torch.exp(log_ratio)
+
+
+def _clipped_output(loss, log_ratio, ratio, valid, clipped_low, clipped_high) -> LossOutput:
+    """LossOutput with ratio metrics plus clip fractions (of valid tokens) below, above and in total."""
+    n = max(int(valid.sum()), 1)
+    metrics = {
+        "loss": float(loss.detach()),
+        **_ratio_metrics(log_ratio, ratio, valid),
+        "clip_fraction_high": float(clipped_high.sum()) / n,
+        "clip_fraction_low": float(clipped_low.sum()) / n,
+        "clip_fraction": float((clipped_high | clipped_low).sum()) / n,
+    }
+    return LossOutput(loss, metrics)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target_tokens: torch.Tensor,
@@ -96,11 +118,7 @@ def importance_sampling(
     mask: torch.Tensor | None = None,
 ) -> LossOutput:
     """L = -sum_t w_t rho_t A_t.  At rho = 1 its gradient equals REINFORCE's, -sum_t w_t A_t grad log p_t."""
-    _check_logprobs(target_logprobs, sampling_logprobs)
-    w, valid = as_weights(mask, target_logprobs)
-    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
-    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
-    ratio = torch.exp(log_ratio)
+    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     loss = -(_on_valid(ratio * adv, valid) * w).sum()
     metrics = {"loss": float(loss.detach()), **_ratio_metrics(log_ratio, ratio, valid)}
     return LossOutput(loss, metrics)
@@ -122,26 +140,14 @@ def ppo(
     """
     if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    _check_logprobs(target_logprobs, sampling_logprobs)
-    w, valid = as_weights(mask, target_logprobs)
-    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
-    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
-    ratio = torch.exp(log_ratio)
+    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -(_on_valid(torch.minimum(unclipped, clipped), valid) * w).sum()
     r = ratio.detach()
     clipped_high = valid & (adv > 0) & (r > 1.0 + eps_high)
     clipped_low = valid & (adv < 0) & (r < 1.0 - eps_low)
-    n = max(int(valid.sum()), 1)
-    metrics = {
-        "loss": float(loss.detach()),
-        **_ratio_metrics(log_ratio, ratio, valid),
-        "clip_fraction_high": float(clipped_high.sum()) / n,
-        "clip_fraction_low": float(clipped_low.sum()) / n,
-        "clip_fraction": float((clipped_high | clipped_low).sum()) / n,
-    }
-    return LossOutput(loss, metrics)
+    return _clipped_output(loss, log_ratio, ratio, valid, clipped_low, clipped_high)
 
 
 def cispo(
@@ -159,22 +165,8 @@ def cispo(
     """
     if not 0.0 <= clip_low <= clip_high:
         raise ValueError(f"need 0 <= clip_low <= clip_high, got {clip_low}, {clip_high}")
-    _check_logprobs(target_logprobs, sampling_logprobs)
-    w, valid = as_weights(mask, target_logprobs)
-    adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
-    log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
-    ratio = torch.exp(log_ratio)
+    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     coef = ratio.detach().clamp(clip_low, clip_high)
     loss = -(coef * adv * _on_valid(target_logprobs, valid) * w).sum()
     r = ratio.detach()
-    high = valid & (r > clip_high)
-    low = valid & (r < clip_low)
-    n = max(int(valid.sum()), 1)
-    metrics = {
-        "loss": float(loss.detach()),
-        **_ratio_metrics(log_ratio, ratio, valid),
-        "clip_fraction_high": float(high.sum()) / n,
-        "clip_fraction_low": float(low.sum()) / n,
-        "clip_fraction": float((high | low).sum()) / n,
-    }
-    return LossOutput(loss, metrics)
+    return _clipped_output(loss, log_ratio, ratio, valid, valid & (r < clip_low), valid & (r > clip_high))
