@@ -1,6 +1,6 @@
 """Fault tolerance of the channel actors inside a real run: the SDPO teacher and the teacher
 replay pool are SIGKILLed mid-run and a teacher reply is lost; the run finishes every step with
-the events counted."""
+the events counted and the replacement pool inherits the spend made so far."""
 
 import pytest
 
@@ -20,7 +20,7 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
     with FakeOpenAIServer({"m0": "42", "m1": "42", "m2": "41"}) as server:
         cfg = tiny_run_config("output.name=channel-faults", "trainer.steps=5", *COMMON, "sdpo.alpha=0.5",
                               "replay.beta=0.5", "replay.channel.procs=1", "replay.channel.result_timeout_s=3",
-                              _teachers(server.base_url), faults)
+                              _teachers(server.base_url, ", price_completion_per_1m_usd: 1000"), faults)
         run_dir = make_run_dir(cfg, overwrite=True)
         run_training(cfg, run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -34,3 +34,5 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
     assert any(r["loss/sdpo_jsd"] > 0 for r in train[2:])  # distillation resumed after the replacement
     assert last["replay/dpo_items"] > 0
     assert last["replay/resubmitted_lost"] + last.get("replay/resubmitted", 0) >= 1
+    # the replacement pool was charged with the spend made before it, so the budget does not restart
+    assert 0 < last["replay/spend_carried_usd"] < last["replay/cost_usd"]

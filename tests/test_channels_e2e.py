@@ -11,9 +11,9 @@ from meshrl.testing.fake_openai import Fault, FakeOpenAIServer
 pytestmark = pytest.mark.monarch
 
 
-def _teachers(url):
+def _teachers(url, extra=""):
     entries = [f"{{name: t{i}, base_url: '{url}', model: m{i}, timeout_s: 5, max_retries: 1, backoff_base_s: 0.1,"
-               f" backoff_max_s: 0.2}}" for i in range(3)]
+               f" backoff_max_s: 0.2{extra}}}" for i in range(3)]
     return "replay.teachers.teachers=[" + ", ".join(entries) + "]"
 
 

@@ -76,7 +76,7 @@ def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_co
         "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]"))
     faults = _faults(faulty)
     assert len(faults) == 1 and faults[0]["mesh"] == "learner"
-    assert faults[0]["step"] == 2  # back to the checkpoint written after step 2
+    assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (4, 2)  # back to the step-2 checkpoint
     a, b = _train(clean), _train(faulty)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for x, y in zip(a, b):

@@ -103,6 +103,13 @@ class TeacherReplayActor(Actor):
         self.drop_results += 1
 
     @endpoint
+    async def carry_spend(self, cost_usd: float) -> float:
+        """Charge this actor's meter with its share of the run's earlier spend (called on a
+        replacement); returns the meter's total, which the budget is checked against."""
+        self.meter.carry_over(cost_usd)
+        return self.meter.total.cost_usd
+
+    @endpoint
     async def ack(self, keys: list[str]) -> int:
         """Drop acknowledged results; returns how many were held."""
         return self.outbox.ack(keys)
@@ -121,7 +128,8 @@ class TeacherReplayActor(Actor):
             "teacher_outcomes": {c.name: dict(c.counts) for c in self.clients},
             "spend": {"calls": spend.calls, "prompt_tokens": spend.prompt_tokens,
                       "completion_tokens": spend.completion_tokens, "cost_usd": spend.cost_usd,
-                      "budget_usd": self.meter.budget_usd, "rejected_calls": self.meter.rejected_calls},
+                      "budget_usd": self.meter.budget_usd, "rejected_calls": self.meter.rejected_calls,
+                      "carried_usd": self.meter.carried_usd},
         }
 
     async def _replay(self, work_key: str, trace: Trace, policy_version: int) -> None:

@@ -73,10 +73,16 @@ class ReplayChannel:
         self._call("subscribe", lambda pool: [pool.subscribe.call(port)])
 
     def _after_respawn(self) -> None:
-        """A fresh pool: subscribe it and give it back every trace not yet delivered."""
+        """A fresh pool: charge it with the spend so far, subscribe it and give it back every
+        trace not yet delivered."""
         from meshrl.controller.supervisor import wait_all
 
         pool = self.meshes[POOL]
+        spent = self.outcomes["replay/cost_usd"]
+        if spent > 0:  # spend of calls whose results never arrived is unknown (at most the in-flight traces)
+            charged = wait_all([pool.carry_spend.call(spent / len(self.producers))], self.cfg.channel.rpc_timeout_s,
+                               f"{POOL}.carry_spend")
+            self.counts["spend_carried_usd"] = sum(charged[0].values())
         wait_all([pool.subscribe.call(self.inbox.port)], self.cfg.channel.rpc_timeout_s, f"{POOL}.subscribe")
         keys = self.inbox.outstanding()
         futures = [self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace,
@@ -200,6 +206,7 @@ class ReplayChannel:
             "pending": {k: {**vars(p), "trace": dataclasses.asdict(p.trace)} for k, p in self.pending.items()},
             "buffer": [vars(i) for i in self.buffer],
             "counts": dict(self.counts),
+            "outcomes": dict(self.outcomes),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -215,6 +222,7 @@ class ReplayChannel:
                                              p["attempts"])
         self.buffer = [DPOItem(**i) for i in state["buffer"]]
         self.counts = Counter(state["counts"])
+        self.outcomes = Counter(state.get("outcomes", {}))  # checkpoints before 0.1 lacked it
         self._after_respawn()
 
     def close(self) -> None:

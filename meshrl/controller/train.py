@@ -113,10 +113,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     rt.supervisor.charge("learner", e.cause)
                     back_to = checkpoints.latest()
                     rt.restore_learner(back_to)
-                    step = back_to.step if back_to else 0
+                    failed_step, step = step + 1, back_to.step if back_to else 0
                     metrics.truncate_after(step)
-                    metrics.log({"kind": "fault", "step": step, "mesh": e.mesh, "cause": e.cause,
-                                 "action": "learner resumed from checkpoint",
+                    metrics.log({"kind": "fault", "step": failed_step, "resumed_from_step": step, "mesh": e.mesh,
+                                 "cause": e.cause, "action": "learner resumed from checkpoint",
                                  "recovery_s": time.perf_counter() - recovered_at})
                     result["faults"] += 1
                     bar.n = step

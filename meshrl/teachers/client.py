@@ -95,6 +95,8 @@ class SpendMeter:
     total: Spend = field(default_factory=Spend)
     by_teacher: dict[str, Spend] = field(default_factory=dict)
     rejected_calls: int = 0
+    carried_usd: float = 0.0
+    """Spend charged by ``carry_over`` (included in ``total.cost_usd``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -113,6 +115,13 @@ class SpendMeter:
                 )
             self.rejected_calls += 1
             return False
+
+    def carry_over(self, cost_usd: float) -> None:
+        """Charge spend made before this meter existed (by a process this one replaces), so a
+        replacement does not start with a fresh budget."""
+        with self._lock:
+            self.total.cost_usd += cost_usd
+            self.carried_usd += cost_usd
 
     def record(self, teacher: str, prompt_tokens: int, completion_tokens: int, cost_usd: float) -> None:
         with self._lock:
