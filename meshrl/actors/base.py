@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 from monarch.actor import Actor, endpoint
+
+
+def process_identity() -> dict:
+    """Where an actor runs: its pid and host name (the controller watches and kills only the
+    processes on its own host)."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 class InjectedFault(RuntimeError):
@@ -23,7 +30,7 @@ class MeshrlActor(Actor):
 
     @endpoint
     def info(self) -> dict:
-        return {"pid": os.getpid(), **self.describe()}
+        return {**process_identity(), **self.describe()}
 
     @endpoint
     def inject_fault(self, endpoint_name: str, action: str, seconds: float = 0.0) -> None:

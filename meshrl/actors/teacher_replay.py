@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from monarch.actor import Actor, Port, current_rank, current_size, endpoint
 
+from meshrl.actors.base import process_identity
 from meshrl.channels.delayed import DelayedChannelConfig, DelayedOutbox
 from meshrl.teachers.client import SpendMeter
 from meshrl.teachers.config import ReplayConfig
@@ -73,7 +73,7 @@ class TeacherReplayActor(Actor):
 
     @endpoint
     async def info(self) -> dict:
-        return {"pid": os.getpid(), "producer": self.producer, "teachers": [c.name for c in self.clients]}
+        return {**process_identity(), "producer": self.producer, "teachers": [c.name for c in self.clients]}
 
     @endpoint
     async def subscribe(self, port: Port) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,9 @@ class MeshGroup:
                 raise MeshSpawnError(f"mesh '{name}' was not ready after {timeout_s:g}s (meshes.spawn_timeout_s)") from None
             except Exception as e:  # ActorError / SupervisionError from a failed setup
                 raise MeshSpawnError(f"mesh '{name}' failed during setup: {first_line(e)}") from None
-            self.pids[name] = [int(i["pid"]) for i in infos[name]]
+            here = socket.gethostname()
+            # only processes on this host can be watched and killed; a pid elsewhere means nothing here
+            self.pids[name] = [int(i["pid"]) for i in infos[name] if i.get("host", here) == here]
             self.infos[name] = infos[name]
         return infos
 
@@ -108,6 +111,10 @@ class MeshGroup:
         names = self.cohabitants(name)
         old = self.proc_meshes.pop(owner, None)
         if old is not None:
+            # a hung process would hold its memory and cores while the replacement starts
+            for n in names:
+                for pid in self.pids.pop(n, []):
+                    _kill_tree(pid)
             # stop the damaged mesh in the background: the replacement need not wait for it
             self._stopping.append((owner, old.stop()))
         for n in names:
@@ -147,6 +154,23 @@ class MeshGroup:
         self._stopping.clear()
         self.proc_meshes.clear()
         self.actor_meshes.clear()
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process this controller started (directly or not) and its descendants, if still
+    alive; a pid that now belongs to some other process is left alone."""
+    try:
+        proc = psutil.Process(pid)
+        if os.getpid() not in {p.pid for p in proc.parents()}:
+            return
+        family = proc.children(recursive=True) + [proc]
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def first_line(error: BaseException) -> str:

@@ -1,0 +1,17 @@
+"""Test-only actors for mesh management tests, in the package so actor processes can import them."""
+
+from __future__ import annotations
+
+import time
+
+from monarch.actor import endpoint
+
+from meshrl.actors.base import MeshrlActor
+
+
+class Sleeper(MeshrlActor):
+    """An actor that can be made to hang: ``sleep`` blocks its only thread."""
+
+    @endpoint
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

@@ -1,0 +1,57 @@
+"""MeshGroup with real Monarch processes: a hung actor's process is killed when its mesh is
+replaced (it must not keep its memory and cores while the replacement starts), and a killed
+process is seen by `dead_process`."""
+
+import time
+
+import psutil
+import pytest
+from meshrl.config.meshes import MeshesConfig
+from meshrl.launch.local import local_host, prepare_environment
+from meshrl.meshes.group import MeshGroup
+from meshrl.meshes.supervision import install_fault_hook
+from meshrl.testing.mesh_actors import Sleeper
+
+pytestmark = pytest.mark.monarch
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_respawn_kills_a_hung_process_and_dead_process_sees_a_kill():
+    cfg = MeshesConfig(spawn_timeout_s=60)
+    prepare_environment(cfg)
+    install_fault_hook()
+    group = MeshGroup(cfg, local_host())
+    try:
+        group.add_mesh("sleepy", 1)
+        group.spawn("sleepy", Sleeper)
+        group.wait_ready(["sleepy"])
+        [hung] = group.pids["sleepy"]
+        assert group.infos["sleepy"][0]["host"]
+        group["sleepy"].sleep.call(600)  # never answered
+        time.sleep(0.5)
+        assert group.dead_process("sleepy") is None
+
+        group.respawn("sleepy")
+        assert _gone(hung, within_s=2.0), "the hung process outlived its replacement's start"
+        [fresh] = group.pids["sleepy"]
+        assert fresh != hung and group.dead_process("sleepy") is None
+
+        group.kill("sleepy")
+        deadline = time.monotonic() + 2.0
+        while group.dead_process("sleepy") is None:
+            assert time.monotonic() < deadline, "a SIGKILLed process was not noticed"
+            time.sleep(0.05)
+        assert str(fresh) in group.dead_process("sleepy")
+    finally:
+        group.stop(timeout_s=30)
