@@ -1,6 +1,8 @@
 """GRPOLoop against fake Monarch endpoints: ordering across replicas, counting of bad input,
 advantage normalisation in the datums, version bookkeeping, and deadlines."""
 
+import time
+
 import pytest
 import torch
 
@@ -197,6 +199,17 @@ def test_sync_refuses_a_generator_left_on_an_old_version():
     gens[1].update_weights = lambda v: {"version": v - 1, "pull_s": 0, "transfer_s": 0, "bytes": 0, "load_s": 0}
     with pytest.raises(StepError, match=r"versions \[0\], expected 1"):
         loop.sync_weights()
+
+
+class ArrivesAtDeadline(Future):
+    def get(self, timeout=None):
+        time.sleep(timeout)
+        return self.value
+
+
+@pytest.mark.parametrize("watch", [None, lambda: None])
+def test_wait_all_takes_replies_that_arrived_while_an_earlier_one_used_the_deadline(watch):
+    assert wait_all([ArrivesAtDeadline(1), Future(2)], 0.2, "generator.generate", watch=watch) == [1, 2]
 
 
 def test_wait_all_deadline_names_the_call():

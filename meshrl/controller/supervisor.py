@@ -45,13 +45,13 @@ def wait_all(futures: list, timeout_s: float, what: str, watch: Callable[[], str
     out = []
     for fut in futures:
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CallTimeout(f"{what} timed out after {timeout_s:g}s")
+            remaining = max(deadline - time.monotonic(), 0.001)  # a reply already here is taken even past the deadline
             try:
                 out.append(fut.get(timeout=min(remaining, WATCH_INTERVAL_S) if watch else remaining))
                 break
             except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise CallTimeout(f"{what} timed out after {timeout_s:g}s") from None
                 reason = watch() if watch else None
                 if reason:
                     raise ProcessDied(f"{what}: {reason}") from None
