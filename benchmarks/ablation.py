@@ -44,8 +44,9 @@ def mean(values: list[float]) -> float:
 
 
 def summarise(arm: str, wall_s: float) -> dict:
-    path = ROOT / RUNS / f"ablation-{arm}" / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from meshrl.controller.metrics import read_metrics
+
+    records = read_metrics(ROOT / RUNS / f"ablation-{arm}" / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     last = train[-1]
     counters = {k: last[k] for k in sorted(last) if k.startswith(("sdpo/", "replay/")) and isinstance(last[k], float)}
@@ -102,7 +103,7 @@ def main() -> None:
             for arm in replay_arms:
                 walls[arm] = run_arm(arm, args.steps, args.eval_every)
         else:
-            from meshrl.models import resolve_model
+            from meshrl.models.provision import resolve_model
             from meshrl.teachers.serve import LocalTeacherServer
 
             with LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2-135m-instruct",
