@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def bench_layer(layer: str, rounds: int, concurrency: int) -> dict:
-    from meshrl.envs.config import SandboxConfig
+    from meshrl.config.env import SandboxConfig
     from meshrl.envs.grading import grade_many
     from meshrl.envs.sandbox import Sandbox, SandboxJob, SandboxUnavailable
     from meshrl.envs.tasks import load_code_tasks

@@ -57,7 +57,8 @@ class DynamicSamplingBatch:
     """Accumulates informative groups over generation rounds until ``target_groups`` are collected.
 
     The controller calls :meth:`add` after each generation round and stops when :attr:`is_full` or
-    :attr:`out_of_rounds` (``max_rounds`` bounds the extra generation DAPO may spend).
+    :attr:`out_of_rounds` (``max_rounds`` bounds the extra generation DAPO may spend). Uniform
+    groups are counted in ``dropped``, informative ones beyond the target in ``surplus``.
     """
 
     target_groups: int
@@ -66,18 +67,24 @@ class DynamicSamplingBatch:
     rewards: list[torch.Tensor] = field(default_factory=list)
     rounds: int = 0
     dropped: int = 0
+    surplus: int = 0
 
-    def add(self, groups: Sequence[Any], group_rewards: torch.Tensor, atol: float = 0.0) -> None:
-        if len(groups) != group_rewards.shape[0]:
-            raise ValueError(f"{len(groups)} groups but rewards for {group_rewards.shape[0]}")
+    def add(self, groups: Sequence[Any], group_rewards: torch.Tensor | Sequence[Sequence[float]],
+            atol: float = 0.0) -> None:
+        """One round's groups with their rewards: a [num_groups, G] tensor or one sequence per
+        group (groups may differ in size)."""
+        if len(groups) != len(group_rewards):
+            raise ValueError(f"{len(groups)} groups but rewards for {len(group_rewards)}")
         self.rounds += 1
-        keep = informative_groups(group_rewards, atol)
-        for group, reward, k in zip(groups, group_rewards, keep.tolist()):
-            if k and len(self.groups) < self.target_groups:
+        for group, reward in zip(groups, group_rewards):
+            reward = torch.as_tensor(reward, dtype=torch.float32)
+            if not bool(informative_groups(reward[None], atol)[0]):
+                self.dropped += 1
+            elif self.is_full:
+                self.surplus += 1
+            else:
                 self.groups.append(group)
                 self.rewards.append(reward)
-            elif not k:
-                self.dropped += 1
 
     @property
     def is_full(self) -> bool:

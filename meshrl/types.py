@@ -7,12 +7,16 @@ position ``i`` of every loss input refers to the token the model predicts there,
 with no further shift.  :meth:`Datum.from_sequence` is the one place that performs this shift for
 per-token data; :func:`meshrl.logprobs.causal_shift` is its tensor counterpart for raw logits.
 
-Conventional ``loss_fn_inputs`` keys:
+A loss input is either per position (first dimension ``model_input.length``; further dimensions
+allowed, e.g. a teacher's top-k per position) or per sequence (a 0-dim tensor, e.g. one advantage
+for the whole sequence). Conventional ``loss_fn_inputs`` keys (each registered loss in
+:mod:`meshrl.losses` documents the ones it reads):
   - ``target_tokens`` (int64): the predicted token at each position (always present).
   - ``weights`` (float32): per-token weight for ``cross_entropy``; 0 on prompt tokens.
   - ``logprobs`` (float32): sampler log-probabilities of ``target_tokens`` (RL losses).
-  - ``advantages`` (float32): per-token advantages (RL losses); 0 on prompt tokens.
-  - ``mask`` (float32): 1 on trainable (assistant) tokens.
+  - ``advantages`` (float32): per-sequence (0-dim) or per-token advantages (RL losses).
+  - ``mask`` (float32): non-zero on trainable (assistant) tokens; its values are the per-token
+    weights that carry the step's normaliser (1 / total tokens under token-mean).
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ def _as_tensor(name: str, value) -> torch.Tensor:
 class Datum:
     """One training example: the model input and per-position loss inputs aligned with it.
 
-    Every tensor in ``loss_fn_inputs`` has first dimension ``model_input.length`` (see the module
-    docstring for the alignment: position i holds data about predicted token i+1 of the sequence).
+    Every per-position tensor in ``loss_fn_inputs`` has first dimension ``model_input.length`` (see
+    the module docstring for the alignment: position i holds data about predicted token i+1 of the
+    sequence); a 0-dim tensor is a per-sequence value.
     """
 
     model_input: ModelInput
@@ -91,22 +96,24 @@ class Datum:
         converted = {}
         for name, value in self.loss_fn_inputs.items():
             tensor = _as_tensor(name, value)
-            if tensor.dim() == 0 or tensor.shape[0] != n:
+            if tensor.dim() > 0 and tensor.shape[0] != n:
                 raise ValueError(
                     f"loss_fn_inputs[{name!r}] has shape {tuple(tensor.shape)}, expected first dim "
-                    f"{n} (= model_input.length)"
+                    f"{n} (= model_input.length) or a per-sequence scalar"
                 )
             converted[name] = tensor
         self.loss_fn_inputs = converted
 
     @classmethod
-    def from_sequence(cls, tokens: Sequence[int], **per_token: Sequence[float] | torch.Tensor) -> "Datum":
+    def from_sequence(cls, tokens: Sequence[int], per_sequence: dict[str, float] | None = None,
+                      **per_token: Sequence[float] | torch.Tensor) -> "Datum":
         """Build a Datum from a full sequence and per-token arrays aligned with ``tokens``.
 
         ``per_token[k][j]`` describes sequence token ``j`` (e.g. ``weights[j] = 1`` if token j is an
         assistant token, ``logprobs[j]`` = sampler logprob of token j).  This is the single place where
         the causal shift happens: the model input drops the last token, every per-token array drops its
         first entry (token 0 is never predicted), and ``target_tokens = tokens[1:]``.
+        ``per_sequence`` values become 0-dim float32 inputs.
         """
         if len(tokens) < 2:
             raise ValueError(f"a training sequence needs at least 2 tokens, got {len(tokens)}")
@@ -118,6 +125,8 @@ class Datum:
             if tensor.is_floating_point():
                 tensor = tensor.to(torch.float32)
             inputs[name] = tensor[1:]
+        for name, value in (per_sequence or {}).items():
+            inputs[name] = torch.tensor(float(value), dtype=torch.float32)
         return cls(ModelInput.from_ints(tokens[:-1]), inputs)
 
     @property
@@ -175,25 +184,10 @@ class SamplingParams:
             raise ValueError("stop must be all strings or all token ids, not a mix")
 
 
-def stack_loss_inputs(data: Sequence[Datum], key: str, pad_value: float = 0.0) -> torch.Tensor:
-    """Right-pad ``loss_fn_inputs[key]`` of several Datums into one [B, T_max] tensor."""
-    tensors = [d.loss_fn_inputs[key] for d in data]
-    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=pad_value)
-
-
-def stack_model_inputs(data: Sequence[Datum], pad_token: int = 0) -> torch.Tensor:
-    """Right-pad the model inputs of several Datums into one [B, T_max] int64 tensor."""
-    return torch.nn.utils.rnn.pad_sequence(
-        [d.model_input.to_tensor() for d in data], batch_first=True, padding_value=pad_token
-    )
-
-
 __all__ = [
     "AdamParams",
     "Datum",
     "EncodedTextChunk",
     "ModelInput",
     "SamplingParams",
-    "stack_loss_inputs",
-    "stack_model_inputs",
 ]

@@ -49,6 +49,7 @@ def test_dynamic_sampling_filter_and_accumulator():
     assert batch.groups == ["b", "d"] and not batch.is_full and batch.dropped == 2
     batch.add(["e", "f"], torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
     assert batch.groups == ["b", "d", "e"] and batch.is_full and batch.rounds == 2 and not batch.out_of_rounds
+    assert batch.surplus == 1 and batch.dropped == 2  # "f" was informative but the batch was full
     torch.testing.assert_close(torch.stack(batch.rewards)[2], torch.tensor([1.0, 0.0, 0.0]))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshrl.teachers.agreement import TeacherAnswer, decide_pair
+from meshrl.replay.agreement import TeacherAnswer, decide_pair
 
 FAILED = None  # a teacher whose call failed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshrl.teachers.canonical import canonicalise, code, math_answer, plain_text, tool_call
+from meshrl.replay.canonical import canonicalise, code, math_answer, plain_text, tool_call
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from meshrl.envs.code_env import (
     run_episode,
     save_trajectories,
 )
-from meshrl.envs.config import CodeEnvConfig, EnvConfig
+from meshrl.config.env import CodeEnvConfig, EnvConfig
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.tasks import task_by_id
 
@@ -204,19 +204,6 @@ def test_program_output_is_fed_back(sb):
     env.reset()
     obs = env.step("```python\nprint('debug: loaded')\ndef clamp(x, lo, hi):\n    return x\n```")
     assert "debug: loaded" in obs.text
-
-
-def test_overlong_penalty(sb):
-    env = env_for(sb, overlong_penalty=0.5, overlong_max_tokens=100, overlong_buffer_tokens=50)
-    env.reset()
-    o = env.step(CodeAction(text=GOOD, num_tokens=75))
-    assert o.reward == pytest.approx(1.6 - 0.25)
-    env.reset()
-    o = env.step(CodeAction(text=GOOD, truncated=True))
-    assert o.reward == pytest.approx(1.6 - 0.5)
-    env.reset()
-    o = env.step(CodeAction(text=GOOD, num_tokens=40))
-    assert o.reward == pytest.approx(1.6)
 
 
 def test_reset_choice_of_task(sb):

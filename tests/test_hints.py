@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from meshrl.teachers.client import TeacherClient
-from meshrl.teachers.config import HintGeneratorConfig
-from meshrl.teachers.hints import LLMHintGenerator, render_transcript
+from meshrl.config.sdpo import HintGeneratorConfig
+from meshrl.sdpo.hints import LLMHintGenerator, render_transcript
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault
 
 CONTEXT = [

@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 
 from meshrl.teachers.client import SpendMeter, TeacherClient
-from meshrl.teachers.config import ReplayConfig, TeacherEndpointConfig
-from meshrl.teachers.replay import ReplayResult, Trace, TraceStep, replay_trace, teacher_clients
+from meshrl.config.replay import ReplayConfig
+from meshrl.config.teachers import TeacherEndpointConfig
+from meshrl.replay.trace import ReplayResult, Trace, TraceStep, replay_trace, teacher_clients
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault, count_tokens, prompt_tokens
 
 SYSTEM = {"role": "system", "content": "Solve the problem. End with the final number."}

@@ -10,7 +10,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from meshrl.envs.config import EnvConfig, SandboxConfig
+from meshrl.config.env import EnvConfig, SandboxConfig
 from meshrl.envs.sandbox import (
     HOSTILE_CASES,
     ExecResult,

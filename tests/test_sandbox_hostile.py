@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.envs.config import SandboxConfig
+from meshrl.config.env import SandboxConfig
 from meshrl.envs.sandbox import HOSTILE_CASES, Sandbox, SandboxUnavailable
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@ token level, and the JSD mask covering exactly the error-site tokens."""
 import pytest
 import torch
 
-from meshrl.channels.sdpo import build_error_site, error_kind, insert_hint, render_hint, select_error_sites
-from meshrl.config.channels import DEFAULT_HINTS
+from meshrl.sdpo.sites import build_error_site, error_kind, insert_hint, render_hint, select_error_sites
+from meshrl.config.sdpo import DEFAULT_HINTS
 from meshrl.controller.rollouts import Trajectory
 from meshrl.envs.arithmetic import Problem, grade_integer_answer
 from meshrl.renderers import renderer_for_tokenizer

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from meshrl.teachers.client import SpendMeter, TeacherClient, TeacherError, TeacherReply
-from meshrl.teachers.config import TeacherEndpointConfig
+from meshrl.config.teachers import TeacherEndpointConfig
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault
 
 SECRET = "sk-test-7f3a91-THIS-KEY-MUST-NOT-BE-LOGGED"

@@ -7,7 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from meshrl.config.base import ConfigError, describe_fields, load_config
-from meshrl.teachers.config import HintGeneratorConfig, ReplayConfig, TeacherEndpointConfig
+from meshrl.config.replay import ReplayConfig
+from meshrl.config.sdpo import HintGeneratorConfig
+from meshrl.config.teachers import TeacherEndpointConfig
 
 PASTED_KEY = "sk-proj-abc123-PASTED-INTO-THE-WRONG-FIELD"
 

@@ -19,8 +19,8 @@ from monarch.actor import this_host  # noqa: E402
 
 from meshrl.actors.teacher_replay import TraceReplayOutcome, producer_name  # noqa: E402
 from meshrl.channels.delayed import DelayedChannelConfig, DelayedInbox  # noqa: E402
-from meshrl.teachers.config import ReplayConfig  # noqa: E402
-from meshrl.teachers.replay import Trace, TraceStep  # noqa: E402
+from meshrl.config.replay import ReplayConfig  # noqa: E402
+from meshrl.replay.trace import Trace, TraceStep  # noqa: E402
 from meshrl.testing.channel_actors import LoggedTeacherReplayActor  # noqa: E402
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault  # noqa: E402
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshrl.types import AdamParams, Datum, ModelInput, SamplingParams, stack_loss_inputs, stack_model_inputs
+from meshrl.training.batching import pad_datums, split_micro_batches
+from meshrl.types import AdamParams, Datum, ModelInput, SamplingParams
 
 
 def test_model_input_chunks():
@@ -38,8 +39,32 @@ def test_datum_validates_lengths():
 def test_stacking_ragged_datums():
     a = Datum.from_sequence([1, 2, 3], weights=[0.0, 1.0, 1.0])
     b = Datum.from_sequence([4, 5], weights=[0.0, 1.0])
-    assert stack_model_inputs([a, b], pad_token=0).tolist() == [[1, 2], [4, 0]]
-    assert stack_loss_inputs([a, b], "weights").tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    mb = pad_datums([a, b], pad_id=0)
+    assert mb.input_ids.tolist() == [[1, 2], [4, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1], [1, 0]]
+    assert mb.inputs["weights"].tolist() == [[1.0, 1.0], [1.0, 0.0]]
+
+
+def test_per_sequence_and_multi_dim_inputs_pad():
+    a = Datum.from_sequence([1, 2, 3], per_sequence={"advantages": 0.5}, topk=torch.ones(3, 2))
+    b = Datum.from_sequence([4, 5], per_sequence={"advantages": -1.0}, topk=torch.full((2, 2), 2.0))
+    assert a.loss_fn_inputs["advantages"].dim() == 0
+    mb = pad_datums([a, b], pad_id=0)
+    assert mb.inputs["advantages"].tolist() == [0.5, -1.0]
+    assert mb.inputs["topk"].tolist() == [[[1.0, 1.0], [1.0, 1.0]], [[2.0, 2.0], [0.0, 0.0]]]
+    c = Datum.from_sequence([4, 5], advantages=[0.0, 1.0], topk=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="per-sequence in some datums"):
+        pad_datums([a, c], pad_id=0)
+
+
+def test_micro_batches_keep_items_together_sorted_by_length():
+    d = [Datum.from_sequence(list(range(n))) for n in (6, 2, 5, 3, 4, 7)]
+    # items of two (e.g. DPO chosen + rejected): (6,2) (5,3) (4,7) sorted by their longest member
+    batches = split_micro_batches(d, size=4, per_item=2)
+    assert [[x.length + 1 for x in b] for b in batches] == [[5, 3, 6, 2], [4, 7]]
+    assert [[x.length + 1 for x in b] for b in split_micro_batches(d, size=4)] == [[2, 3, 4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="items of 2"):
+        split_micro_batches(d[:5], size=4, per_item=2)
 
 
 def test_param_validation():

@@ -7,8 +7,9 @@ import socket
 import pytest
 
 from meshrl.models.provision import resolve_model
-from meshrl.teachers.config import ReplayConfig, TeacherEndpointConfig
-from meshrl.teachers.replay import Trace, TraceStep, replay_trace, teacher_clients
+from meshrl.config.replay import ReplayConfig
+from meshrl.config.teachers import TeacherEndpointConfig
+from meshrl.replay.trace import Trace, TraceStep, replay_trace, teacher_clients
 from meshrl.teachers.serve import LocalTeacherServer
 
 pytestmark = pytest.mark.slow

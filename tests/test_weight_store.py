@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from monarch.actor import Actor, ActorError, endpoint, this_host  # noqa: E402
 
-from meshrl.channels.config import WeightSyncConfig  # noqa: E402
+from meshrl.config.channels import WeightSyncConfig  # noqa: E402
 from meshrl.channels.weight_store import (  # noqa: E402
     WeightPublisher,
     WeightPuller,

@@ -10,7 +10,7 @@ from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.envs.code_env import CodeAction, CodeEnv
-from meshrl.envs.config import EnvConfig
+from meshrl.config.env import EnvConfig
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.tasks import CodeTask
 
@@ -48,14 +48,14 @@ class EnvActor(MeshrlActor):
         return out
 
     @endpoint
-    def step(self, actions: list[tuple[str, str, int, bool]]) -> list[dict]:
-        """Advance each (episode_id, reply text, reply tokens, truncated) by one turn, concurrently."""
+    def step(self, actions: list[tuple[str, str]]) -> list[dict]:
+        """Advance each (episode_id, reply text) by one turn, concurrently."""
         self.fault_point("step")
 
         def one(action):
-            episode_id, text, num_tokens, truncated = action
+            episode_id, text = action
             env = self.envs[episode_id]
-            obs = env.step(CodeAction(text=text, num_tokens=num_tokens, truncated=truncated))
+            obs = env.step(CodeAction(text=text))
             record = _observation_record(obs)
             record["context"] = env.state_at(env.state.step_count - 1)
             return record

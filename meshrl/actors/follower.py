@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPuller
 from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
 

@@ -15,7 +15,7 @@ from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.follower import PolicyFollower
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig

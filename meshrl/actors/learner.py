@@ -8,13 +8,12 @@ from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
-from meshrl.training.channel_losses import DPOItem, SDPOItem, dpo_forward_backward, sdpo_forward_backward
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
-from meshrl.training.policy import PolicyTrainer
+from meshrl.training.policy import CustomLoss, PolicyTrainer
 from meshrl.types import AdamParams, Datum
 
 
@@ -37,29 +36,26 @@ class Learner(MeshrlActor):
         return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad)}
 
     @endpoint
-    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_config: dict | None = None) -> dict:
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+        """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over ``datums``."""
         self.fault_point("forward_backward")
-        return self.trainer.forward_backward(datums, loss_fn, loss_config)
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config)
 
     @endpoint
-    def forward_backward_sdpo(self, items: list[SDPOItem], weight: float, beta: float, temperature: float,
-                              normaliser: float, is_weight_cap: float = 0.0) -> dict:
-        """Channel 2: add ``weight * JSD(student, hinted teacher)`` on error-site tokens to the gradients."""
-        return sdpo_forward_backward(self.trainer, items, weight, beta, temperature, normaliser, is_weight_cap)
+    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss) -> dict:
+        """Accumulate the gradients of ``fn(datums, logprobs) -> (loss, metrics)`` (a picklable function)."""
+        self.fault_point("forward_backward")
+        return self.trainer.forward_backward_custom(datums, fn)
 
     @endpoint
-    def forward_backward_dpo(self, items: list[DPOItem], weight: float, dpo_beta: float) -> dict:
-        """Channel 3: add ``weight * DPO`` (reference = the initial policy) to the gradients."""
-        return dpo_forward_backward(self.trainer, items, weight, dpo_beta)
+    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
+        """Logprobs of each datum's target tokens under the current weights (or the frozen
+        reference policy), without grad."""
+        return [lp.tolist() for lp in self.trainer.forward(datums, reference)]
 
     @endpoint
     def optim_step(self, adam: AdamParams) -> dict:
         return self.trainer.optim_step(adam)
-
-    @endpoint
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprobs of given token sequences under the learner's current weights (no grad)."""
-        return self.trainer.score(sequences)
 
     @endpoint
     def save_checkpoint(self, directory: str) -> dict:

@@ -16,18 +16,8 @@ from monarch.actor import endpoint
 from meshrl.actors.base import MeshrlActor
 from meshrl.config.run import RewarderConfig
 from meshrl.config.task import TaskConfig
-from meshrl.envs.arithmetic import ArithmeticTask, Problem
-
-
-def make_task(cfg: TaskConfig):
-    """The task object named by `task.kind`."""
-    if cfg.kind == "arithmetic":
-        return ArithmeticTask(cfg.arithmetic)
-    if cfg.kind == "code":
-        from meshrl.controller.multiturn import CodeTaskSet
-
-        return CodeTaskSet(cfg.code)
-    raise ValueError(f"task.kind = {cfg.kind!r}: no such task")
+from meshrl.envs.arithmetic import Problem
+from meshrl.envs.task_sets import make_task
 
 
 def load_reward_fn(spec: str) -> Callable[[Problem, str], tuple[float, dict]]:

@@ -12,7 +12,7 @@ from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 from meshrl.actors.follower import PolicyFollower
 from meshrl.channels.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig

@@ -25,8 +25,8 @@ from monarch.actor import Actor, Port, current_rank, current_size, endpoint
 from meshrl.actors.base import process_identity
 from meshrl.channels.delayed import DelayedChannelConfig, DelayedOutbox
 from meshrl.teachers.client import SpendMeter
-from meshrl.teachers.config import ReplayConfig
-from meshrl.teachers.replay import ReplayPair, Trace, replay_trace, teacher_clients
+from meshrl.config.replay import ReplayConfig
+from meshrl.replay.trace import ReplayPair, Trace, replay_trace, teacher_clients
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch.actor import Channel, Port
-from meshrl.channels.config import DelayedChannelConfig
+from meshrl.config.channels import DelayedChannelConfig
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, endpoint, get_
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
 from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 
 INDEX_NAME = "meshrl.weight_index"
 _POLL_S = 0.05  # publisher re-checks for a free arena this often while all are leased

@@ -54,3 +54,20 @@ class MeshesConfig(Section):
         if self.learner.procs != 1:
             raise ValueError(f"learner.procs = {self.learner.procs}: only 1 learner process is supported so far")
         return self
+
+
+class ChannelMesh(Section):
+    """Placement of a channel's actor mesh."""
+
+    procs: int = Field(1, ge=1)
+    """Processes (one actor each)."""
+
+    colocate_with: str | None = None
+    """Share the processes of this main mesh (`generator`, `learner` or `rewarder`) instead of
+    spawning new ones; it must have the same number of processes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChannelMesh":
+        if self.colocate_with is not None and self.colocate_with not in MESH_NAMES:
+            raise ValueError(f"colocate_with = {self.colocate_with!r}: expected one of {MESH_NAMES}")
+        return self

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from meshrl.channels.config import WeightSyncConfig
+from meshrl.config.channels import WeightSyncConfig
 from meshrl.config.base import Section
-from meshrl.config.channels import ReplayChannelConfig, SDPOConfig
+from meshrl.config.replay import ReplayChannelConfig
+from meshrl.config.sdpo import SDPOConfig
 from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.learner import LearnerConfig

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
-from meshrl.envs.config import EnvConfig
+from meshrl.config.env import EnvConfig
 
 
 class ArithmeticConfig(Section):
@@ -32,7 +32,8 @@ class ArithmeticConfig(Section):
     """Problems in the held-out evaluation set, never used for training."""
 
     seed: int = 0
-    """Seed for the held-out split and the training stream."""
+    """Seed of the held-out split (the shuffle of the problem space); the training order within
+    the rest follows `trainer.seed`."""
 
     @model_validator(mode="after")
     def _check_range(self) -> "ArithmeticConfig":

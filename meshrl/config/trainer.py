@@ -36,13 +36,24 @@ class AdvantageConfig(Section):
     """Divide group-centred rewards by the group's std (+eps); off = Dr.GRPO/Tinker default."""
 
     drop_uniform_groups: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal) from
+    channel 1, and roll out more tasks until `prompts_per_step` informative groups are in. The
+    SDPO and replay channels still see every sampled trajectory."""
 
     max_extra_rounds: int = Field(2, ge=0)
-    """With drop_uniform_groups: most extra generation rounds to refill the batch."""
+    """With drop_uniform_groups: most extra rounds (each a further `prompts_per_step` tasks from the
+    stream) rolled out to reach `prompts_per_step` informative groups; if they are not enough the
+    step trains on those it has (logged, `batch/missing_groups`)."""
 
     overlong_cache_tokens: int = Field(0, ge=0)
-    """DAPO overlong shaping window in tokens (0 = off); the limit is sampling.max_new_tokens."""
+    """DAPO overlong reward shaping for every task (0 = off): each sampled turn of L tokens adds
+    0 while L <= Lmax - this, ((Lmax - this) - L) / this up to Lmax, and -1 past it, where Lmax is
+    `generator.sampling.max_new_tokens`; applied before advantages (and dynamic sampling)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-as-reward shaping against the frozen reference policy (the initial weights), never a
+    loss term: each sampled token's advantage becomes A + kl_coef * (mean(d) - d_t) with
+    d_t = log q_t - log p_ref_t (q = the sampler); 0 = off (no reference forward at all)."""
 
 
 class EvalConfig(Section):
@@ -84,7 +95,8 @@ class TrainerConfig(Section):
     """Samples per problem (the GRPO group)."""
 
     seed: int = 0
-    """Seed of the controller's data order."""
+    """Seed of the training data order: each epoch of the task's training stream is a permutation
+    seeded by it (0 keeps the first epoch in the task's own order)."""
 
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""

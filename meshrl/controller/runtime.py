@@ -23,16 +23,20 @@ class Runtime:
 
         from meshrl.actors.generator import Generator
         from meshrl.actors.learner import Learner
-        from meshrl.actors.rewarder import Rewarder, load_reward_fn, make_task
+        from meshrl.actors.rewarder import load_reward_fn
         from meshrl.channels.weight_store import silence_tcp_fallback_warning
         from meshrl.controller.faults import FaultInjector
         from meshrl.controller.grpo import GRPOLoop
+        from meshrl.controller.mesh_client import ENV, GENERATOR, LEARNER, REWARDER, MeshClient
+        from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.controller.supervisor import Supervisor
+        from meshrl.envs.task_sets import make_task
         from meshrl.launch.local import local_host
         from meshrl.meshes.group import MeshGroup
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.models.provision import resolve_model
         from meshrl.renderers import renderer_for_tokenizer
+        from meshrl.sdpo.channel import SDPO_TEACHER, SDPOChannel
 
         silence_tcp_fallback_warning()
         started = time.perf_counter()
@@ -43,49 +47,43 @@ class Runtime:
         self.model_path = resolve_model(cfg.model.name_or_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.renderer = renderer_for_tokenizer(self.tokenizer)
-        self.task = make_task(cfg.task)
+        self.task = make_task(cfg.task, cfg.trainer.seed)
+        strategy = strategy_for(self.task)
         self.meshes = MeshGroup(cfg.meshes, local_host())
         try:
             path = str(self.model_path)
-            self.meshes.spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
-            self.meshes.spawn("generator", Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
-            if cfg.task.kind == "code":  # the env mesh (sandboxed episodes) takes the rewarder's place
-                from meshrl.actors.env_actor import EnvActor
-                from meshrl.controller.multiturn import ENV
-
-                spec = cfg.meshes.rewarder
-                self.meshes.add_mesh(ENV, spec.procs, spec.colocate_with)
-                self.meshes.spawn(ENV, EnvActor, cfg.task.code.env)
-            else:
-                self.meshes.spawn("rewarder", Rewarder, cfg.task, cfg.rewarder)
+            self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
+            self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
+            strategy.spawn(self.meshes, cfg)
             if cfg.sdpo.alpha > 0:
-                from meshrl.actors.sdpo_teacher import SDPOTeacherActor
-                from meshrl.controller.grpo import SDPO_TEACHER
-
-                self.meshes.add_mesh(SDPO_TEACHER, cfg.sdpo.mesh.procs, cfg.sdpo.mesh.colocate_with)
-                self.meshes.spawn(SDPO_TEACHER, SDPOTeacherActor, path, cfg.model, cfg.weight_sync,
-                                  cfg.learner.torch_threads)
+                SDPOChannel.spawn(self.meshes, cfg, path)
             self.infos = self.meshes.wait_ready()
         except BaseException:
             self.meshes.stop()
             raise
         log.info("meshes ready in %.1fs: %s", time.perf_counter() - started, self.meshes.pids)
         self.supervisor = Supervisor(self.meshes, cfg.faults)
-        self.faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
+        faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
+        timeouts = {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
+                    REWARDER: cfg.rewarder.timeout_s, ENV: cfg.rewarder.timeout_s, SDPO_TEACHER: cfg.sdpo.call_timeout_s,
+                    "sync": cfg.learner.call_timeout_s}
+        self.client = MeshClient(self.meshes, self.supervisor, timeouts, faults)
+        counters = Counters()
+        sdpo = SDPOChannel(cfg.sdpo, self.client, self.renderer) if cfg.sdpo.alpha > 0 else None
         self.replay = None
         if cfg.replay.beta > 0:
-            from meshrl.controller.replay_channel import ReplayChannel
+            from meshrl.replay.channel import ReplayChannel
 
             try:
-                self.replay = ReplayChannel(cfg.replay, self.meshes, self.supervisor, self.renderer)
+                self.replay = ReplayChannel(cfg.replay, self.client, self.renderer)
             except BaseException:
                 self.meshes.stop()
                 raise
-        self.loop = GRPOLoop(cfg, self.task, self.renderer, self.meshes, self.supervisor, self.faults,
-                             self.replay)
+        self.loop = GRPOLoop(cfg, self.task, strategy(self.client, self.renderer, cfg.model.max_model_len, counters),
+                             self.client, counters, tuple(self.renderer.get_stop_sequences()), sdpo, self.replay)
         # version 0 = the initial weights, published so that a replaced generator can always pull
         # the run's current version, even before the first update
-        self.learner_call("publish", lambda m: m.publish.call_one(0))
+        self.client.publish(0)
 
     def learner_call(self, what: str, call, timeout_s: float | None = None):
         """A direct learner call outside the loop's recovery (checkpoint save/load, export)."""
@@ -93,7 +91,7 @@ class Runtime:
 
     def restore_learner(self, checkpoint, respawn: bool = True) -> None:
         """Load ``checkpoint`` into the learner (None = start over from the initial weights),
-        republish those weights and bring every generator to them. After a learner failure
+        republish those weights and bring every reader to them. After a learner failure
         (``respawn``) its processes, and any mesh sharing them, are replaced first."""
         if respawn:
             for name in self.meshes.respawn("learner"):
@@ -107,7 +105,7 @@ class Runtime:
                                        "counters": self.loop.state_dict()["counters"]})
         version = self.loop.version
         self.learner_call("publish", lambda m: m.publish.call_one(version))
-        self.loop.sync_readers(version)
+        self.client.sync_readers(version)
 
     def close(self) -> None:
         if self.replay is not None:

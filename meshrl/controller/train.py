@@ -151,11 +151,12 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
 def _save_episodes(run_dir: Path, loop) -> None:
     """Append the multi-turn episode records of the step (turns, code, outputs, rewards) to
     `trajectories.jsonl`."""
-    if loop.episode_records:
+    records = loop.strategy.episode_records
+    if records:
         from meshrl.envs.code_env import save_trajectories
 
-        save_trajectories(run_dir / "trajectories.jsonl", loop.episode_records)
-        loop.episode_records.clear()
+        save_trajectories(run_dir / "trajectories.jsonl", records)
+        records.clear()
 
 
 def _log_recoveries(metrics, supervisor, step: int, result: dict) -> None:

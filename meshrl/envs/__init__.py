@@ -26,9 +26,9 @@ _EXPORTS = {
     "TestCase": "meshrl.envs.tasks",
     "load_code_tasks": "meshrl.envs.tasks",
     "load_humaneval": "meshrl.envs.humaneval",
-    "EnvConfig": "meshrl.envs.config",
-    "SandboxConfig": "meshrl.envs.config",
-    "CodeEnvConfig": "meshrl.envs.config",
+    "EnvConfig": "meshrl.config.env",
+    "SandboxConfig": "meshrl.config.env",
+    "CodeEnvConfig": "meshrl.config.env",
 }
 
 __all__ = sorted(_EXPORTS)

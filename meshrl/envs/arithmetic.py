@@ -2,12 +2,11 @@
 
 The problem space (every operand pair and operator) is enumerated once, a fixed-seed shuffle
 puts the first ``heldout_size`` problems aside for evaluation, and training draws from the rest
-in a seeded, resumable order (the cursor is part of a checkpoint).
+in a seeded, resumable order (:class:`meshrl.envs.task_sets.SeededStream`).
 """
 
 from __future__ import annotations
 
-import functools
 import random
 import re
 from dataclasses import dataclass, field
@@ -54,7 +53,11 @@ def grade_integer_answer(response: str, answer: str) -> tuple[float, dict]:
 class ArithmeticTask:
     """Deterministic train stream and held-out set of arithmetic problems."""
 
-    def __init__(self, cfg: ArithmeticConfig):
+    multi_turn = False
+
+    def __init__(self, cfg: ArithmeticConfig, data_seed: int = 0):
+        from meshrl.envs.task_sets import SeededStream
+
         self.cfg = cfg
         space = [
             (a, op, b)
@@ -65,6 +68,7 @@ class ArithmeticTask:
         random.Random(cfg.seed).shuffle(space)
         self._heldout = space[: cfg.heldout_size]
         self._train = space[cfg.heldout_size :]
+        self._stream = SeededStream(self._train, data_seed)
 
     def _problem(self, split: str, index: int, triple: tuple[int, str, int]) -> Problem:
         a, op, b = triple
@@ -83,18 +87,7 @@ class ArithmeticTask:
 
     def train_batch(self, cursor: int, n: int) -> list[Problem]:
         """Training problems ``cursor .. cursor+n`` of the endless seeded stream (epochs reshuffle)."""
-        out = []
-        for k in range(cursor, cursor + n):
-            epoch, pos = divmod(k, len(self._train))
-            out.append(self._problem("train", k, self._train[self._epoch_order(epoch)[pos]]))
-        return out
-
-    @functools.lru_cache(maxsize=2)
-    def _epoch_order(self, epoch: int) -> tuple[int, ...]:
-        order = list(range(len(self._train)))
-        if epoch:
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-        return tuple(order)
+        return [self._problem("train", k, triple) for k, triple in self._stream.batch(cursor, n)]
 
     def grade(self, problem: Problem, response: str) -> tuple[float, dict]:
         return grade_integer_answer(response, problem.answer)

@@ -53,10 +53,6 @@ class TextAction(Action):
     """A model reply: the text the policy generated for this turn."""
 
     text: str = ""
-    num_tokens: int | None = None
-    """Tokens in the reply, if the runtime knows them (used by the overlong penalty)."""
-    truncated: bool = False
-    """The runtime cut the reply at its generation limit."""
 
 
 class Observation(BaseModel):

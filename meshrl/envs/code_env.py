@@ -14,8 +14,8 @@ episode (turns, code, outputs, rewards, termination reason) as JSON.
 
 Rewards (``CodeEnvConfig``): ``tests_weight`` x fraction of hidden tests passed, ``success_bonus``
 when all pass, ``exec_success_weight`` when the code ran without an error of its own,
-``-turn_limit_penalty`` when the turn limit ends a failed episode, ``-turn_cost`` per extra turn,
-and an optional DAPO-style overlong penalty from ``TextAction.num_tokens``/``truncated``. In
+``-turn_limit_penalty`` when the turn limit ends a failed episode and ``-turn_cost`` per extra
+turn (the DAPO overlong penalty is the trainer's, for every task: `trainer.advantage`). In
 ``final`` mode the whole episode reward comes on the last step (earlier steps give 0).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from meshrl.envs.base import Environment, Observation, State, TextAction
-from meshrl.envs.config import CodeEnvConfig, EnvConfig
+from meshrl.config.env import CodeEnvConfig, EnvConfig
 from meshrl.envs.grading import GradeResult, grade
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.tasks import CodeTask, load_code_tasks
@@ -270,8 +270,7 @@ class CodeEnv(Environment):
         total = len(self.task.tests)
         frac = passed / total if total else 0.0
         exec_ok = bool(result and result.exec_ok)
-        overlong = self._overlong(action)
-        reward = self._reward(frac, exec_ok, success, done, termination, turn_no, overlong)
+        reward = self._reward(frac, exec_ok, success, done, termination, turn_no)
 
         feedback = self._feedback(parsed, result, success, done, turn_no)
         self._messages.append({"role": cfg.feedback_role, "content": feedback})
@@ -293,7 +292,6 @@ class CodeEnv(Environment):
             "hint_template_key": hint_key,
             "feedback": feedback,
             "reward": reward,
-            "overlong_penalty": overlong,
             "done": done,
             "termination": termination,
             "exec": None if ex is None else {
@@ -390,36 +388,19 @@ class CodeEnv(Environment):
 
     # ------------------------------------------------------------------ rewards and feedback
 
-    def _overlong(self, action: TextAction) -> float:
-        cfg = self.cfg
-        if cfg.overlong_penalty <= 0:
-            return 0.0
-        if action.truncated:
-            return cfg.overlong_penalty
-        n, hi = action.num_tokens, cfg.overlong_max_tokens
-        if n is None or hi is None:
-            return 0.0
-        if n >= hi:
-            return cfg.overlong_penalty
-        lo = hi - cfg.overlong_buffer_tokens
-        if n <= lo or cfg.overlong_buffer_tokens == 0:
-            return 0.0
-        return cfg.overlong_penalty * (n - lo) / cfg.overlong_buffer_tokens
-
     def _reward(self, frac: float, exec_ok: bool, success: bool, done: bool, termination: str | None,
-                turn_no: int, overlong: float) -> float:
+                turn_no: int) -> float:
         cfg = self.cfg
         attempt = cfg.tests_weight * frac + (cfg.exec_success_weight if exec_ok else 0.0)
         if cfg.reward_mode == "per_turn":
-            r = attempt - overlong
+            r = attempt
             if done:
                 r += self._episode_terms(success, termination, turn_no)
             return r
         # final: everything on the last step, judged by the last attempt
-        prior_overlong = sum(x["overlong_penalty"] for x in self._turns)
         if not done:
             return 0.0
-        return attempt + self._episode_terms(success, termination, turn_no) - overlong - prior_overlong
+        return attempt + self._episode_terms(success, termination, turn_no)
 
     def _episode_terms(self, success: bool, termination: str | None, turn_no: int) -> float:
         cfg = self.cfg

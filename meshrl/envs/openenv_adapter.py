@@ -145,8 +145,6 @@ def openenv_types() -> tuple[type, type, type]:
 
     class MeshrlTextAction(OAction):
         text: str = ""
-        num_tokens: int | None = None
-        truncated: bool = False
 
     class MeshrlTextObservation(OObservation):
         text: str = ""
@@ -185,8 +183,7 @@ def to_openenv(env: Environment):
             return convert(self.inner.reset(seed=seed, episode_id=episode_id, **kwargs))
 
         def step(self, action, timeout_s=None, **kwargs):
-            a = TextAction(text=action.text, num_tokens=action.num_tokens, truncated=action.truncated,
-                           metadata=dict(action.metadata))
+            a = TextAction(text=action.text, metadata=dict(action.metadata))
             return convert(self.inner.step(a, timeout_s=timeout_s))
 
         @property

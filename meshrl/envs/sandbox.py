@@ -78,7 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
-from meshrl.envs.config import SandboxConfig
+from meshrl.config.env import SandboxConfig
 
 log = logging.getLogger(__name__)
 

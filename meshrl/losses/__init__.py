@@ -2,16 +2,21 @@
 
 Every loss returns :class:`LossOutput` (``.loss`` scalar tensor, ``.metrics`` dict of floats).
 Normalisation is the caller's job; :mod:`meshrl.losses.aggregation` provides global-count weights.
+Importing this package registers the learner's losses (:mod:`meshrl.losses.registry`).
 """
 
 from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregate, aggregation_weights
 from meshrl.losses.base import LossOutput
 from meshrl.losses.distill import IGNORE_INDEX, generalized_jsd, generalized_jsd_topk, jsd_per_token
 from meshrl.losses.preference import dpo, sequence_logprobs
+from meshrl.losses.registry import LOSSES, ForwardPass, LossSpec, get_loss, register_loss
 from meshrl.losses.token_losses import cispo, cross_entropy, importance_sampling, ppo
 
 __all__ = [
     "Aggregation",
+    "ForwardPass",
+    "LOSSES",
+    "LossSpec",
     "GlobalCounts",
     "IGNORE_INDEX",
     "LossOutput",
@@ -22,8 +27,10 @@ __all__ = [
     "dpo",
     "generalized_jsd",
     "generalized_jsd_topk",
+    "get_loss",
     "importance_sampling",
     "jsd_per_token",
     "ppo",
+    "register_loss",
     "sequence_logprobs",
 ]

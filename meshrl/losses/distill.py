@@ -32,7 +32,9 @@ import math
 
 import torch
 
+from meshrl.logprobs import selective_log_softmax
 from meshrl.losses.base import LossOutput, masked_mean
+from meshrl.losses.registry import ForwardPass, register_loss
 
 IGNORE_INDEX = -100
 
@@ -172,3 +174,21 @@ def generalized_jsd(
     student_logp = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     per_token = jsd_per_token(student_logp, teacher_logp, beta)
     return _reduce(per_token, valid, reduction, token_weights, {})
+
+
+@register_loss("sdpo_jsd")
+def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
+                  is_weight_cap: float = 0.0) -> LossOutput:
+    """SDPO hint distillation on error-site tokens. Datum fields: `mask` (per-token weight, non-zero
+    exactly on the error site's response tokens), `teacher_topk_indices` / `teacher_topk_logprobs`
+    ([T, k]: the hinted teacher's top-k at each of those positions) and `logprobs` (the sampler's,
+    for SDPO's optional importance weight min(p / q, is_weight_cap); 0 = off)."""
+    i, valid = fp.inputs, fp.valid
+    logits = fp.logits()
+    weights = i["mask"][valid]
+    if is_weight_cap > 0:
+        with torch.no_grad():
+            logp = selective_log_softmax(logits, i["target_tokens"][valid])
+            weights = weights * torch.exp(logp - i["logprobs"][valid]).clamp(max=is_weight_cap)
+    return generalized_jsd_topk(logits, i["teacher_topk_indices"][valid], i["teacher_topk_logprobs"][valid],
+                                beta=beta, temperature=temperature, reduction="sum", token_weights=weights)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from meshrl.losses.base import LossOutput, as_weights
+from meshrl.losses.registry import ForwardPass, register_loss
 
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,8 +34,10 @@ def dpo(
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.1,
+    pair_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """L = -sum_i log sigmoid(beta [(pc_i - rc_i) - (pr_i - rr_i)]); all inputs [P] sequence logprobs.
+    """L = -sum_i w_i log sigmoid(beta [(pc_i - rc_i) - (pr_i - rr_i)]); all inputs [P] sequence
+    logprobs; ``pair_weights`` w [P] (constant, default 1) carry the caller's normalisation.
 
     Metrics: num_pairs, reward_accuracy (fraction with r_c > r_r), chosen_reward, rejected_reward,
     reward_margin (means over pairs), loss_mean.
@@ -49,16 +52,29 @@ def dpo(
     rejected_reward = beta * (policy_rejected_logps - ref_rejected_logps.detach())
     margin = chosen_reward - rejected_reward
     losses = -F.logsigmoid(margin)
-    loss = losses.sum()
+    weights = torch.ones_like(losses) if pair_weights is None else pair_weights.detach().to(losses.dtype)
+    loss = (losses * weights).sum()
     n = losses.numel()
     m = margin.detach()
     metrics = {
         "loss": float(loss.detach()),
         "num_pairs": float(n),
-        "loss_mean": float(loss.detach()) / n if n else 0.0,
+        "loss_mean": float(losses.detach().mean()) if n else 0.0,
         "reward_accuracy": float((m > 0).float().mean()) if n else 0.0,
         "chosen_reward": float(chosen_reward.detach().mean()) if n else 0.0,
         "rejected_reward": float(rejected_reward.detach().mean()) if n else 0.0,
         "reward_margin": float(m.mean()) if n else 0.0,
     }
     return LossOutput(loss, metrics)
+
+
+@register_loss("dpo", datums_per_item=2, metric_weight="items")
+def dpo_loss(fp: ForwardPass, beta: float = 0.1) -> LossOutput:
+    """Datums come in pairs for the same prompt, the chosen answer first and the rejected one second;
+    `mask` is 1 on each answer's tokens and the per-sequence `weight` (read from the chosen datum)
+    scales the pair's term. The reference is the learner's frozen initial policy."""
+    mask = fp.inputs["mask"]
+    policy = sequence_logprobs(fp.logprobs(), mask)
+    reference = sequence_logprobs(fp.reference_logprobs(), mask)
+    return dpo(policy[0::2], policy[1::2], reference[0::2], reference[1::2], beta=beta,
+               pair_weights=fp.inputs["weight"][0::2])

@@ -26,6 +26,7 @@ import torch
 
 from meshrl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from meshrl.losses.base import LossOutput, as_weights, broadcast_advantages, masked_max, masked_mean
+from meshrl.losses.registry import ForwardPass, register_loss
 
 
 def _check_logprobs(target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor) -> None:
@@ -170,3 +171,32 @@ def cispo(
     loss = -(coef * adv * _on_valid(target_logprobs, valid) * w).sum()
     r = ratio.detach()
     return _clipped_output(loss, log_ratio, ratio, valid, valid & (r < clip_low), valid & (r > clip_high))
+
+
+# ---- registered forms: Datum fields `logprobs` (sampler), `advantages` (per sequence [B] or per
+# token [B, T]) and `mask` (per-token weights carrying the normaliser) --------------------------
+def _policy_gradient(loss, fp: ForwardPass, **config) -> LossOutput:
+    i = fp.inputs
+    return loss(fp.logprobs(), i["logprobs"], i["advantages"], mask=i["mask"], **config)
+
+
+@register_loss("importance_sampling")
+def importance_sampling_loss(fp: ForwardPass) -> LossOutput:
+    return _policy_gradient(importance_sampling, fp)
+
+
+@register_loss("ppo")
+def ppo_loss(fp: ForwardPass, eps_low: float = 0.2, eps_high: float = 0.2) -> LossOutput:
+    return _policy_gradient(ppo, fp, eps_low=eps_low, eps_high=eps_high)
+
+
+@register_loss("cispo")
+def cispo_loss(fp: ForwardPass, clip_low: float = 0.0, clip_high: float = 4.0) -> LossOutput:
+    return _policy_gradient(cispo, fp, clip_low=clip_low, clip_high=clip_high)
+
+
+@register_loss("cross_entropy", valid_key="weights")
+def cross_entropy_loss(fp: ForwardPass) -> LossOutput:
+    """Datum field `weights`: per-token weight of the target token's negative log-likelihood."""
+    valid = fp.valid
+    return cross_entropy(fp.logits(), fp.inputs["target_tokens"][valid], fp.inputs["weights"][valid])

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
-from meshrl.teachers.config import TeacherEndpointConfig
+from meshrl.config.teachers import TeacherEndpointConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from monarch.actor import Actor, Port, current_rank, endpoint
 
 from meshrl.actors.teacher_replay import TeacherReplayActor
 from meshrl.channels.delayed import DelayedChannelConfig, DelayedOutbox
-from meshrl.teachers.config import ReplayConfig
+from meshrl.config.replay import ReplayConfig
 
 
 class EchoProducer(Actor):

@@ -11,40 +11,45 @@ from meshrl.types import Datum
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors for a group of Datums; padded positions have mask 0."""
+    """Right-padded tensors for a group of Datums; padded positions are zero in every input."""
 
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
-    inputs: dict[str, torch.Tensor]  # each [B, T], zero-padded
+    inputs: dict[str, torch.Tensor]  # per-position fields [B, T, ...] zero-padded; per-sequence fields [B]
     lengths: list[int]
 
 
 def pad_datums(datums: list[Datum], pad_id: int) -> MicroBatch:
-    """Stack Datums of different lengths; every loss input is padded with zeros (mask 0)."""
+    """Stack Datums of different lengths; every per-position loss input is padded with zeros."""
     if not datums:
         raise ValueError("empty micro-batch")
-    lengths = [d.length for d in datums]
-    width = max(lengths)
-    ids = torch.full((len(datums), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(datums), width), dtype=torch.long)
     keys = set(datums[0].loss_fn_inputs)
     for d in datums[1:]:
         if set(d.loss_fn_inputs) != keys:
             raise ValueError(f"datums disagree on loss_fn_inputs keys: {sorted(keys)} vs {sorted(d.loss_fn_inputs)}")
-    inputs = {
-        k: torch.zeros((len(datums), width), dtype=datums[0].loss_fn_inputs[k].dtype) for k in keys
-    }
-    for i, d in enumerate(datums):
-        n = lengths[i]
-        ids[i, :n] = d.model_input.to_tensor()
-        attention[i, :n] = 1
-        for k in keys:
-            inputs[k][i, :n] = d.loss_fn_inputs[k]
+    lengths = [d.length for d in datums]
+    ids = torch.nn.utils.rnn.pad_sequence([d.model_input.to_tensor() for d in datums], batch_first=True,
+                                          padding_value=pad_id)
+    attention = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long()
+    inputs = {}
+    for k in sorted(keys):
+        values = [d.loss_fn_inputs[k] for d in datums]
+        if any(v.dim() == 0 for v in values):
+            if not all(v.dim() == 0 for v in values):
+                raise ValueError(f"loss_fn_inputs[{k!r}] is per-sequence in some datums and per-position in others")
+            inputs[k] = torch.stack(values)
+        else:
+            inputs[k] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=0)
     return MicroBatch(ids, attention, inputs, lengths)
 
 
-def split_micro_batches(datums: list[Datum], size: int) -> list[list[Datum]]:
-    """Consecutive groups of at most ``size`` Datums, sorted by length to limit padding."""
-    order = sorted(range(len(datums)), key=lambda i: datums[i].length)
-    ordered = [datums[i] for i in order]
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1) -> list[list[Datum]]:
+    """Micro-batches of at most ``size`` Datums (at least one item), sorted by length to limit
+    padding. Datums come in items of ``per_item`` consecutive Datums (e.g. a DPO pair) that stay
+    together and in order."""
+    if len(datums) % per_item:
+        raise ValueError(f"{len(datums)} datums do not form items of {per_item}")
+    items = [datums[i : i + per_item] for i in range(0, len(datums), per_item)]
+    items.sort(key=lambda item: max(d.length for d in item))
+    per_batch = max(1, size // per_item)
+    return [[d for item in items[i : i + per_batch] for d in item] for i in range(0, len(items), per_batch)]

@@ -1,8 +1,10 @@
 """PolicyTrainer: the learner's model, optimiser and Tinker-style forward_backward / optim_step.
 
-Losses are sum-reduced token losses from :mod:`meshrl.losses`; the caller normalises by scaling
-advantages or weights (e.g. by 1 / total valid tokens of the step), so accumulating gradients over
-micro-batches gives exactly the gradient of one big batch.
+The trainer is algorithm-blind: a loss is a name in :mod:`meshrl.losses.registry`, and the trainer
+only pads datums into micro-batches, hands each to the loss as a :class:`MicroBatchPass` (logits,
+logprobs, reference logprobs on demand) and backpropagates the loss it returns. Losses are
+sum-reduced; the caller normalises through the datums' weights (e.g. 1 / total valid tokens of the
+step), so accumulating gradients over micro-batches gives exactly the gradient of one big batch.
 """
 
 from __future__ import annotations
@@ -17,30 +19,65 @@ import torch
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy
-from meshrl.training.batching import pad_datums, split_micro_batches
+from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.types import AdamParams, Datum
 
-RL_LOSSES: dict[str, Callable[..., losses.LossOutput]] = {
-    "ppo": losses.ppo,
-    "importance_sampling": losses.importance_sampling,
-    "cispo": losses.cispo,
-}
-LOSS_NAMES = (*RL_LOSSES, "cross_entropy")
+CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
+"""``fn(datums, logprobs) -> (loss, metrics)``: ``logprobs[i]`` is the [length] log-probability of
+datum i's target tokens (differentiable); used by :meth:`PolicyTrainer.forward_backward_custom`."""
 
 
-def _combine_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Token-weighted means of per-micro-batch metrics (maxima for `*_max`, sums for `loss`)."""
+def combine_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Weighted means of per-micro-batch metrics (maxima for `*_max`; sums for `loss` and `num_*`)."""
     total = sum(w for w, _ in parts) or 1.0
     out: dict[str, float] = {}
     for weight, metrics in parts:
         for k, v in metrics.items():
-            if k == "loss":
+            if k == "loss" or k.startswith("num_"):
                 out[k] = out.get(k, 0.0) + v
             elif k.endswith("_max"):
                 out[k] = max(out.get(k, float("-inf")), v)
             else:
                 out[k] = out.get(k, 0.0) + v * weight / total
     return out
+
+
+class MicroBatchPass:
+    """One padded micro-batch on the device; implements :class:`meshrl.losses.ForwardPass`."""
+
+    def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None):
+        self.trainer, self.mb = trainer, mb
+        self.inputs = {k: v.to(trainer.device) for k, v in mb.inputs.items()}
+        key = self.inputs.get(valid_key) if valid_key else None
+        self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
+        self._logits: torch.Tensor | None = None
+        self._logprobs: torch.Tensor | None = None
+        self.entropy: torch.Tensor | None = None  # [B, T], set with the logprobs
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.trainer.valid_logits(self.mb, self.valid)
+        return self._logits
+
+    def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.valid.shape, dtype=rows.dtype, device=rows.device).masked_scatter(self.valid, rows)
+
+    def logprobs(self) -> torch.Tensor:
+        if self._logprobs is None:
+            targets = self.inputs["target_tokens"][self.valid]
+            rows, entropy = token_logprobs_and_entropy(self.logits(), targets,
+                                                       chunk_size=self.trainer.cfg.logprob_chunk_tokens)
+            self._logprobs = self._scatter(rows)
+            self.entropy = self._scatter(entropy.detach())
+        return self._logprobs
+
+    @torch.no_grad()
+    def reference_logprobs(self) -> torch.Tensor:
+        with self.trainer.reference_model() as model:
+            logits = self.trainer.valid_logits(self.mb, self.valid, model)
+        targets = self.inputs["target_tokens"][self.valid]
+        rows, _ = token_logprobs_and_entropy(logits, targets, chunk_size=self.trainer.cfg.logprob_chunk_tokens)
+        return self._scatter(rows)
 
 
 class PolicyTrainer:
@@ -80,7 +117,7 @@ class PolicyTrainer:
         )
         self.pending_tokens = 0  # valid tokens whose gradients are accumulated but not yet applied
         self.steps_applied = 0  # optimizer steps taken (restored from checkpoints)
-        self.reference = None  # frozen initial policy for DPO, loaded on first use
+        self._frozen_copy = None  # the initial weights (full fine-tuning), loaded on first use
 
     # ---- forward -------------------------------------------------------------------------
     def _autocast(self):
@@ -88,61 +125,93 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def valid_logits(self, mb, valid: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] at the N valid model_input positions (row-major over batch, position).
-        The vocabulary projection runs only there, in the autocast dtype."""
+    def valid_logits(self, mb: MicroBatch, valid: torch.Tensor, model=None) -> torch.Tensor:
+        """Logits [N, V] of ``model`` (default: the policy) at the N valid model_input positions
+        (row-major over batch, position). The vocabulary projection runs only there, in the
+        autocast dtype."""
+        model = self.model if model is None else model
         with self._autocast():
-            hidden = self.model.get_decoder()(
+            hidden = model.get_decoder()(
                 input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device)
             ).last_hidden_state
-            return self.model.get_output_embeddings()(hidden[valid])
+            return model.get_output_embeddings()(hidden[valid])
 
-    def sequence_logprobs(self, mb, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprob (and entropy) of ``target_tokens`` at every valid model_input position, as [B, T]
-        tensors (zero elsewhere); the log-softmax is chunked so no float32 [N, V] tensor is formed."""
-        logits = self.valid_logits(mb, valid)
-        targets = mb.inputs["target_tokens"].to(self.device)[valid]
-        logp_rows, entropy_rows = token_logprobs_and_entropy(logits, targets, chunk_size=self.cfg.logprob_chunk_tokens)
-        logp = torch.zeros(valid.shape, dtype=logp_rows.dtype, device=self.device).masked_scatter(valid, logp_rows)
-        entropy = torch.zeros(valid.shape, dtype=logp_rows.dtype, device=self.device)
-        entropy[valid] = entropy_rows.detach()
-        return logp, entropy
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The frozen reference policy (the initial weights): the policy with its LoRA adapters
+        switched off, or (full fine-tuning) a frozen copy loaded on first use, so a run that never
+        asks for it never pays for it."""
+        if self.cfg.lora.enabled:
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self._frozen_copy is None:
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+            ref.eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._frozen_copy = ref
+        yield self._frozen_copy
+
+    def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1):
+        for group in split_micro_batches(datums, self.cfg.micro_batch_size, per_item):
+            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key)
 
     # ---- Tinker-style API ----------------------------------------------------------------
-    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_config: dict | None = None) -> dict:
-        """Accumulate gradients of the sum-reduced ``loss_fn`` over all datums (micro-batched)."""
-        if loss_fn not in LOSS_NAMES:
-            raise ValueError(f"unknown loss_fn '{loss_fn}': expected one of {LOSS_NAMES}")
-        loss_config = dict(loss_config or {})
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+        """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
+        (micro-batched); returns its summed ``loss`` and combined metrics."""
+        spec = losses.get_loss(loss_fn)
+        config = dict(loss_fn_config or {})
         started = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
         tokens = 0
-        for group in split_micro_batches(datums, self.cfg.micro_batch_size):
-            mb = pad_datums(group, self.pad_id)
-            inputs = {k: v.to(self.device) for k, v in mb.inputs.items()}
-            weight_key = "weights" if loss_fn == "cross_entropy" else "mask"
-            if weight_key in inputs:
-                valid = inputs[weight_key] > 0
-            else:
-                valid = mb.attention_mask.to(self.device) > 0
-            logp, entropy = self.sequence_logprobs(mb, valid)
-            if loss_fn == "cross_entropy":
-                out = losses.LossOutput(-(logp * inputs["weights"]).sum(), {})
-            else:
-                out = RL_LOSSES[loss_fn](
-                    logp, inputs["logprobs"], inputs["advantages"], mask=inputs.get("mask"), **loss_config
-                )
+        for group, fp in self._passes(datums, spec.valid_key, spec.datums_per_item):
+            out = spec.fn(fp, **config)
             out.loss.backward()
-            n_valid = int(valid.sum())
-            metrics = dict(out.metrics)
-            metrics["loss"] = float(out.loss.detach())
-            metrics["entropy"] = float(entropy.detach()[valid].mean()) if n_valid else 0.0
-            parts.append((float(n_valid), metrics))
+            n_valid = int(fp.valid.sum())
+            metrics = {**out.metrics, "loss": float(out.loss.detach())}
+            if fp.entropy is not None:
+                metrics["entropy"] = float(fp.entropy[fp.valid].mean()) if n_valid else 0.0
+            weight = n_valid if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
+            parts.append((float(weight), metrics))
             tokens += n_valid
         self.pending_tokens += tokens
-        result = _combine_metrics(parts)
+        result = combine_metrics(parts)
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
         return result
+
+    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss) -> dict:
+        """Accumulate gradients of an arbitrary ``fn(datums, logprobs) -> (loss, metrics)`` over
+        the whole batch: one pass without grad gives every datum's target logprobs, ``fn`` runs on
+        them as leaf tensors, and a second, micro-batched pass backpropagates d loss / d logprobs
+        through the model (the surrogate sum(grad * logprobs))."""
+        started = time.perf_counter()
+        leaves = [lp.requires_grad_(True) for lp in self.forward(datums)]
+        loss, metrics = fn(datums, leaves)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grad_of = {id(d): g if g is not None else torch.zeros_like(lp) for d, g, lp in zip(datums, grads, leaves)}
+        tokens = 0
+        for group, fp in self._passes(datums, None):
+            grad = torch.nn.utils.rnn.pad_sequence([grad_of[id(d)] for d in group], batch_first=True).to(self.device)
+            (fp.logprobs() * grad).sum().backward()
+            tokens += int(fp.valid.sum())
+        self.pending_tokens += tokens
+        return {**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach()), "tokens": float(tokens),
+                "seconds": time.perf_counter() - started}
+
+    @torch.no_grad()
+    def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
+        """Log-probability of every datum's target tokens ([length] float32 each, in datum order)
+        under the current weights, or under the frozen reference policy."""
+        out: dict[int, torch.Tensor] = {}
+        for group, fp in self._passes(datums, None):
+            logp = fp.reference_logprobs() if reference else fp.logprobs()
+            for row, d in enumerate(group):
+                out[id(d)] = logp[row, : d.length].float().cpu()
+        return [out[id(d)] for d in datums]
 
     def optim_step(self, adam: AdamParams) -> dict:
         """Apply the accumulated gradients with AdamW, then clear them."""
@@ -162,18 +231,6 @@ class PolicyTrainer:
         self.pending_tokens = 0
         self.steps_applied += 1
         return {"grad_norm": float(norm), "lr": adam.learning_rate}
-
-    @torch.no_grad()
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of tokens 1..n-1 of each sequence given its prefix, in the training dtype."""
-        datums = [Datum.from_sequence(seq) for seq in sequences]
-        out = []
-        for datum in datums:
-            mb = pad_datums([datum], self.pad_id)
-            valid = mb.attention_mask.to(self.device) > 0
-            logp, _ = self.sequence_logprobs(mb, valid)
-            out.append(logp[0].cpu().tolist())
-        return out
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.teachers.agreement import NoPairReason, PreferencePair, TeacherAnswer, decide_pair
-from meshrl.teachers.canonical import canonicalise
+from meshrl.replay.agreement import NoPairReason, PreferencePair, TeacherAnswer, decide_pair
+from meshrl.replay.canonical import canonicalise
 from meshrl.teachers.client import SpendMeter, TeacherClient, TeacherError
-from meshrl.teachers.config import ReplayConfig
+from meshrl.config.replay import ReplayConfig
 
 
 @dataclass(frozen=True)

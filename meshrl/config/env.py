@@ -144,18 +144,6 @@ class CodeEnvConfig(Section):
     turn_cost: float = 0.0
     """Subtracted per attempt after the first, favouring solving in fewer turns."""
 
-    overlong_penalty: float = 0.0
-    """Largest penalty for an overlong reply (0 disables): applied in full to a reply the runtime
-    marks truncated, and ramped linearly over the last `overlong_buffer_tokens` before
-    `overlong_max_tokens`."""
-
-    overlong_max_tokens: int | None = Field(None, ge=1)
-    """Token length at which a reply gets the full overlong penalty; None only penalises replies
-    marked truncated."""
-
-    overlong_buffer_tokens: int = Field(0, ge=0)
-    """Length of the linear ramp before `overlong_max_tokens`."""
-
 
 class EnvConfig(Section):
     """Agentic environments: the sandbox and the code task."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
-from meshrl.teachers.config import CanonicaliserKind
+from meshrl.config.replay import CanonicaliserKind
 
 # ---------------------------------------------------------------------------------------------
 # math answers

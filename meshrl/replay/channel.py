@@ -1,6 +1,6 @@
 """Controller side of channel 3 (N-teacher trace replay): submit frozen traces to the pool of
 TeacherReplayActors, drain their delayed results without waiting, and turn agreed-on teacher
-actions into DPO items for the learner.
+actions into `dpo` Datums for the learner (a chosen and a rejected answer per pair).
 
 Training never waits on teachers: `submit` returns once the actors have queued the work and
 `drain` only takes what has already arrived. The pool is supervised like any mesh; a replaced pool
@@ -16,11 +16,33 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from meshrl.config.channels import ReplayChannelConfig
-from meshrl.training.channel_losses import DPOItem
+from meshrl.config.replay import ReplayChannelConfig
+from meshrl.controller.mesh_client import MeshClient
+from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
 POOL = "teacher_replay"
+
+
+@dataclass
+class PreferenceItem:
+    """One preference pair for the same prompt (all token ids)."""
+
+    key: str
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+def dpo_datums(items: list[PreferenceItem], weight: float) -> list[Datum]:
+    """Two Datums per pair, chosen then rejected, each answer's tokens masked in and the pair's
+    term weighted by ``weight``."""
+    datums = []
+    for item in items:
+        for answer in (item.chosen, item.rejected):
+            datums.append(Datum.from_sequence(item.prompt + answer, per_sequence={"weight": weight},
+                                              mask=[0] * len(item.prompt) + [1] * len(answer)))
+    return datums
 
 
 @dataclass
@@ -39,18 +61,18 @@ class PendingTrace:
 class ReplayChannel:
     """Submits traces, drains pairs, buffers DPO items; its state goes into checkpoints."""
 
-    def __init__(self, cfg: ReplayChannelConfig, meshes, supervisor, renderer):
+    def __init__(self, cfg: ReplayChannelConfig, client: MeshClient, renderer):
         from meshrl.actors.teacher_replay import TeacherReplayActor, producer_name
         from meshrl.channels.delayed import DelayedInbox
 
         self.cfg = cfg
-        self.meshes = meshes
-        self.sup = supervisor
+        self.client = client
+        self.meshes = meshes = client.meshes
         self.renderer = renderer
         self.stop_token = renderer.get_stop_sequences()[0]
         self.inbox = DelayedInbox()
         self.pending: dict[str, PendingTrace] = {}
-        self.buffer: list[DPOItem] = []
+        self.buffer: list[PreferenceItem] = []
         self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.producers = [producer_name(POOL, r) for r in range(cfg.channel.procs)]
@@ -58,15 +80,11 @@ class ReplayChannel:
         meshes.spawn(POOL, TeacherReplayActor, cfg.teachers, cfg.channel, POOL)
         meshes.wait_ready([POOL])
         self._subscribe()
-        supervisor.on_respawn(POOL, self._after_respawn)
+        client.sup.on_respawn(POOL, self._after_respawn)
 
     # ---- remote helpers --------------------------------------------------------------------
     def _call(self, what: str, issue):
-        from meshrl.controller.supervisor import wait_all
-
-        return self.sup.run(POOL, lambda: wait_all(issue(self.meshes[POOL]), self.cfg.channel.rpc_timeout_s,
-                                                   f"{POOL}.{what}", watch=lambda: self.meshes.dead_process(POOL)),
-                            f"{POOL}.{what}")
+        return self.client.call(POOL, what, issue, f"{POOL}.{what}", self.cfg.channel.rpc_timeout_s)
 
     def _subscribe(self) -> None:
         port = self.inbox.port
@@ -97,7 +115,7 @@ class ReplayChannel:
     # ---- the channel ------------------------------------------------------------------------
     def submit(self, trajectories: list, version: int) -> None:
         """Queue the step's selected trajectories for replay (never waits for the teachers)."""
-        from meshrl.channels.sdpo import error_kind
+        from meshrl.sdpo.sites import error_kind  # the same notion of a failed trajectory as SDPO
 
         chosen = [t for t in trajectories if t.tokens and (self.cfg.select == "all" or error_kind(t.info))]
         room = self.cfg.max_outstanding - len(self.inbox.outstanding())
@@ -122,7 +140,7 @@ class ReplayChannel:
 
     def _frozen_trace(self, t):
         """The trace teachers replay (the exact contexts the student saw) and, per step, its tokens."""
-        from meshrl.teachers.replay import Trace, TraceStep
+        from meshrl.replay.trace import Trace, TraceStep
 
         turns = t.info.get("turns")
         if not turns:  # single turn: the prompt messages as the template renders them
@@ -150,7 +168,7 @@ class ReplayChannel:
                 if chosen == rejected:
                     self.counts["pairs_identical"] += 1
                     continue
-                self.buffer.append(DPOItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected))
+                self.buffer.append(PreferenceItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected))
                 self.counts["dpo_items"] += 1
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
@@ -194,10 +212,17 @@ class ReplayChannel:
                 for k in retry])
             self.counts["resubmitted_lost"] += len(retry)
 
-    def take(self, n: int) -> list[DPOItem]:
-        """Up to ``n`` buffered DPO items, oldest first."""
+    def take(self, n: int) -> list[PreferenceItem]:
+        """Up to ``n`` buffered pairs, oldest first."""
         items, self.buffer = self.buffer[:n], self.buffer[n:]
         return items
+
+    def datums(self, version: int) -> tuple[list[Datum], dict]:
+        """Drain what has arrived (never waits for teachers) and the step's `dpo` Datums: at most
+        `max_pairs_per_step` pairs, each weighted beta / pairs so the loss is beta * the mean."""
+        metrics = self.drain(version)
+        items = self.take(self.cfg.max_pairs_per_step)
+        return (dpo_datums(items, self.cfg.beta / len(items)) if items else []), metrics
 
     def state_dict(self) -> dict:
         """JSON-able: dedupe state, traces still being replayed, buffered pairs, counters."""
@@ -211,7 +236,7 @@ class ReplayChannel:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore after a resume and hand the traces that were in flight to the (fresh) pool."""
-        from meshrl.teachers.replay import Trace, TraceStep
+        from meshrl.replay.trace import Trace, TraceStep
 
         self.inbox.load_state_dict(state["inbox"])
         self.pending = {}
@@ -220,7 +245,7 @@ class ReplayChannel:
             self.pending[key] = PendingTrace(trace, p["version"], p["producer"],
                                              [(list(a), list(b)) for a, b in p["steps"]], time.monotonic(),
                                              p["attempts"])
-        self.buffer = [DPOItem(**i) for i in state["buffer"]]
+        self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
         self.counts = Counter(state["counts"])
         self.outcomes = Counter(state.get("outcomes", {}))  # checkpoints before 0.1 lacked it
         self._after_respawn()

@@ -1,5 +1,5 @@
-"""Configuration of external teachers (OpenAI-compatible chat endpoints), of trace replay against
-them (channel 3), and of the optional LLM hint generator (SDPO channel).
+"""Configuration of one external teacher: an OpenAI-compatible chat endpoint (used by trace replay,
+channel 3, and by the optional LLM hint generator of the SDPO channel).
 
 API keys never appear in a config: a teacher names the environment variable that holds its key,
 and the key is read from the environment at request time.
@@ -16,8 +16,6 @@ from pydantic import Field, field_validator, model_validator
 from meshrl.config.base import Section
 
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-CanonicaliserKind = Literal["math_answer", "code", "tool_call", "text"]
 
 
 class TeacherEndpointConfig(Section):
@@ -101,71 +99,4 @@ class TeacherEndpointConfig(Section):
     def _check_backoff(self) -> TeacherEndpointConfig:
         if self.backoff_max_s < self.backoff_base_s:
             raise ValueError("backoff_max_s must be >= backoff_base_s")
-        return self
-
-
-class ReplayConfig(Section):
-    """Channel 3: replay frozen student traces to N teachers and turn k-of-N agreement into DPO pairs."""
-
-    teachers: list[TeacherEndpointConfig] = Field(default_factory=list)
-    """The N teacher endpoints; each student step is sent to all of them."""
-
-    agreement_k: int = Field(default=2, ge=1)
-    """A pair needs at least this many teachers agreeing on one action that differs from the student's."""
-
-    budget_usd: float = Field(default=0.0, ge=0)
-    """Spend limit for the whole run across all teachers, in USD; 0 means unlimited."""
-
-    canonicaliser: CanonicaliserKind = "math_answer"
-    """How actions are compared: final math answer, normalised code, tool-call JSON, or folded text."""
-
-    max_steps_per_trace: int = Field(default=64, ge=1)
-    """Only the first this-many student steps of a trace are replayed; the rest are counted as skipped."""
-
-    trace_timeout_s: float = Field(default=600.0, gt=0)
-    """Wall-clock limit for replaying one trace; unfinished steps are counted as timed out."""
-
-    @model_validator(mode="after")
-    def _check_teachers(self) -> ReplayConfig:
-        names = [t.name for t in self.teachers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"teacher names must be unique, got {names}")
-        if self.teachers and self.agreement_k > len(self.teachers):
-            raise ValueError(f"agreement_k = {self.agreement_k} exceeds the {len(self.teachers)} teachers")
-        return self
-
-
-DEFAULT_HINT_INSTRUCTION = (
-    "You are coaching a student model that just made a mistake. You see the conversation it was "
-    "given and the error it caused. Reply with one short hint, at most two sentences, that points "
-    "toward the fix without giving the full solution."
-)
-
-
-class HintGeneratorConfig(Section):
-    """Optional LLM hint generator for the SDPO channel: ask a model for a short hint given the
-    context and an error description."""
-
-    enabled: bool = False
-    """Use the LLM hint generator (otherwise hints come from templates only)."""
-
-    endpoint: TeacherEndpointConfig | None = None
-    """The OpenAI-compatible endpoint asked for hints; required when enabled."""
-
-    instruction: str = Field(default=DEFAULT_HINT_INSTRUCTION, min_length=1)
-    """System instruction sent with every hint request."""
-
-    max_context_chars: int = Field(default=6000, ge=100)
-    """The rendered conversation is cut to its last this-many characters."""
-
-    max_error_chars: int = Field(default=1000, ge=10)
-    """The error description is cut to this many characters."""
-
-    max_hint_chars: int = Field(default=400, ge=10)
-    """Longer hints are cut to this many characters."""
-
-    @model_validator(mode="after")
-    def _check_endpoint(self) -> HintGeneratorConfig:
-        if self.enabled and self.endpoint is None:
-            raise ValueError("enabled hint generator needs an endpoint")
         return self

@@ -1,0 +1,81 @@
+"""Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the student
+becomes a DPO pair delivered later on the delayed channel."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from meshrl.config.base import Section
+from meshrl.config.channels import DelayedChannelConfig
+from meshrl.config.teachers import TeacherEndpointConfig
+
+CanonicaliserKind = Literal["math_answer", "code", "tool_call", "text"]
+
+
+class ReplayConfig(Section):
+    """Channel 3: replay frozen student traces to N teachers and turn k-of-N agreement into DPO pairs."""
+
+    teachers: list[TeacherEndpointConfig] = Field(default_factory=list)
+    """The N teacher endpoints; each student step is sent to all of them."""
+
+    agreement_k: int = Field(default=2, ge=1)
+    """A pair needs at least this many teachers agreeing on one action that differs from the student's."""
+
+    budget_usd: float = Field(default=0.0, ge=0)
+    """Spend limit for the whole run across all teachers, in USD; 0 means unlimited."""
+
+    canonicaliser: CanonicaliserKind = "math_answer"
+    """How actions are compared: final math answer, normalised code, tool-call JSON, or folded text."""
+
+    max_steps_per_trace: int = Field(default=64, ge=1)
+    """Only the first this-many student steps of a trace are replayed; the rest are counted as skipped."""
+
+    trace_timeout_s: float = Field(default=600.0, gt=0)
+    """Wall-clock limit for replaying one trace; unfinished steps are counted as timed out."""
+
+    @model_validator(mode="after")
+    def _check_teachers(self) -> ReplayConfig:
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"teacher names must be unique, got {names}")
+        if self.teachers and self.agreement_k > len(self.teachers):
+            raise ValueError(f"agreement_k = {self.agreement_k} exceeds the {len(self.teachers)} teachers")
+        return self
+
+
+class ReplayChannelConfig(Section):
+    """Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the
+    student becomes a DPO pair that arrives later on the delayed channel."""
+
+    beta: float = Field(0.0, ge=0)
+    """Weight of the trace-replay DPO term in the total loss; 0 disables the channel at zero cost."""
+
+    dpo_beta: float = Field(0.1, gt=0)
+    """DPO temperature beta."""
+
+    select: Literal["failed", "all"] = "failed"
+    """Which trajectories are replayed: those the verifier failed, or all."""
+
+    traces_per_step: int = Field(8, ge=1)
+    """Most traces submitted for replay per step."""
+
+    max_pairs_per_step: int = Field(16, ge=1)
+    """Most DPO pairs trained on per step (the rest wait in the buffer)."""
+
+    max_outstanding: int = Field(64, ge=1)
+    """Back-pressure: no new traces are submitted while this many are still being replayed."""
+
+    teachers: ReplayConfig = ReplayConfig()
+    """Teacher endpoints, agreement rule, budget, canonicaliser."""
+
+    channel: DelayedChannelConfig = DelayedChannelConfig()
+    """The replay actor pool and the delayed-result channel."""
+
+    @model_validator(mode="after")
+    def _need_teachers(self) -> "ReplayChannelConfig":
+        if self.beta > 0 and len(self.teachers.teachers) < self.teachers.agreement_k:
+            raise ValueError(f"beta = {self.beta} needs at least teachers.agreement_k = "
+                             f"{self.teachers.agreement_k} teachers, got {len(self.teachers.teachers)}")
+        return self

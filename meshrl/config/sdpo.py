@@ -1,0 +1,90 @@
+"""Channel 2: SDPO hint self-distillation (and its optional LLM hint generator)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from meshrl.config.base import Section
+from meshrl.config.meshes import ChannelMesh
+from meshrl.config.teachers import TeacherEndpointConfig
+
+DEFAULT_HINTS: dict[str, str] = {
+    "math.wrong_answer": "Hint: {extracted} is not right. The correct answer is {answer}.",
+    "math.wrong_format": "Hint: finish with the final result as a plain number. The answer is {answer}.",
+    "wrong_answer": "Hint: that answer is not right. The correct answer is {answer}.",
+    "wrong_format": "Hint: the answer must be given plainly. The correct answer is {answer}.",
+}
+
+
+DEFAULT_HINT_INSTRUCTION = (
+    "You are coaching a student model that just made a mistake. You see the conversation it was "
+    "given and the error it caused. Reply with one short hint, at most two sentences, that points "
+    "toward the fix without giving the full solution."
+)
+
+
+class HintGeneratorConfig(Section):
+    """Optional LLM hint generator for the SDPO channel: ask a model for a short hint given the
+    context and an error description."""
+
+    enabled: bool = False
+    """Use the LLM hint generator (otherwise hints come from templates only)."""
+
+    endpoint: TeacherEndpointConfig | None = None
+    """The OpenAI-compatible endpoint asked for hints; required when enabled."""
+
+    instruction: str = Field(default=DEFAULT_HINT_INSTRUCTION, min_length=1)
+    """System instruction sent with every hint request."""
+
+    max_context_chars: int = Field(default=6000, ge=100)
+    """The rendered conversation is cut to its last this-many characters."""
+
+    max_error_chars: int = Field(default=1000, ge=10)
+    """The error description is cut to this many characters."""
+
+    max_hint_chars: int = Field(default=400, ge=10)
+    """Longer hints are cut to this many characters."""
+
+    @model_validator(mode="after")
+    def _check_endpoint(self) -> HintGeneratorConfig:
+        if self.enabled and self.endpoint is None:
+            raise ValueError("enabled hint generator needs an endpoint")
+        return self
+
+
+class SDPOConfig(Section):
+    """Channel 2: the policy, re-run without grad on its context plus a hint at the error turn,
+    is distilled back into the student on the error-site tokens with a generalized JSD."""
+
+    alpha: float = Field(0.0, ge=0)
+    """Weight of the SDPO JSD term in the total loss; 0 disables the channel at zero cost."""
+
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
+    """Generalized JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Softmax temperature applied to both student and teacher logits."""
+
+    top_k: int = Field(32, ge=0)
+    """Teacher tokens kept per position (both distributions renormalised on them); 0 = full vocabulary."""
+
+    max_sites_per_step: int = Field(16, ge=1)
+    """Most error-site trajectories distilled per step."""
+
+    is_weight_cap: float = Field(0.0, ge=0)
+    """SDPO's per-token importance weight min(p/q, cap) on the JSD (0 = off; the paper uses 2)."""
+
+    hints: dict[str, str] = DEFAULT_HINTS
+    """Hint templates by hint_template_key (environment hints take precedence); fields such as
+    {answer} and {extracted} come from the verifier's info and the problem."""
+
+    hint_generator: HintGeneratorConfig = HintGeneratorConfig()
+    """Optional LLM hint generator (same OpenAI-compatible client as the teachers)."""
+
+    mesh: ChannelMesh = ChannelMesh()
+    """Where the SDPOTeacherActor runs."""
+
+    call_timeout_s: float = Field(300.0, gt=0)
+    """Deadline for one teacher scoring call."""

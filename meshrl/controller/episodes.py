@@ -1,0 +1,150 @@
+"""The multi-turn rollout strategy, token-in/token-out: the generator samples a turn, the env mesh runs it in
+the sandbox, the feedback message is appended to the episode's token sequence with the renderer's
+bridge (history is never re-tokenised), and so on until the episode ends.
+
+Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
+Its info carries what the other channels need: the turns (context, action, token span), and for a
+failed episode the error kind, the environment's hint and the span of the failing turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from meshrl.controller.mesh_client import ENV, MeshClient
+from meshrl.controller.rollout import Counters
+from meshrl.engines import SampleRequest
+from meshrl.training.trajectories import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Episode:
+    id: str
+    group: int
+    task: object
+    rank: int
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[tuple] = field(default_factory=list)  # (context, action text, start, end)
+    reward: float = 0.0
+    last: dict = field(default_factory=dict)
+    text: str = ""
+    finish_reason: str = ""
+    termination: str | None = None
+    version: int = 1 << 30  # the oldest policy version that sampled any of its turns
+
+    def append(self, tokens, logprobs, sampled: bool) -> tuple[int, int]:
+        start = len(self.tokens)
+        self.tokens += list(tokens)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(tokens)
+        self.mask += [1 if sampled else 0] * len(tokens)
+        return start, len(self.tokens)
+
+
+class EpisodeRollout:
+    """``group_size`` episodes per task, stepped together: each turn is one generate call for every
+    active episode and one env call per env rank. A failed env mesh is replaced and the whole batch
+    of episodes played again (it is seeded, so the retry samples the same tokens)."""
+
+    def __init__(self, client: MeshClient, renderer, max_model_len: int, counters: Counters):
+        self.client, self.renderer, self.max_model_len, self.counters = client, renderer, max_model_len, counters
+        self.episode_records: list[dict] = []
+
+    @staticmethod
+    def spawn(meshes, cfg) -> None:
+        """The env mesh (one sandbox per process) takes the rewarder's place in the layout."""
+        from meshrl.actors.env_actor import EnvActor
+
+        spec = cfg.meshes.rewarder
+        meshes.add_mesh(ENV, spec.procs, spec.colocate_with)
+        meshes.spawn(ENV, EnvActor, cfg.task.code.env)
+
+    def collect(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], dict]:
+        t0 = time.perf_counter()
+        request = dataclasses.replace(request, n=1)
+        trajectories, records = self.client.supervised(
+            ENV, lambda: self._play(tasks, group_size, request, tag), f"{ENV} episodes")
+        self.episode_records.extend(records)
+        n = max(len(trajectories), 1)
+        return trajectories, {"timing/generate_s": time.perf_counter() - t0,
+                              "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
+                              "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n}
+
+    def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]]) -> list:
+        """``endpoint`` on each env rank with its episodes' arguments; results in episode order."""
+        by_rank: dict[int, list] = {}
+        for ep, arg in per_episode:
+            by_rank.setdefault(ep.rank, []).append((ep, arg))
+        replies = self.client.per_rank(ENV, endpoint, {r: [a for _, a in items] for r, items in by_rank.items()},
+                                       unsupervised=True)
+        out = {ep.id: value for r, items in by_rank.items() for (ep, _), value in zip(items, replies[r])}
+        return [out[ep.id] for ep, _ in per_episode]
+
+    def _play(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], list[dict]]:
+        ranks = self.client.procs(ENV)
+        episodes = [_Episode(f"{tag}-{g}-{k}", g, task, (g * group_size + k) % ranks)
+                    for g, task in enumerate(tasks) for k in range(group_size)]
+        initial = self._env("reset", [(ep, (ep.id, ep.task)) for ep in episodes])
+        limit = self.max_model_len - request.max_tokens
+        active = []
+        for ep, messages in zip(episodes, initial):
+            ep.prompt = self.renderer.build_generation_prompt(messages)
+            if len(ep.prompt) > limit:
+                self.counters.prompts_too_long += 1
+                ep.termination = "prompt_too_long"
+                continue
+            active.append(ep)
+        turn = 0
+        while active:
+            prompts = [ep.prompt + ep.tokens for ep in active]
+            turn_request = request if request.seed is None else dataclasses.replace(request, seed=request.seed + 7919 * turn)
+            completions = self.client.generate(prompts, turn_request)
+            actions = []
+            for ep, group in zip(active, completions):
+                c = group[0]
+                if not c.tokens:
+                    self.counters.empty_generations += 1
+                span = ep.append(c.tokens, c.logprobs, sampled=True)
+                ep.turns.append([None, c.text, *span])
+                ep.text, ep.finish_reason = c.text, c.finish_reason
+                ep.version = min(ep.version, c.meta.get("version", self.client.version))
+                actions.append((ep, (ep.id, c.text)))
+            results = self._env("step", actions)
+            still = []
+            for ep, result in zip(active, results):
+                ep.turns[-1][0] = result["context"]
+                ep.reward += result["reward"]
+                ep.last = result
+                if result["done"]:
+                    ep.termination = result["termination"]
+                    continue
+                bridge = self.renderer.bridge(ep.prompt + ep.tokens, [result["message"]])
+                if len(ep.prompt) + len(ep.tokens) + len(bridge) > limit:
+                    ep.termination = "context_limit"
+                    continue
+                ep.append(bridge, [], sampled=False)
+                still.append(ep)
+            active = still
+            turn += 1
+        records = self._env("finish", [(ep, ep.id) for ep in episodes])
+        return [_trajectory(ep) for ep in episodes if ep.prompt and ep.termination != "prompt_too_long"], records
+
+
+def _trajectory(ep: _Episode) -> Trajectory:
+    last = ep.last
+    success = bool(last.get("success"))
+    info = {"correct": success, "termination": ep.termination, "turns": [tuple(t) for t in ep.turns],
+            "tests_passed": last.get("tests_passed"), "tests_total": last.get("tests_total")}
+    if not success and ep.turns:
+        info.update(error_kind=last.get("error_kind") or "test_failure", hint=last.get("hint"),
+                    hint_template_key=last.get("hint_template_key"), error_span=tuple(ep.turns[-1][2:4]))
+    return Trajectory(id=ep.id, group=ep.group, problem=ep.task, prompt_tokens=ep.prompt, tokens=ep.tokens,
+                      logprobs=ep.logprobs, mask=ep.mask, version=ep.version, response_text=ep.text,
+                      finish_reason=ep.finish_reason, reward=ep.reward, info=info)

@@ -1,0 +1,148 @@
+"""Every call the controller makes on an actor mesh, in one place.
+
+Each call is issued on the mesh's current actors, waited for with a deadline while the serving
+processes are watched, and recovered through the supervisor (replace the mesh, re-sync it, issue
+the call again). Work is split over a mesh's replicas here, so the loop, the rollout strategies and
+the channels only say what they want (generate, score, step environments, train, publish, pull).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from meshrl.controller.supervisor import Supervisor, wait_all
+from meshrl.engines import Completion, SampleRequest
+from meshrl.types import AdamParams, Datum
+
+GENERATOR, LEARNER, REWARDER, ENV = "generator", "learner", "rewarder", "env"
+
+
+class StepError(RuntimeError):
+    """A step cannot proceed; the message names the mesh and the call."""
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``parts`` contiguous slices whose sizes differ by at most one (empty slices dropped)."""
+    n = len(items)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts) if bounds[i] < bounds[i + 1]]
+
+
+class MeshClient:
+    """Supervised calls on the run's meshes. ``step`` (set by the loop) is what fault injection
+    keys on; ``readers`` are the meshes that pull every published weight version."""
+
+    def __init__(self, meshes, supervisor: Supervisor, timeouts: dict[str, float], faults=None):
+        self.meshes = meshes
+        self.sup = supervisor
+        self.timeouts = timeouts  # the deadline of one call, per mesh, and "sync" for weight pulls
+        self.faults = faults
+        self.step = 0
+        self.version = 0  # the latest weight version every reader holds
+        self.readers: list[str] = []
+        self.add_reader(GENERATOR)
+
+    def procs(self, mesh: str) -> int:
+        return self.meshes.procs_of(mesh)
+
+    def add_reader(self, mesh: str) -> None:
+        """``mesh`` pulls each published version; a replacement pulls the current one at once."""
+        self.readers.append(mesh)
+        self.sup.on_respawn(mesh, lambda: self._pull(mesh, self.version))
+
+    def call(self, mesh: str, phase: str, issue: Callable[[Any], list], what: str,
+             timeout_s: float | None = None) -> list:
+        """``issue(actor_mesh)`` returns futures; wait for all with one deadline; on failure the
+        supervisor replaces the mesh and the call is issued again."""
+
+        def attempt():
+            if self.faults is not None:
+                self.faults.before_call(self.step, mesh, phase)
+            futures = issue(self.meshes[mesh])
+            return wait_all(futures, timeout_s or self.timeouts[mesh], what,
+                            watch=lambda: self.meshes.dead_process(mesh))
+
+        return self.sup.run(mesh, attempt, what)
+
+    def supervised(self, mesh: str, fn: Callable[[], Any], what: str):
+        """Run ``fn`` (a whole exchange with ``mesh``) again from the start if ``mesh`` fails."""
+        return self.sup.run(mesh, fn, what)
+
+    def per_rank(self, mesh: str, endpoint: str, args_by_rank: dict[int, Any], what: str | None = None,
+                 unsupervised: bool = False) -> dict[int, Any]:
+        """``endpoint(args)`` on each listed rank of ``mesh``; replies by rank. ``unsupervised``
+        waits with the deadline only (the caller supervises a larger exchange)."""
+        ranks = sorted(args_by_rank)
+
+        def issue(actors):
+            return [getattr(actors.slice(procs=r), endpoint).call_one(args_by_rank[r]) for r in ranks]
+
+        what = what or f"{mesh}.{endpoint}"
+        if unsupervised:
+            replies = wait_all(issue(self.meshes[mesh]), self.timeouts[mesh], what,
+                               watch=lambda: self.meshes.dead_process(mesh))
+        else:
+            replies = self.call(mesh, endpoint, issue, what)
+        return dict(zip(ranks, replies))
+
+    # ---- generation and rewards -------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
+        """Spread prompts over the generator replicas; completions per prompt, in order. Prompt i
+        of the batch is sampled with seed + i, whichever replica serves it."""
+        if not prompts:
+            return []
+        parts = split_evenly(list(range(len(prompts))), self.procs(GENERATOR))
+
+        def issue(generators):
+            futures = []
+            for r, idx in enumerate(parts):
+                part = request if request.seed is None else dataclasses.replace(request, seed=request.seed + idx[0])
+                futures.append(generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], part))
+            return futures
+
+        batches = self.call(GENERATOR, "generate", issue, "generator.generate")
+        return [group for batch in batches for group in batch.completions]
+
+    def score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
+        """(reward, info) per (problem, response text), spread over the rewarder replicas."""
+        if not items:
+            return []
+        parts = split_evenly(items, self.procs(REWARDER))
+        scored = self.call(REWARDER, "score",
+                           lambda rewarders: [rewarders.slice(procs=r).score.call_one(p) for r, p in enumerate(parts)],
+                           "rewarder.score")
+        return [s for part in scored for s in part]
+
+    # ---- the learner --------------------------------------------------------------------------
+    def learner(self, what: str, call: Callable[[Any], Any]):
+        """One learner call (``call(learner_mesh)`` -> future) with the learner deadline."""
+        return self.call(LEARNER, "train", lambda m: [call(m)], f"learner.{what}")[0]
+
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+        return self.learner("forward_backward", lambda m: m.forward_backward.call_one(datums, loss_fn, loss_fn_config))
+
+    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
+        return self.learner("forward", lambda m: m.forward.call_one(datums, reference))
+
+    def optim_step(self, adam: AdamParams) -> dict:
+        return self.learner("optim_step", lambda m: m.optim_step.call_one(adam))
+
+    # ---- weights ------------------------------------------------------------------------------
+    def publish(self, version: int) -> dict:
+        return self.learner("publish", lambda m: m.publish.call_one(version))
+
+    def _pull(self, mesh: str, version: int) -> list[dict]:
+        pulls = self.call(mesh, "sync", lambda m: [m.update_weights.call(version)], f"{mesh}.update_weights",
+                          self.timeouts["sync"])[0]
+        pulls = list(pulls.values())
+        stale = [p["version"] for p in pulls if p["version"] != version]
+        if stale:
+            raise StepError(f"{mesh}.update_weights returned versions {stale}, expected {version}")
+        return pulls
+
+    def sync_readers(self, version: int) -> list[dict]:
+        """Every weight reader pulls ``version`` (published already); the generators' stats."""
+        self.version = version
+        stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
+        return stats[GENERATOR]

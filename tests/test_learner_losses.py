@@ -1,0 +1,175 @@
+"""The algorithm-blind learner (tiny model, CPU, no Monarch): every loss comes from the registry,
+channel losses read their own Datum fields, micro-batching never changes the gradient, the
+reference policy is the frozen initial weights, and custom losses train like registered ones."""
+
+import math
+
+import pytest
+import torch
+
+from meshrl import losses
+from meshrl.config.learner import LearnerConfig
+from meshrl.losses import LossOutput, register_loss
+from meshrl.models.provision import resolve_model
+from meshrl.testing.custom_losses import importance_sampling_custom
+from meshrl.training.policy import PolicyTrainer
+from meshrl.types import Datum
+
+V = 49152
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return resolve_model("tiny")
+
+
+def _trainer(model_path, micro_batch_size=8, **lora):
+    cfg = LearnerConfig(lr=1e-2, torch_threads=1, micro_batch_size=micro_batch_size, autocast_bf16=False,
+                        **({"lora": {"enabled": True, **lora}} if lora else {}))
+    return PolicyTrainer(model_path, cfg)
+
+
+def _tokens(seed, n):
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rl_datums(n=4):
+    out = []
+    for i in range(n):
+        toks = _tokens(i, 8 + i)
+        k = len(toks) - 4
+        out.append(Datum.from_sequence(toks, per_sequence={"advantages": 0.5 * (i - 1.5)},
+                                       mask=[0] * k + [0.1] * 4, logprobs=[0.0] * k + [-11.0] * 4))
+    return out
+
+
+def _grads(trainer):
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same_grads(a, b, atol=1e-6):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=atol, msg=name)
+
+
+def test_unknown_loss_is_a_one_line_error(model_path):
+    with pytest.raises(ValueError, match="unknown loss_fn 'nope': expected one of .*'ppo'"):
+        _trainer(model_path).forward_backward(_rl_datums(), "nope")
+
+
+def test_a_new_loss_is_one_registered_function(model_path):
+    """Registering a loss makes the learner train on it; nothing else changes."""
+
+    @register_loss("test_negative_logprob_sum")
+    def negative_logprob_sum(fp, scale: float = 1.0) -> LossOutput:
+        loss = -(fp.logprobs() * fp.inputs["mask"]).sum() * scale
+        return LossOutput(loss, {"scaled_by": scale})
+
+    try:
+        trainer = _trainer(model_path)
+        datums = _rl_datums()
+        out = trainer.forward_backward(datums, "test_negative_logprob_sum", {"scale": 2.0})
+        registered = _grads(trainer)
+        logps = trainer.forward(datums)
+        expected = -2.0 * sum(float((lp * d.loss_fn_inputs["mask"]).sum()) for lp, d in zip(logps, datums))
+        assert out["loss"] == pytest.approx(expected, rel=1e-4) and out["scaled_by"] == 2.0
+        trainer.forward_backward(datums, "test_negative_logprob_sum", {"scale": 1.0})
+        _assert_same_grads({k: 2 * v for k, v in _grads(trainer).items()}, registered)
+    finally:
+        losses.LOSSES.pop("test_negative_logprob_sum")
+
+
+@pytest.mark.parametrize("name", ["ppo", "importance_sampling", "cispo"])
+def test_micro_batch_size_does_not_change_the_gradient(model_path, name):
+    datums = _rl_datums(5)
+    one = _trainer(model_path, micro_batch_size=8)
+    out_one = one.forward_backward(datums, name)
+    many = _trainer(model_path, micro_batch_size=2)
+    out_many = many.forward_backward(datums, name)
+    assert out_one["loss"] == pytest.approx(out_many["loss"], rel=1e-4, abs=1e-7)
+    assert out_one["tokens"] == out_many["tokens"] == 20
+    _assert_same_grads(_grads(one), _grads(many))
+
+
+def test_per_sequence_advantages_equal_per_token_advantages(model_path):
+    datums = _rl_datums()
+    per_token = [Datum(d.model_input, {**d.loss_fn_inputs,
+                                       "advantages": d.loss_fn_inputs["advantages"].expand(d.length).clone()})
+                 for d in datums]
+    a, b = _trainer(model_path), _trainer(model_path)
+    assert a.forward_backward(datums, "ppo")["loss"] == pytest.approx(b.forward_backward(per_token, "ppo")["loss"])
+    _assert_same_grads(_grads(a), _grads(b))
+
+
+def test_custom_loss_trains_like_the_registered_one(model_path):
+    datums = _rl_datums()
+    reg, custom = _trainer(model_path, micro_batch_size=3), _trainer(model_path, micro_batch_size=3)
+    out_reg = reg.forward_backward(datums, "importance_sampling")
+    out_custom = custom.forward_backward_custom(datums, importance_sampling_custom)
+    assert out_custom["loss"] == pytest.approx(out_reg["loss"], rel=1e-4)
+    assert out_custom["num_datums"] == 4
+    _assert_same_grads(_grads(reg), _grads(custom))
+
+
+def _sdpo_datum(seed, start, length, k, weight):
+    toks = _tokens(seed, start + length + 2)
+    g = torch.Generator().manual_seed(100 + seed)
+    idx = torch.zeros(len(toks), k, dtype=torch.long)
+    lp = torch.zeros(len(toks), k)
+    idx[start : start + length] = torch.randint(0, V, (length, k), generator=g)
+    lp[start : start + length] = torch.log_softmax(torch.randn(length, k, generator=g), -1)
+    mask = torch.zeros(len(toks))
+    mask[start : start + length] = weight
+    d = Datum.from_sequence(toks, mask=mask, logprobs=torch.full((len(toks),), -10.0),
+                            teacher_topk_indices=idx, teacher_topk_logprobs=lp)
+    return d, toks, idx[start : start + length], lp[start : start + length]
+
+
+def test_sdpo_jsd_reads_its_fields_and_equals_the_direct_formula(model_path):
+    """The registered JSD on the error-site rows equals generalized_jsd_topk on the model's own
+    logits at exactly those positions, weights included, for any micro-batching."""
+    sites = [_sdpo_datum(s, start=3 + s, length=4, k=5, weight=0.125) for s in range(3)]
+    datums = [d for d, *_ in sites]
+    trainer = _trainer(model_path, micro_batch_size=2)
+    out = trainer.forward_backward(datums, "sdpo_jsd", {"beta": 0.3})
+    via_registry = _grads(trainer)
+    direct = 0.0
+    for d, toks, idx, lp in sites:
+        start = d.loss_fn_inputs["mask"].nonzero()[0, 0]
+        logits = trainer.model(input_ids=torch.tensor([toks[:-1]])).logits[0, start : start + 4]
+        loss = losses.generalized_jsd_topk(logits, idx, lp, beta=0.3, reduction="sum",
+                                           token_weights=torch.full((4,), 0.125)).loss
+        loss.backward()
+        direct += float(loss.detach())
+    assert out["loss"] == pytest.approx(direct, rel=1e-4)
+    assert out["num_tokens"] == 12
+    _assert_same_grads(via_registry, _grads(trainer))
+
+
+def _pair(seed, weight):
+    prompt, chosen, rejected = _tokens(seed, 5), _tokens(seed + 50, 3), _tokens(seed + 90, 4)
+    return [Datum.from_sequence(prompt + ans, per_sequence={"weight": weight},
+                                mask=[0] * len(prompt) + [1] * len(ans)) for ans in (chosen, rejected)]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dpo_reference_is_the_frozen_initial_policy(model_path, lora):
+    trainer = _trainer(model_path, micro_batch_size=2, **({"rank": 4} if lora else {}))
+    datums = [d for s in range(3) for d in _pair(s, weight=1 / 3)]
+    first = trainer.forward_backward(datums, "dpo", {"beta": 0.5})
+    # at the start policy == reference: every margin is 0, the loss is log 2 per pair
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-5)
+    assert first["num_pairs"] == 3 and first["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    reference_before = trainer.forward(datums, reference=True)
+    for _ in range(3):
+        trainer.optim_step(trainer.cfg.adam_params())
+        out = trainer.forward_backward(datums, "dpo", {"beta": 0.5})
+    trainer.optim_step(trainer.cfg.adam_params())
+    assert out["reward_accuracy"] == 1.0 and out["loss"] < first["loss"]  # chosen rose above rejected
+    reference_after = trainer.forward(datums, reference=True)
+    for a, b in zip(reference_before, reference_after):
+        torch.testing.assert_close(a, b)  # the reference never moves
+    assert any(not torch.allclose(a, b) for a, b in zip(trainer.forward(datums), reference_after))
