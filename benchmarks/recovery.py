@@ -49,7 +49,7 @@ def main() -> None:
                 rt.meshes.kill("generator")
 
             threading.Timer(0.2, kill).start()
-            loop._generate(prompts, request)  # fails, recovers, re-issues
+            rt.client.generate(prompts, request)  # fails, recovers, re-issues
             event = rt.supervisor.events[events_before]
             init_s = rt.meshes.infos["generator"][0]["init_s"]
             detect_s = event["detected_at"] - killed_at["t"]

@@ -23,13 +23,13 @@ def run_reference(cfg, steps: int, eval_every: int, eval_size: int, on_eval=None
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from meshrl.controller.rollouts import Trajectory, build_datums, group_advantages
     from meshrl.engines import SampleRequest
     from meshrl.engines.vllm_engine import VLLMEngine
     from meshrl.envs.arithmetic import ArithmeticTask
     from meshrl.models.provision import resolve_model
     from meshrl.renderers import renderer_for_tokenizer
     from meshrl.training.policy import PolicyTrainer
+    from meshrl.training.trajectories import Trajectory, group_advantages, rl_datums
 
     started = time.perf_counter()
     path = resolve_model(cfg.model.name_or_path)
@@ -62,7 +62,7 @@ def run_reference(cfg, steps: int, eval_every: int, eval_size: int, on_eval=None
                 reward, _ = task.grade(p, c.text)
                 trajectories.append(Trajectory(f"{p.id}-{k}", g, p, prompt, list(c.tokens), list(c.logprobs),
                                                [1] * len(c.tokens), step - 1, c.text, c.finish_reason, reward))
-        datums, _ = build_datums(trajectories, group_advantages(trajectories, False), tc.loss.normalize)
+        datums, _ = rl_datums(trajectories, group_advantages(trajectories, False), tc.loss.normalize)
         if datums:
             trainer.forward_backward(datums, tc.loss.name, {"eps_low": tc.loss.eps_low, "eps_high": tc.loss.eps_high}
                                      if tc.loss.name == "ppo" else {})

@@ -1,5 +1,6 @@
 """GRPOLoop against fake Monarch endpoints: ordering across replicas, counting of bad input,
-advantage normalisation in the datums, version bookkeeping, and deadlines."""
+advantage normalisation in the datums, DAPO dynamic sampling, KL reward shaping, version
+bookkeeping, and deadlines."""
 
 import time
 
@@ -9,8 +10,10 @@ import torch
 from meshrl.actors.rewarder import safe_grade
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
-from meshrl.controller.grpo import GRPOLoop, StepError, split_evenly, wait_all
-from meshrl.controller.supervisor import CallTimeout, Supervisor
+from meshrl.controller.grpo import GRPOLoop
+from meshrl.controller.mesh_client import MeshClient, StepError, split_evenly
+from meshrl.controller.rollout import Counters, SingleTurnRollout
+from meshrl.controller.supervisor import CallTimeout, Supervisor, wait_all
 from meshrl.engines import Completion
 from meshrl.envs.arithmetic import ArithmeticTask
 
@@ -93,13 +96,26 @@ class FakeRewarder:
         return [safe_grade(grade, p, r) for p, r in items]
 
 
+class UniformForEvenOperand(FakeRewarder):
+    """All-equal rewards for problems whose first operand is even (a group with no signal)."""
+
+    def score(self, items):
+        return [(1.0, {"correct": True}) if p.meta["a"] % 2 == 0 else s
+                for (p, _), s in zip(items, super().score(items))]
+
+
 class FakeLearner:
     def __init__(self):
         self.calls = []
 
     def forward_backward(self, datums, loss_fn, loss_config):
         self.calls.append(("fb", datums, loss_fn, loss_config))
-        return {"loss": 0.0, "tokens": float(sum(int(d.loss_fn_inputs["mask"].sum()) for d in datums))}
+        return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums))}
+
+    def forward(self, datums, reference):
+        """Reference logprobs: -1 at every position."""
+        self.calls.append(("forward", datums, reference))
+        return [[-1.0] * d.length for d in datums]
 
     def optim_step(self, adam):
         self.calls.append(("opt", adam))
@@ -128,12 +144,15 @@ class FakeMeshGroup(dict):
         return [name]
 
 
-def make_loop(n_generators=2, **overrides):
+def make_loop(n_generators=2, rewarder=FakeRewarder, **overrides):
     cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
     gens = [FakeGenerator(r) for r in range(n_generators)]
     learner = FakeLearner()
-    meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([FakeRewarder()]), learner=Mesh([learner]))
-    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), FakeRenderer(), meshes, Supervisor(meshes, cfg.faults))
+    meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([rewarder()]), learner=Mesh([learner]))
+    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")})
+    counters = Counters()
+    strategy = SingleTurnRollout(client, FakeRenderer(), cfg.model.max_model_len, counters)
+    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, (2,))
     return loop, gens, learner
 
 
@@ -145,9 +164,9 @@ def test_split_evenly_keeps_order_and_balance():
 def test_rollout_spreads_prompts_and_counts_bad_input():
     loop, gens, _ = make_loop(**{"trainer.prompts_per_step": 5, "trainer.group_size": 3,
                                  "task.arithmetic.prompt_template": "What is {a} {op} {b}?"})
-    loop.cfg.model.max_model_len = 40
+    loop.strategy.max_model_len = 40
     loop.cfg.generator.sampling.max_new_tokens = 34  # the 6-token prompts just fit
-    trajectories, metrics = loop.rollout()
+    metrics, trajectories = loop.step()
     assert sum(g.seen[0] for g in gens) == 5 and all(g.seen for g in gens)
     assert len(trajectories) == 15
     assert [t.group for t in trajectories] == [g for g in range(5) for _ in range(3)]
@@ -159,32 +178,78 @@ def test_rollout_spreads_prompts_and_counts_bad_input():
     assert metrics["gen/tokens"] == sum(len(t.tokens) for t in trajectories)
 
     loop.cfg.generator.sampling.max_new_tokens = 35  # now every 6-token prompt is one too long
-    trajectories, _ = loop.rollout()
+    trajectories, _, _ = loop.collect()
     assert trajectories == [] and loop.counters.prompts_too_long == 5
+
+
+def _group_advantages(trajectories):
+    by_group = {}
+    for t in trajectories:
+        by_group.setdefault(t.group, []).append(t.reward)
+    return [t.reward - sum(by_group[t.group]) / len(by_group[t.group]) for t in trajectories]
 
 
 def test_train_normalises_by_all_sampled_tokens_and_skips_zero_advantage():
     loop, _, learner = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4})
-    trajectories, _ = loop.rollout()
-    metrics = loop.train(trajectories)
+    trajectories, sampled, _ = loop.collect()
+    metrics = loop.train(trajectories, sampled)
     kind, datums, loss_fn, loss_config = learner.calls[0]
     assert kind == "fb" and loss_fn == "ppo" and loss_config == {"eps_low": 0.2, "eps_high": 0.2}
     total = sum(len(t.tokens) for t in trajectories)
-    by_group = {}
-    for t in trajectories:
-        by_group.setdefault(t.group, []).append(t.reward)
-    expected = []
-    for t in trajectories:
-        adv = t.reward - sum(by_group[t.group]) / len(by_group[t.group])
-        if t.tokens and adv != 0:
-            expected.append(adv / total)
-    got = sorted(float(d.loss_fn_inputs["advantages"][d.loss_fn_inputs["mask"] > 0][0]) for d in datums)
-    assert got == pytest.approx(sorted(expected))
-    for d in datums:  # prompt positions carry no advantage, completion positions one constant
-        adv = d.loss_fn_inputs["advantages"]
-        assert torch.all(adv[d.loss_fn_inputs["mask"] == 0] == 0)
+    expected = [a for t, a in zip(trajectories, _group_advantages(trajectories)) if t.tokens and a != 0]
+    # one advantage per sequence, shaped once
+    assert all(d.loss_fn_inputs["advantages"].dim() == 0 for d in datums)
+    assert sorted(float(d.loss_fn_inputs["advantages"]) for d in datums) == pytest.approx(sorted(expected))
+    for d in datums:  # the token weights carry the normaliser: 1 / every sampled token of the step
+        weights = d.loss_fn_inputs["mask"]
+        assert weights[weights != 0].tolist() == pytest.approx([1 / total] * int((weights != 0).sum()))
+        assert int((weights != 0).sum()) == 2  # the two sampled tokens; prompt positions weigh 0
     assert metrics["batch/tokens_total"] == total
     assert learner.calls[1][0] == "opt"
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups():
+    loop, _, learner = make_loop(rewarder=UniformForEvenOperand, **{
+        "trainer.prompts_per_step": 4, "trainer.group_size": 4, "trainer.advantage.drop_uniform_groups": "true",
+        "trainer.advantage.max_extra_rounds": 5})
+    metrics, trained = loop.step()
+    groups = {t.group for t in trained}
+    assert len(groups) == 4 and metrics["batch/groups"] == 4  # prompts_per_step informative groups
+    assert all(len({t.reward for t in trained if t.group == g}) > 1 for g in groups)
+    assert metrics["batch/sampling_rounds"] > 1 and loop.cursor == 4 * metrics["batch/sampling_rounds"]
+    assert metrics["batch/dropped_uniform_groups"] > 0 and metrics["batch/missing_groups"] == 0
+    assert metrics["batch/dropped_uniform_groups"] + metrics["batch/surplus_groups"] + 4 == loop.cursor
+    # the dropped groups' tokens are not in the normaliser
+    datums = learner.calls[0][1]
+    total = sum(len(t.tokens) for t in trained)
+    weights = [float(w) for d in datums for w in d.loss_fn_inputs["mask"] if w != 0]
+    assert weights == pytest.approx([1 / total] * len(weights), rel=1e-6)
+
+
+def test_dynamic_sampling_out_of_rounds_trains_on_what_it_has(caplog):
+    loop, _, _ = make_loop(rewarder=UniformForEvenOperand, **{
+        "trainer.prompts_per_step": 8, "trainer.group_size": 4, "trainer.advantage.drop_uniform_groups": "true",
+        "trainer.advantage.max_extra_rounds": 0})
+    metrics, trained = loop.step()
+    assert metrics["batch/sampling_rounds"] == 1 and 0 < metrics["batch/groups"] < 8
+    assert metrics["batch/missing_groups"] == 8 - metrics["batch/groups"]
+    assert "dynamic sampling: " in caplog.text and "max_extra_rounds = 0" in caplog.text
+
+
+def test_kl_shaping_makes_per_token_advantages_against_the_reference():
+    loop, _, learner = make_loop(**{"trainer.prompts_per_step": 3, "trainer.group_size": 4,
+                                    "trainer.advantage.kl_coef": 0.5})
+    trajectories, sampled, _ = loop.collect()
+    metrics = loop.train(trajectories, sampled)
+    assert [c[0] for c in learner.calls] == ["forward", "fb", "opt"] and learner.calls[0][2] is True
+    datums = learner.calls[1][1]
+    trainable = [t for t in trajectories if t.tokens]
+    assert len(datums) == len(trainable)  # zero-advantage sequences train too: shaping gives them signal
+    # d_t = sampler (-0.5, -1.5) - reference (-1): +0.5, -0.5; mean 0 -> A_t = A - 0.5 d_t
+    for d, a in zip(datums, [a for t, a in zip(trajectories, _group_advantages(trajectories)) if t.tokens]):
+        sampled_positions = d.loss_fn_inputs["mask"] != 0
+        assert d.loss_fn_inputs["advantages"][sampled_positions].tolist() == pytest.approx([a - 0.25, a + 0.25])
+    assert metrics["kl/sampler_reference_k1"] == pytest.approx(0.0)
 
 
 def test_sync_advances_version_on_every_generator():

@@ -58,6 +58,6 @@ def test_adapter_only_sync_in_a_real_run(tiny_run_config):
         assert 0 < metrics["sync/bytes"] < 2e6  # the tiny model itself is 13 MB
         sequences = [t.prompt_tokens + t.tokens for t in trajectories[:4]]
         gen = rt.meshes["generator"].slice(procs=0).score.call_one(sequences).get(timeout=120)
-        learn = rt.meshes["learner"].score.call_one(sequences).get(timeout=120)
+        learn = rt.meshes["learner"].forward.call_one([Datum.from_sequence(s) for s in sequences]).get(timeout=120)
         diffs = [abs(a - b) for ga, la in zip(gen, learn) for a, b in zip(ga, la)]
         assert sum(diffs) / len(diffs) < 0.02, sum(diffs) / len(diffs)

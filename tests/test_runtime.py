@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from meshrl.types import Datum
+
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from tests.conftest import TINY_RUN
@@ -41,7 +43,7 @@ def _max_mean_diff(a, b):
 
 def _score(runtime, sequences):
     gen = runtime.meshes["generator"].slice(procs=0).score.call_one(sequences).get(timeout=120)
-    learn = runtime.meshes["learner"].score.call_one(sequences).get(timeout=120)
+    learn = runtime.meshes["learner"].forward.call_one([Datum.from_sequence(s) for s in sequences]).get(timeout=120)
     assert [len(s) for s in gen] == [len(s) - 1 for s in sequences]
     return gen, learn
 
@@ -83,9 +85,9 @@ def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
 
 
 def _datums(loop, trajectories):
-    from meshrl.controller.rollouts import build_datums, group_advantages
+    from meshrl.training.trajectories import group_advantages, rl_datums
 
-    datums, _ = build_datums(trajectories, group_advantages(trajectories, False), "token_mean")
+    datums, _ = rl_datums(trajectories, group_advantages(trajectories, False), "token_mean")
     return datums
 
 

@@ -5,6 +5,8 @@ autocast), while the stale generator disagrees clearly with the updated learner.
 
 import pytest
 
+from meshrl.types import Datum
+
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 
@@ -13,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.monarch]
 
 def _mean_abs_diff(rt, sequences):
     gen = rt.meshes["generator"].slice(procs=0).score.call_one(sequences).get(timeout=300)
-    learn = rt.meshes["learner"].score.call_one(sequences).get(timeout=300)
+    learn = rt.meshes["learner"].forward.call_one([Datum.from_sequence(s) for s in sequences]).get(timeout=300)
     diffs = [abs(a - b) for ga, la in zip(gen, learn) for a, b in zip(ga, la)]
     return sum(diffs) / len(diffs)
 
@@ -25,10 +27,10 @@ def test_real_model_weight_update_keeps_generator_and_learner_in_sync():
                                         "learner.grad_clip=0",
                                         "rewarder.reward_fn=meshrl.testing.rewards:vowel_fraction"])
     with Runtime(cfg) as rt:
-        trajectories, _ = rt.loop.rollout()
+        trajectories, sampled, _ = rt.loop.collect()
         sequences = [t.prompt_tokens + t.tokens for t in trajectories[:6]]
         before = _mean_abs_diff(rt, sequences)  # both on the initial weights
-        metrics = rt.loop.train(trajectories)
+        metrics = rt.loop.train(trajectories, sampled)
         assert metrics["batch/datums"] > 0
         stale = _mean_abs_diff(rt, sequences)  # learner updated, generator not yet
         sync = rt.loop.sync_weights()

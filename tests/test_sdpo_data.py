@@ -6,10 +6,10 @@ import torch
 
 from meshrl.sdpo.sites import build_error_site, error_kind, insert_hint, render_hint, select_error_sites
 from meshrl.config.sdpo import DEFAULT_HINTS
-from meshrl.controller.rollouts import Trajectory
 from meshrl.envs.arithmetic import Problem, grade_integer_answer
 from meshrl.renderers import renderer_for_tokenizer
-from meshrl.training.channel_losses import _span_datum
+from meshrl.sdpo.channel import site_datum
+from meshrl.training.trajectories import Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,19 @@ def test_error_site_aligns_student_and_teacher_on_the_same_response_tokens(rende
     assert response == traj.tokens == site.teacher_tokens[site.teacher_start:]
     assert site.length == len(traj.tokens)
 
-    datum = _span_datum(site.student_tokens, site.student_start, site.length)
+    teacher_idx = torch.arange(site.length * 3).reshape(site.length, 3)
+    teacher_lp = -teacher_idx.float()
+    datum = site_datum(site, teacher_idx, teacher_lp, weight=0.25)
     mask = datum.loss_fn_inputs["mask"]
     positions = torch.nonzero(mask).squeeze(-1).tolist()
     assert positions == list(range(site.student_start - 1, site.student_start - 1 + site.length))
+    assert mask[mask > 0].tolist() == [0.25] * site.length
     assert datum.loss_fn_inputs["target_tokens"][mask > 0].tolist() == response
+    # the teacher's rows sit at exactly the positions that predict the response tokens
+    assert torch.equal(datum.loss_fn_inputs["teacher_topk_indices"][mask > 0], teacher_idx)
+    assert torch.equal(datum.loss_fn_inputs["teacher_topk_logprobs"][mask > 0], teacher_lp)
+    assert datum.loss_fn_inputs["teacher_topk_logprobs"][mask == 0].abs().sum() == 0
+    assert datum.loss_fn_inputs["logprobs"][mask > 0].tolist() == [-1.0] * site.length
 
 
 def test_error_span_limits_the_site_to_the_failing_turn(renderer):
