@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 from meshrl.config.meshes import MeshesConfig
-from meshrl.launch.local import local_host, prepare_environment
+from meshrl.meshes.local import local_host, prepare_environment
 from meshrl.meshes.group import MeshGroup
 from meshrl.meshes.supervision import install_fault_hook
 from meshrl.testing.mesh_actors import Sleeper

@@ -16,7 +16,7 @@ class Runtime:
     """Spawns the meshes described by a RunConfig; `close()` (or `with`) stops them."""
 
     def __init__(self, cfg: RunConfig):
-        from meshrl.launch.local import prepare_environment
+        from meshrl.meshes.local import prepare_environment
 
         prepare_environment(cfg.meshes)
         from transformers import AutoTokenizer
@@ -31,7 +31,7 @@ class Runtime:
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.controller.supervisor import Supervisor
         from meshrl.envs.task_sets import make_task
-        from meshrl.launch.local import local_host
+        from meshrl.meshes.local import local_host
         from meshrl.meshes.group import MeshGroup
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.models.provision import resolve_model

@@ -1,1 +1,0 @@
-"""Launchers: where the controller gets its hosts from (this machine for now)."""
