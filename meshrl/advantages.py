@@ -136,9 +136,8 @@ def kl_reward_shaping(
     return torch.where(valid, shaped, adv.double()).to(torch.float32)
 
 
-def kl_estimate(logp_sampled: torch.Tensor, logp_other: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(P || Q) for tokens sampled from P (k1, k2 or k3; see module docstring)."""
-    log_r = logp_other - logp_sampled
+def kl_from_log_ratio(log_r: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(P || Q) from log r = log Q(x) - log P(x) on tokens x ~ P."""
     if kind == "k1":
         return -log_r
     if kind == "k2":
@@ -148,11 +147,17 @@ def kl_estimate(logp_sampled: torch.Tensor, logp_other: torch.Tensor, kind: str 
     raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1', 'k2' or 'k3'")
 
 
+def kl_estimate(logp_sampled: torch.Tensor, logp_other: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(P || Q) for tokens sampled from P (k1, k2 or k3; see module docstring)."""
+    return kl_from_log_ratio(logp_other - logp_sampled, kind)
+
+
 __all__ = [
     "DynamicSamplingBatch",
     "group_centered_advantages",
     "informative_groups",
     "kl_estimate",
+    "kl_from_log_ratio",
     "kl_reward_shaping",
     "overlong_penalty",
 ]

@@ -48,20 +48,12 @@ class ModelInput:
     def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
         return cls((EncodedTextChunk(tuple(int(t) for t in tokens)),))
 
-    @classmethod
-    def empty(cls) -> "ModelInput":
-        return cls(())
-
     def to_ints(self) -> list[int]:
         return [t for chunk in self.chunks for t in chunk.tokens]
 
     @property
     def length(self) -> int:
         return sum(chunk.length for chunk in self.chunks)
-
-    def append_ints(self, tokens: Sequence[int]) -> "ModelInput":
-        """A new ModelInput with ``tokens`` appended as one more chunk (token-in/token-out growth)."""
-        return ModelInput(self.chunks + (EncodedTextChunk(tuple(int(t) for t in tokens)),))
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(self.to_ints(), dtype=torch.long)

@@ -173,3 +173,23 @@ def test_dpo_reference_is_the_frozen_initial_policy(model_path, lora):
     for a, b in zip(reference_before, reference_after):
         torch.testing.assert_close(a, b)  # the reference never moves
     assert any(not torch.allclose(a, b) for a, b in zip(trainer.forward(datums), reference_after))
+
+
+def test_sdpo_full_vocabulary_equals_the_top_k_path_with_every_token(model_path):
+    """`top_k: 0`: the teacher sends full-vocabulary logprobs and no indices; the loss equals the
+    top-k form whose support is the whole vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    toks = _tokens(7, 9)
+    teacher = torch.zeros(len(toks), V)
+    teacher[4:7] = torch.log_softmax(torch.randn(3, V, generator=g), -1)
+    mask = torch.zeros(len(toks))
+    mask[4:7] = 0.5
+    full = Datum.from_sequence(toks, mask=mask, logprobs=torch.zeros(len(toks)), teacher_topk_logprobs=teacher)
+    indices = torch.arange(V).expand(len(toks), V).clone()
+    topk = Datum.from_sequence(toks, mask=mask, logprobs=torch.zeros(len(toks)), teacher_topk_logprobs=teacher,
+                               teacher_topk_indices=indices)
+    a, b = _trainer(model_path), _trainer(model_path)
+    out_full = a.forward_backward([full], "sdpo_jsd", {"beta": 0.5, "temperature": 0.7})
+    out_topk = b.forward_backward([topk], "sdpo_jsd", {"beta": 0.5, "temperature": 0.7})
+    assert out_full["loss"] == pytest.approx(out_topk["loss"], rel=1e-4) and out_full["loss"] > 0
+    _assert_same_grads(_grads(a), _grads(b))

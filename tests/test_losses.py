@@ -8,7 +8,6 @@ import torch
 from meshrl.losses import (
     Aggregation,
     GlobalCounts,
-    aggregate,
     aggregation_weights,
     cispo,
     cross_entropy,
@@ -457,10 +456,14 @@ def test_aggregation_modes_hand_values():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     counts = GlobalCounts.from_masks([mask])
     assert counts == GlobalCounts(num_tokens=4.0, num_sequences=2)  # the empty row is not a sequence
-    assert aggregate(per_token, mask, "sum").item() == pytest.approx(10.0)
-    assert aggregate(per_token, mask, Aggregation.TOKEN_MEAN, counts).item() == pytest.approx(10.0 / 4)
-    assert aggregate(per_token, mask, "sequence_mean", counts).item() == pytest.approx((2.0 + 4.0) / 2)
-    assert aggregate(per_token, mask, "fixed_length", counts, max_tokens=4).item() == pytest.approx(10.0 / 8)
+
+    def aggregate(mode, **kw):
+        return (per_token * aggregation_weights(mask, mode, **kw)).sum().item()
+
+    assert aggregate("sum") == pytest.approx(10.0)
+    assert aggregate(Aggregation.TOKEN_MEAN, counts=counts) == pytest.approx(10.0 / 4)
+    assert aggregate("sequence_mean", counts=counts) == pytest.approx((2.0 + 4.0) / 2)
+    assert aggregate("fixed_length", counts=counts, max_tokens=4) == pytest.approx(10.0 / 8)
     with pytest.raises(ValueError, match="global counts"):
         aggregation_weights(mask, "token_mean")
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from meshrl.training.batching import pad_datums, split_micro_batches
-from meshrl.types import AdamParams, Datum, ModelInput, SamplingParams
+from meshrl.types import AdamParams, Datum, EncodedTextChunk, ModelInput, SamplingParams
 
 
 def test_model_input_chunks():
-    mi = ModelInput.from_ints([1, 2, 3]).append_ints([4, 5])
+    mi = ModelInput((EncodedTextChunk((1, 2, 3)), EncodedTextChunk((4, 5))))
     assert mi.to_ints() == [1, 2, 3, 4, 5] and mi.length == 5 and len(mi.chunks) == 2
-    assert ModelInput.empty().length == 0
+    assert ModelInput(()).length == 0
     assert mi.to_tensor().dtype == torch.long
 
 

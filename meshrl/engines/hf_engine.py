@@ -88,10 +88,10 @@ class HFEngine:
 
     @torch.no_grad()
     def topk_logprobs(self, sequences: list[list[int]], starts: list[int], lengths: list[int],
-                      k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      k: int) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         """For each sequence, the top-``k`` (indices int32, log-probs float32) of the next-token
         distribution (temperature 1) at the positions predicting ``seq[start:start+length]``;
-        ``k = 0`` returns the full vocabulary (indices = arange(V))."""
+        ``k = 0`` returns the full vocabulary's log-probs with indices None."""
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
@@ -103,7 +103,7 @@ class HFEngine:
         for i, (start, length) in enumerate(zip(starts, lengths)):
             logp = torch.log_softmax(logits[i, start - 1 : start - 1 + length].float(), dim=-1).cpu()
             if k == 0:
-                out.append((torch.arange(logp.shape[-1], dtype=torch.int32).expand(length, -1).contiguous(), logp))
+                out.append((None, logp))
             else:
                 values, indices = logp.topk(k, dim=-1)
                 out.append((indices.to(torch.int32), values))

@@ -5,7 +5,7 @@ Normalisation is the caller's job; :mod:`meshrl.losses.aggregation` provides glo
 Importing this package registers the learner's losses (:mod:`meshrl.losses.registry`).
 """
 
-from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregate, aggregation_weights
+from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregation_weights
 from meshrl.losses.base import LossOutput
 from meshrl.losses.distill import IGNORE_INDEX, generalized_jsd, generalized_jsd_topk, jsd_per_token
 from meshrl.losses.preference import dpo, sequence_logprobs
@@ -20,7 +20,6 @@ __all__ = [
     "GlobalCounts",
     "IGNORE_INDEX",
     "LossOutput",
-    "aggregate",
     "aggregation_weights",
     "cispo",
     "cross_entropy",

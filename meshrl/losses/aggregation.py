@@ -81,16 +81,3 @@ def aggregation_weights(
     if max_tokens is None or max_tokens < 1:
         raise ValueError("aggregation 'fixed_length' needs max_tokens >= 1")
     return m / (float(max_tokens) * n_seq)
-
-
-def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    mode: Aggregation | str,
-    counts: GlobalCounts | None = None,
-    max_tokens: int | None = None,
-) -> torch.Tensor:
-    """sum_t w_t * per_token_t with the weights of :func:`aggregation_weights` (masked entries -> 0)."""
-    weights = aggregation_weights(mask, mode, counts, max_tokens, dtype=per_token.dtype)
-    values = torch.where(mask != 0, per_token, torch.zeros_like(per_token))
-    return (values * weights).sum()

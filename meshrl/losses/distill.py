@@ -181,8 +181,9 @@ def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
                   is_weight_cap: float = 0.0) -> LossOutput:
     """SDPO hint distillation on error-site tokens. Datum fields: `mask` (per-token weight, non-zero
     exactly on the error site's response tokens), `teacher_topk_indices` / `teacher_topk_logprobs`
-    ([T, k]: the hinted teacher's top-k at each of those positions) and `logprobs` (the sampler's,
-    for SDPO's optional importance weight min(p / q, is_weight_cap); 0 = off)."""
+    ([T, k]: the hinted teacher's top-k at each of those positions; without indices the logprobs
+    cover the full vocabulary, [T, V]) and `logprobs` (the sampler's, for SDPO's optional
+    importance weight min(p / q, is_weight_cap); 0 = off)."""
     i, valid = fp.inputs, fp.valid
     logits = fp.logits()
     weights = i["mask"][valid]
@@ -190,5 +191,10 @@ def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
         with torch.no_grad():
             logp = selective_log_softmax(logits, i["target_tokens"][valid])
             weights = weights * torch.exp(logp - i["logprobs"][valid]).clamp(max=is_weight_cap)
-    return generalized_jsd_topk(logits, i["teacher_topk_indices"][valid], i["teacher_topk_logprobs"][valid],
+    teacher = i["teacher_topk_logprobs"][valid]
+    if "teacher_topk_indices" not in i:
+        labels = torch.zeros(teacher.shape[:-1], dtype=torch.long, device=teacher.device)  # every row counts
+        return generalized_jsd(logits, teacher, labels, beta=beta, temperature=temperature, reduction="sum",
+                               token_weights=weights)
+    return generalized_jsd_topk(logits, i["teacher_topk_indices"][valid], teacher,
                                 beta=beta, temperature=temperature, reduction="sum", token_weights=weights)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from meshrl.advantages import kl_from_log_ratio
 from meshrl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from meshrl.losses.base import LossOutput, as_weights, broadcast_advantages, masked_max, masked_mean
 from meshrl.losses.registry import ForwardPass, register_loss
@@ -55,8 +56,8 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Te
         "num_tokens": float(valid.sum()),
         "ratio_mean": masked_mean(r, valid),
         "ratio_max": masked_max(r, valid),
-        "kl_sampler_learner_k1": masked_mean(-lr, valid),
-        "kl_sampler_learner_k3": masked_mean(r - 1.0 - lr, valid),
+        "kl_sampler_learner_k1": masked_mean(kl_from_log_ratio(lr, "k1"), valid),
+        "kl_sampler_learner_k3": masked_mean(kl_from_log_ratio(lr, "k3"), valid),
     }
 
 

@@ -19,9 +19,10 @@ from meshrl.types import Datum
 SDPO_TEACHER = "sdpo_teacher"
 
 
-def site_datum(site: ErrorSite, indices: torch.Tensor, logprobs: torch.Tensor, weight: float) -> Datum:
-    """The student's sequence with the teacher's top-k ([length, k]) placed at the site's tokens,
-    weight ``weight`` on each of them and the sampler's logprobs for the optional IS weight."""
+def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Tensor, weight: float) -> Datum:
+    """The student's sequence with the teacher's top-k ([length, k]; indices None = the full
+    vocabulary) placed at the site's tokens, weight ``weight`` on each of them and the sampler's
+    logprobs for the optional IS weight."""
     n, start, length = len(site.student_tokens), site.student_start, site.length
 
     def at_site(rows: torch.Tensor) -> torch.Tensor:
@@ -33,8 +34,10 @@ def site_datum(site: ErrorSite, indices: torch.Tensor, logprobs: torch.Tensor, w
     mask[start : start + length] = weight
     sampler = torch.zeros(n)
     sampler[start : start + length] = torch.tensor(site.sampler_logprobs, dtype=torch.float32)
-    return Datum.from_sequence(site.student_tokens, mask=mask, logprobs=sampler,
-                               teacher_topk_indices=at_site(indices.long()), teacher_topk_logprobs=at_site(logprobs))
+    teacher = {"teacher_topk_logprobs": at_site(logprobs)}
+    if indices is not None:
+        teacher["teacher_topk_indices"] = at_site(indices.long())
+    return Datum.from_sequence(site.student_tokens, mask=mask, logprobs=sampler, **teacher)
 
 
 class SDPOChannel:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from meshrl.advantages import group_centered_advantages, kl_reward_shaping, overlong_penalty
+from meshrl.advantages import group_centered_advantages, kl_estimate, kl_reward_shaping, overlong_penalty
 from meshrl.losses.aggregation import GlobalCounts, aggregation_weights
 from meshrl.types import Datum
 
@@ -135,7 +135,7 @@ def kl_shape_datums(datums: list[Datum], reference_logprobs: list[list[float]], 
     mask = pad([d.loss_fn_inputs["mask"] for d in datums]) != 0
     advantages = torch.stack([d.loss_fn_inputs["advantages"] for d in datums])
     count = int(mask.sum())
-    mean_d = float((sampled.double() - reference.double())[mask].sum() / count) if count else 0.0
+    mean_d = float(kl_estimate(sampled.double(), reference.double(), "k1")[mask].sum() / count) if count else 0.0
     shaped = kl_reward_shaping(advantages, sampled, reference, mask, coef, batch_mean=mean_d)
     for i, d in enumerate(datums):
         d.loss_fn_inputs["advantages"] = shaped[i, : d.length].clone()
