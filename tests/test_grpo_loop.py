@@ -252,6 +252,35 @@ def test_kl_shaping_makes_per_token_advantages_against_the_reference():
     assert metrics["kl/sampler_reference_k1"] == pytest.approx(0.0)
 
 
+def test_std_normalisation_divides_each_group_by_its_std():
+    loop, _, learner = make_loop(**{"trainer.prompts_per_step": 3, "trainer.group_size": 4,
+                                    "trainer.advantage.std_normalize": "true"})
+    trajectories, sampled, _ = loop.collect()
+    loop.train(trajectories, sampled)
+    expected = []
+    for t, a in zip(trajectories, _group_advantages(trajectories)):
+        group = torch.tensor([u.reward for u in trajectories if u.group == t.group], dtype=torch.float64)
+        if t.tokens and a != 0:
+            expected.append(a / (float(group.std()) + 1e-6))
+    got = sorted(float(d.loss_fn_inputs["advantages"]) for d in learner.calls[0][1])
+    assert got == pytest.approx(sorted(expected), rel=1e-5) and len(got) > 0
+
+
+def test_overlong_shaping_penalises_rewards_before_advantages():
+    # every sampled reply is 2 tokens; with max_new_tokens 3 and a 2-token window, a 2-token reply
+    # sits 1 token into the window: penalty (3 - 2 - 2) / 2 = -0.5
+    loop, _, _ = make_loop(**{"trainer.prompts_per_step": 2, "trainer.group_size": 4,
+                              "generator.sampling.max_new_tokens": 3, "trainer.advantage.overlong_cache_tokens": 2})
+    plain, _, _ = make_loop(**{"trainer.prompts_per_step": 2, "trainer.group_size": 4,
+                               "generator.sampling.max_new_tokens": 3})
+    shaped, _, metrics = loop.collect()
+    unshaped, _, _ = plain.collect()
+    for s, u in zip(shaped, unshaped):
+        penalty = -0.5 if u.tokens else 0.0
+        assert s.reward == pytest.approx(u.reward + penalty) and s.info["overlong_penalty"] == penalty
+    assert metrics["count/overlong_penalised"] == sum(1 for u in unshaped if u.tokens)
+
+
 def test_sync_advances_version_on_every_generator():
     loop, gens, _ = make_loop()
     assert loop.sync_weights()["version"] == 1
