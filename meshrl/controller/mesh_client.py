@@ -65,6 +65,12 @@ class MeshClient:
 
         return self.sup.run(mesh, attempt, what)
 
+    def unsupervised(self, mesh: str, issue: Callable[[Any], list], what: str, timeout_s: float | None = None) -> list:
+        """Issue and wait with the deadline while watching the serving processes, without recovery:
+        for calls made during a recovery, or whose failure the caller handles itself."""
+        return wait_all(issue(self.meshes[mesh]), timeout_s or self.timeouts[mesh], what,
+                        watch=lambda: self.meshes.dead_process(mesh))
+
     def supervised(self, mesh: str, fn: Callable[[], Any], what: str):
         """Run ``fn`` (a whole exchange with ``mesh``) again from the start if ``mesh`` fails."""
         return self.sup.run(mesh, fn, what)
@@ -79,11 +85,7 @@ class MeshClient:
             return [getattr(actors.slice(procs=r), endpoint).call_one(args_by_rank[r]) for r in ranks]
 
         what = what or f"{mesh}.{endpoint}"
-        if unsupervised:
-            replies = wait_all(issue(self.meshes[mesh]), self.timeouts[mesh], what,
-                               watch=lambda: self.meshes.dead_process(mesh))
-        else:
-            replies = self.call(mesh, endpoint, issue, what)
+        replies = self.unsupervised(mesh, issue, what) if unsupervised else self.call(mesh, endpoint, issue, what)
         return dict(zip(ranks, replies))
 
     # ---- generation and rewards -------------------------------------------------------------

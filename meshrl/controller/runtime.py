@@ -86,8 +86,8 @@ class Runtime:
         self.client.publish(0)
 
     def learner_call(self, what: str, call, timeout_s: float | None = None):
-        """A direct learner call outside the loop's recovery (checkpoint save/load, export)."""
-        return call(self.meshes["learner"]).get(timeout=timeout_s or self.cfg.learner.call_timeout_s)
+        """A learner call outside the loop's recovery (checkpoint save/load, export)."""
+        return self.client.unsupervised("learner", lambda m: [call(m)], f"learner.{what}", timeout_s)[0]
 
     def restore_learner(self, checkpoint, respawn: bool = True) -> None:
         """Load ``checkpoint`` into the learner (None = start over from the initial weights),

@@ -2,8 +2,12 @@
 
 Every loss returns :class:`LossOutput` (``.loss`` scalar tensor, ``.metrics`` dict of floats).
 Normalisation is the caller's job; :mod:`meshrl.losses.aggregation` provides global-count weights.
-Importing this package registers the learner's losses (:mod:`meshrl.losses.registry`).
+Importing this package imports every module in it, which registers the learner's losses
+(:mod:`meshrl.losses.registry`): a new loss is one new module here with a `@register_loss` function.
 """
+
+import importlib as _importlib
+import pkgutil as _pkgutil
 
 from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregation_weights
 from meshrl.losses.base import LossOutput
@@ -33,3 +37,6 @@ __all__ = [
     "register_loss",
     "sequence_logprobs",
 ]
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")

@@ -93,21 +93,18 @@ class ReplayChannel:
     def _after_respawn(self) -> None:
         """A fresh pool: charge it with the spend so far, subscribe it and give it back every
         trace not yet delivered."""
-        from meshrl.controller.supervisor import wait_all
+        def wait(issue, what):
+            return self.client.unsupervised(POOL, issue, f"{POOL}.{what}", self.cfg.channel.rpc_timeout_s)
 
-        pool = self.meshes[POOL]
         spent = self.outcomes["replay/cost_usd"]
         if spent > 0:  # spend of calls whose results never arrived is unknown (at most the in-flight traces)
-            charged = wait_all([pool.carry_spend.call(spent / len(self.producers))], self.cfg.channel.rpc_timeout_s,
-                               f"{POOL}.carry_spend")
+            charged = wait(lambda pool: [pool.carry_spend.call(spent / len(self.producers))], "carry_spend")
             self.counts["spend_carried_usd"] = sum(charged[0].values())
-        wait_all([pool.subscribe.call(self.inbox.port)], self.cfg.channel.rpc_timeout_s, f"{POOL}.subscribe")
-        keys = self.inbox.outstanding()
-        futures = [self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace,
-                                                                              self.pending[k].version)
-                   for k in keys if k in self.pending]
-        wait_all(futures, self.cfg.channel.rpc_timeout_s, f"{POOL}.submit")
-        self.counts["resubmitted"] += len(futures)
+        wait(lambda pool: [pool.subscribe.call(self.inbox.port)], "subscribe")
+        keys = [k for k in self.inbox.outstanding() if k in self.pending]
+        wait(lambda pool: [self._actor(pool, self.pending[k].producer).submit.call_one(
+            k, self.pending[k].trace, self.pending[k].version) for k in keys], "submit")
+        self.counts["resubmitted"] += len(keys)
 
     def _actor(self, pool, producer: str):
         return pool.slice(procs=self.producers.index(producer))
