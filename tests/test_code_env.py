@@ -9,15 +9,14 @@ import json
 import pytest
 
 from meshrl.envs.base import ERROR_KINDS, Observation
+from meshrl.envs.code_actions import CodeAction, parse_action
 from meshrl.envs.code_env import (
     HINT_TEMPLATES,
-    CodeAction,
     CodeEnv,
     env_from_config,
     hint_text,
     load_trajectories,
     make_code_env,
-    parse_action,
     run_episode,
     save_trajectories,
 )

@@ -11,15 +11,13 @@ import pytest
 from pydantic import ValidationError
 
 from meshrl.config.env import EnvConfig, SandboxConfig
+from meshrl.envs.exec_errors import classify, exception_kind, last_exceptions
 from meshrl.envs.sandbox import (
     HOSTILE_CASES,
     ExecResult,
     Sandbox,
     SandboxJob,
     SandboxUnavailable,
-    classify,
-    exception_kind,
-    last_exceptions,
 )
 
 

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
-from meshrl.envs.code_env import CodeAction, CodeEnv
+from meshrl.envs.code_actions import CodeAction
+from meshrl.envs.code_env import CodeEnv
 from meshrl.config.env import EnvConfig
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.tasks import CodeTask

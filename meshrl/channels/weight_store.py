@@ -16,7 +16,7 @@ The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 
 Both objects offer a sync method (for sync actor endpoints and plain scripts) and an ``a``-prefixed
 coroutine (for async actors; ``.get()`` would block their event loop). Both variants run the same
 step generator (``_publish_steps``, ``_pull_steps``): it yields what it waits for, and a driver
-(``_drive`` / ``_adrive``) waits on it with ``Future.get`` or ``await``.
+(``_drive`` / ``_adrive``, in ``meshrl.channels.steps``) waits on it with ``Future.get`` or ``await``.
 
 Every remote call and transfer has a deadline; failures surface as a one-line ``WeightSyncError``
 naming the store, version and chunk. Objects are not thread-safe: use each from one actor.
@@ -55,13 +55,14 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Generator, Mapping
+from typing import Any, Mapping
 
 import torch
 from monarch.actor import Actor, ActorError, concurrent_endpoint, endpoint, get_or_spawn_controller
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
 from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
+from meshrl.channels.steps import Steps, _adrive, _Await, _AwaitAll, _drive, _one_line, _Sleep
 from meshrl.config.channels import WeightSyncConfig
 
 INDEX_NAME = "meshrl.weight_index"
@@ -252,99 +253,7 @@ def weight_index():
     return get_or_spawn_controller(INDEX_NAME, WeightIndex)
 
 
-# ---------------------------------------------------------------------------------- step drivers
-
-
-@dataclass
-class _Await:
-    """Wait for one future; the step generator receives its result or the raised exception
-    (``TimeoutError`` after ``timeout_s``)."""
-
-    future: Any
-    timeout_s: float
-
-
-@dataclass
-class _AwaitAll:
-    """Wait for every future (common deadline); the generator receives a list with each result or
-    exception instance, never a raise."""
-
-    futures: list
-    timeout_s: float
-
-
-@dataclass
-class _Sleep:
-    seconds: float
-
-
-Steps = Generator[Any, Any, Any]
-
-
-def _drive(steps: Steps) -> Any:
-    """Run a step generator from synchronous code with ``Future.get``."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise RuntimeError("the sync weight-store API blocks the event loop; use the 'a'-prefixed coroutine")
-    value, error = None, None
-    while True:
-        try:
-            request = steps.throw(error) if error is not None else steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            if isinstance(request, _Await):
-                value = request.future.get(timeout=request.timeout_s)
-            elif isinstance(request, _AwaitAll):
-                deadline = time.monotonic() + request.timeout_s
-                value = [_settle(f, max(deadline - time.monotonic(), 0.001)) for f in request.futures]
-            else:
-                time.sleep(request.seconds)
-        except Exception as e:
-            error = e
-
-
-def _settle(future: Any, timeout_s: float) -> Any:
-    try:
-        return future.get(timeout=timeout_s)
-    except Exception as e:
-        return e
-
-
-async def _adrive(steps: Steps) -> Any:
-    """Run a step generator from a coroutine with ``await``."""
-    value, error = None, None
-    while True:
-        try:
-            request = steps.throw(error) if error is not None else steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            if isinstance(request, _Await):
-                value = await _await_with_timeout(request.future, request.timeout_s)
-            elif isinstance(request, _AwaitAll):
-                value = await asyncio.gather(
-                    *(_await_with_timeout(f, request.timeout_s) for f in request.futures), return_exceptions=True
-                )
-            else:
-                await asyncio.sleep(request.seconds)
-        except Exception as e:
-            error = e
-
-
-async def _await_with_timeout(future: Any, timeout_s: float) -> Any:
-    async def wait() -> Any:
-        return await future
-
-    try:
-        return await asyncio.wait_for(wait(), timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"no answer within {timeout_s:g}s") from None
+# ---------------------------------------------------------------------------------- index calls
 
 
 def _call(what: str, future: Any, timeout_s: float) -> Steps:
@@ -357,11 +266,6 @@ def _call(what: str, future: Any, timeout_s: float) -> Steps:
         raise WeightSyncError(f"{what}: weight index call failed: {_one_line(e.exception)}") from e
     except TimeoutError:
         raise WeightSyncError(f"{what}: weight index did not answer within {timeout_s:g}s") from None
-
-
-def _one_line(error: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------- publisher

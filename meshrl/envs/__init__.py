@@ -21,7 +21,7 @@ _EXPORTS = {
     "ProbeResult": "meshrl.envs.sandbox",
     "SandboxUnavailable": "meshrl.envs.sandbox",
     "CodeEnv": "meshrl.envs.code_env",
-    "CodeAction": "meshrl.envs.code_env",
+    "CodeAction": "meshrl.envs.code_actions",
     "CodeTask": "meshrl.envs.tasks",
     "TestCase": "meshrl.envs.tasks",
     "load_code_tasks": "meshrl.envs.tasks",

@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from meshrl.envs.sandbox import ExecResult, Sandbox, SandboxJob, exception_kind
+from meshrl.envs.exec_errors import exception_kind
+from meshrl.envs.sandbox import ExecResult, Sandbox, SandboxJob
 from meshrl.envs.tasks import CodeTask
 
 SOLUTION_FILE = "solution.py"

@@ -53,19 +53,20 @@ that reason) instead of passing them falsely.
 Not covered by either layer: CPU time shared with the host (no cgroup quota; wall and CPU limits
 bound it), and code that introspects the interpreter running it (the test harness shares the
 process with the candidate; see ``meshrl.envs._harness``).
+
+Error classification lives in ``meshrl.envs.exec_errors``, and process/uid handling (killing a
+uid's processes, the per-run uid lease) in ``meshrl.envs.sandbox_procs``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
 import math
 import os
 import posixpath
 import queue
-import re
 import selectors
 import shutil
 import signal
@@ -79,6 +80,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
 from meshrl.config.env import SandboxConfig
+from meshrl.envs.exec_errors import classify
+from meshrl.envs.sandbox_procs import _is_root, _kill_uid, _proc_children, _UidLease
 
 log = logging.getLogger(__name__)
 
@@ -230,129 +233,7 @@ class SandboxUnavailable(RuntimeError):
     """The requested isolation layer cannot run on this machine."""
 
 
-# --------------------------------------------------------------------------- error classification
-
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")
-_EXC_NAME = re.compile(r"(Error|Exception|Exit|Interrupt|Warning|gaierror|herror|timeout)$")
-
-_BY_EXCEPTION = {
-    "SyntaxError": "syntax_error",
-    "IndentationError": "syntax_error",
-    "TabError": "syntax_error",
-    "MemoryError": "memory_error",
-    "ModuleNotFoundError": "import_error",
-    "ImportError": "import_error",
-    "PermissionError": "permission_denied",
-    "FileNotFoundError": "file_not_found",
-    "NotADirectoryError": "file_not_found",
-    "IsADirectoryError": "file_not_found",
-    "ConnectionRefusedError": "network_error",
-    "ConnectionResetError": "network_error",
-    "ConnectionAbortedError": "network_error",
-    "ConnectionError": "network_error",
-    "gaierror": "network_error",
-    "herror": "network_error",
-    "socket.gaierror": "network_error",
-    "socket.herror": "network_error",
-    "BlockingIOError": "resource_limit",
-    "ChildProcessError": "resource_limit",
-}
-
-_BY_ERRNO = {
-    errno.EROFS: "permission_denied",
-    errno.EACCES: "permission_denied",
-    errno.EPERM: "permission_denied",
-    errno.ENOENT: "file_not_found",
-    errno.EAGAIN: "resource_limit",
-    errno.EMFILE: "resource_limit",
-    errno.ENFILE: "resource_limit",
-    errno.EFBIG: "resource_limit",
-    errno.ENOSPC: "resource_limit",
-    errno.EDQUOT: "resource_limit",
-    errno.ENOMEM: "memory_error",
-    errno.ENETUNREACH: "network_error",
-    errno.EHOSTUNREACH: "network_error",
-    errno.ECONNREFUSED: "network_error",
-    errno.EADDRNOTAVAIL: "network_error",
-    errno.ENETDOWN: "network_error",
-}
-_ERRNO_RE = re.compile(r"\[Errno (\d+)\]")
-
-
-def exception_kind(exc_type: str, message: str = "") -> str:
-    """Map a Python exception (type name and message) to an error kind."""
-    name = exc_type.rsplit(".", 1)[-1] if exc_type not in _BY_EXCEPTION else exc_type
-    kind = _BY_EXCEPTION.get(exc_type) or _BY_EXCEPTION.get(name)
-    if kind:
-        return kind
-    m = _ERRNO_RE.search(message or "")
-    if m and name in ("OSError", "IOError", "error", "TimeoutError"):
-        return _BY_ERRNO.get(int(m.group(1)), "runtime_error")
-    if name == "TimeoutError" and not m:
-        return "timeout"
-    if name in ("timeout",):
-        return "network_error"
-    return "runtime_error"
-
-
-def last_exceptions(stderr: str) -> list[tuple[str, str]]:
-    """(type, message) of every uncaught-exception line in ``stderr``, in order."""
-    found: list[tuple[str, str]] = []
-    lines = stderr.splitlines()
-    for i, line in enumerate(lines):
-        if not line or line[0].isspace():
-            continue
-        m = _EXC_LINE.match(line)
-        if not m or not _EXC_NAME.search(m.group(1)):
-            continue
-        # an exception line ends a traceback: it follows an indented frame/caret line
-        # or a 'Traceback' header (SyntaxError reports have no header)
-        prev = lines[i - 1] if i > 0 else ""
-        if i == 0 or prev.startswith((" ", "\t", "Traceback")):
-            found.append((m.group(1), m.group(2) or ""))
-    return found
-
-
-def classify(
-    *,
-    exit_code: int | None,
-    killed_signal: int | None,
-    timed_out: bool,
-    output_limited: bool,
-    stderr: str,
-    exec_failed: bool = False,
-) -> str | None:
-    """The error kind of an execution from how it ended and what it printed to stderr."""
-    excs = last_exceptions(stderr)
-    kinds = [exception_kind(t, m) for t, m in excs]
-    if exec_failed:
-        return "tool_not_found"
-    if "resource_limit" in kinds and (timed_out or output_limited or exit_code not in (0, None)):
-        return "resource_limit"  # fork bombs: EAGAIN tracebacks, then a timeout or output flood
-    if output_limited:
-        return "output_limit"
-    if timed_out or killed_signal in (signal.SIGXCPU,):
-        return "timeout"
-    if killed_signal == signal.SIGXFSZ:
-        return "resource_limit"
-    if killed_signal is not None:
-        if "memory_error" in kinds:
-            return "memory_error"
-        return "crash"
-    if exit_code == 0:
-        return None
-    if kinds:
-        if "memory_error" in kinds:
-            return "memory_error"
-        return kinds[-1]
-    return "runtime_error"
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
 
 
 def _resolve_bwrap(path: str) -> str | None:
@@ -376,102 +257,6 @@ def _safe_relpath(name: str) -> str:
     if not name or norm.startswith("/") or norm == "." or norm.startswith("../") or norm == "..":
         raise ValueError(f"sandbox file name must be a relative path inside the work dir: {name!r}")
     return norm
-
-
-def _proc_children(pid: int) -> list[int]:
-    kids: list[int] = []
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        # kernels without CONFIG_PROC_CHILDREN: scan for the parent pid
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    return kids
-
-
-def _pids_of_uid(uid: int) -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{d}").st_uid == uid:
-                pids.append(int(d))
-        except OSError:
-            continue
-    return pids
-
-
-def _kill_uid(uid: int, rounds: int = 50) -> int:
-    """SIGKILL every process owned by ``uid`` until none is left; the number killed."""
-    me = os.getpid()
-    killed = 0
-    for _ in range(rounds):
-        pids = [p for p in _pids_of_uid(uid) if p != me]
-        if not pids:
-            break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(0.005)
-    return killed
-
-
-class _UidLease:
-    """Exclusive use of one sandbox uid, across threads *and processes* of this host (several
-    Sandbox instances, rewarder actors, environment servers): an flock on a root-only lock file,
-    released when the run ends or the holder dies."""
-
-    LOCK_DIR = "/tmp/meshrl-sandbox-uids"
-    POOL = 1024
-    _local = threading.Lock()
-
-    def __init__(self, uid: int, fd: int):
-        self.uid = uid
-        self._fd = fd
-
-    @classmethod
-    def acquire(cls, base: int, sweep: bool) -> "_UidLease":
-        import fcntl
-
-        with cls._local:
-            os.makedirs(cls.LOCK_DIR, mode=0o700, exist_ok=True)
-            st = os.lstat(cls.LOCK_DIR)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not os.path.isdir(cls.LOCK_DIR):
-                raise SandboxUnavailable(f"{cls.LOCK_DIR} must be a directory owned by uid {os.geteuid()} with mode 0700")
-        deadline = time.monotonic() + 60
-        while True:
-            for i in range(cls.POOL):
-                uid = base + i
-                fd = os.open(os.path.join(cls.LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    continue
-                if sweep:
-                    _kill_uid(uid)  # leftovers of a holder that died mid-run
-                return cls(uid, fd)
-            if time.monotonic() > deadline:
-                raise SandboxUnavailable(f"all {cls.POOL} sandbox uids from {base} are in use")
-            time.sleep(0.01)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # drops the flock
-            self._fd = -1
 
 
 # --------------------------------------------------------------------------- the sandbox
