@@ -116,6 +116,20 @@ def test_bad_inputs_are_counted_and_the_step_completes(runtime):
     assert metrics["version"] == loop.version
 
 
+def test_custom_loss_through_the_learner_endpoint(runtime):
+    """A picklable custom loss crosses the process boundary and trains like the registered one."""
+    from meshrl.testing.custom_losses import importance_sampling_custom
+
+    trajectories, sampled, _ = runtime.loop.collect()
+    datums = _datums(runtime.loop, trajectories)
+    learner = runtime.meshes["learner"]
+    registered = learner.forward_backward.call_one(datums, "importance_sampling").get(timeout=120)
+    custom = learner.forward_backward_custom.call_one(datums, importance_sampling_custom).get(timeout=120)
+    assert custom["loss"] == pytest.approx(registered["loss"], rel=1e-3, abs=1e-6)
+    assert custom["num_datums"] == len(datums) > 0
+    runtime.client.optim_step(runtime.cfg.learner.adam_params())  # apply both: no gradient left behind
+
+
 def test_greedy_eval_is_deterministic(runtime):
     first = runtime.loop.evaluate()
     second = runtime.loop.evaluate()

@@ -1,4 +1,5 @@
-"""Configuration of the RDMA weight store (``meshrl.channels.weight_store``)."""
+"""Transport configuration: the RDMA weight store (``meshrl.channels.weight_store``) and the
+delayed-result channel with its pool of teacher replay actors (``meshrl.channels.delayed``)."""
 
 from __future__ import annotations
 

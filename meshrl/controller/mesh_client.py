@@ -59,9 +59,7 @@ class MeshClient:
         def attempt():
             if self.faults is not None:
                 self.faults.before_call(self.step, mesh, phase)
-            futures = issue(self.meshes[mesh])
-            return wait_all(futures, timeout_s or self.timeouts[mesh], what,
-                            watch=lambda: self.meshes.dead_process(mesh))
+            return self.unsupervised(mesh, issue, what, timeout_s)
 
         return self.sup.run(mesh, attempt, what)
 
