@@ -1,159 +1,15 @@
 """GRPOLoop against fake Monarch endpoints: ordering across replicas, counting of bad input,
-advantage normalisation in the datums, DAPO dynamic sampling, KL reward shaping, version
-bookkeeping, and deadlines."""
+advantage normalisation, DAPO dynamic sampling, KL reward shaping, the staleness bound of the
+asynchronous producer, streaming minibatches, version bookkeeping, and deadlines."""
 
 import time
 
 import pytest
 import torch
 
-from meshrl.actors.rewarder import safe_grade
-from meshrl.config.base import load_config
-from meshrl.config.run import RunConfig
-from meshrl.controller.grpo import GRPOLoop
-from meshrl.controller.mesh_client import MeshClient, StepError, split_evenly
-from meshrl.controller.rollout import Counters, SingleTurnRollout
-from meshrl.controller.supervisor import CallTimeout, Supervisor, wait_all
-from meshrl.engines import Completion
-from meshrl.envs.arithmetic import ArithmeticTask
-
-
-class Future:
-    def __init__(self, value=None, hang=False):
-        self.value, self.hang = value, hang
-
-    def get(self, timeout=None):
-        if self.hang:
-            raise TimeoutError
-        return self.value
-
-
-class ValueMesh:
-    def __init__(self, values):
-        self._values = values
-
-    def values(self):
-        return list(self._values)
-
-
-class Endpoint:
-    def __init__(self, actors, name):
-        self.actors, self.name = actors, name
-
-    def call_one(self, *args):
-        assert len(self.actors) == 1
-        return Future(getattr(self.actors[0], self.name)(*args))
-
-    def call(self, *args):
-        return Future(ValueMesh([getattr(a, self.name)(*args) for a in self.actors]))
-
-
-class Mesh:
-    def __init__(self, actors):
-        self.actors = actors
-
-    def slice(self, procs):
-        return Mesh([self.actors[procs]])
-
-    def __getattr__(self, name):
-        return Endpoint(self.actors, name)
-
-
-class FakeGenerator:
-    """Answers each prompt with G completions; the answer text is scripted per call."""
-
-    def __init__(self, replica):
-        self.replica, self.version, self.seen = replica, 0, []
-
-    def generate(self, prompts, request):
-        from meshrl.actors.generator import GenerationBatch
-
-        self.seen.append(len(prompts))
-        groups = []
-        for p in prompts:
-            group = []
-            for k in range(request.n):
-                if k == 0 and len(p) % 2 == 0:
-                    group.append(Completion([], [], "stop", ""))  # an empty generation
-                    continue
-                text = f"{p[-1] + k}"
-                group.append(Completion([p[-1], k], [-0.5, -1.5], "stop", text, {"version": self.version}))
-            groups.append(group)
-        return GenerationBatch(groups, self.version, 0.01, 0)
-
-    def update_weights(self, version):
-        self.version = version
-        return {"version": version, "pull_s": 0.1, "transfer_s": 0.1, "bytes": 100, "load_s": 0.01}
-
-
-class FakeRewarder:
-    def score(self, items):
-        def grade(problem, response):
-            if response.endswith("3"):
-                raise ValueError("grader bug")
-            return (1.0, {"correct": True}) if int(response) % 2 else (0.0, {"correct": False})
-
-        return [safe_grade(grade, p, r) for p, r in items]
-
-
-class UniformForEvenOperand(FakeRewarder):
-    """All-equal rewards for problems whose first operand is even (a group with no signal)."""
-
-    def score(self, items):
-        return [(1.0, {"correct": True}) if p.meta["a"] % 2 == 0 else s
-                for (p, _), s in zip(items, super().score(items))]
-
-
-class FakeLearner:
-    def __init__(self):
-        self.calls = []
-
-    def forward_backward(self, datums, loss_fn, loss_config):
-        self.calls.append(("fb", datums, loss_fn, loss_config))
-        return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums))}
-
-    def forward(self, datums, reference):
-        """Reference logprobs: -1 at every position."""
-        self.calls.append(("forward", datums, reference))
-        return [[-1.0] * d.length for d in datums]
-
-    def optim_step(self, adam):
-        self.calls.append(("opt", adam))
-        return {"grad_norm": 1.0}
-
-    def publish(self, version):
-        return {"version": version, "bytes": 100, "publish_s": 0.01, "pack_s": 0.01}
-
-
-class FakeRenderer:
-    """Prompt tokens = one token per word of the user message plus its length."""
-
-    def build_generation_prompt(self, messages):
-        words = messages[-1]["content"].split()
-        return list(range(len(words))) + [len(words)]
-
-    def get_stop_sequences(self):
-        return [2]
-
-
-class FakeMeshGroup(dict):
-    def procs_of(self, name):
-        return len(self[name].actors)
-
-    def cohabitants(self, name):
-        return [name]
-
-
-def make_loop(n_generators=2, rewarder=FakeRewarder, **overrides):
-    cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
-    gens = [FakeGenerator(r) for r in range(n_generators)]
-    learner = FakeLearner()
-    meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([rewarder()]), learner=Mesh([learner]))
-    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")})
-    counters = Counters()
-    strategy = SingleTurnRollout(client, FakeRenderer(), cfg.model.max_model_len, counters)
-    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, (2,))
-    return loop, gens, learner
+from meshrl.controller.mesh_client import StepError, split_evenly
+from meshrl.controller.supervisor import CallTimeout, wait_all
+from meshrl.testing.fake_meshes import FakeLearner, Future, UniformForEvenOperand, make_loop
 
 
 def test_split_evenly_keeps_order_and_balance():
@@ -162,10 +18,8 @@ def test_split_evenly_keeps_order_and_balance():
 
 
 def test_rollout_spreads_prompts_and_counts_bad_input():
-    loop, gens, _ = make_loop(**{"trainer.prompts_per_step": 5, "trainer.group_size": 3,
-                                 "task.arithmetic.prompt_template": "What is {a} {op} {b}?"})
-    loop.strategy.max_model_len = 40
-    loop.cfg.generator.sampling.max_new_tokens = 34  # the 6-token prompts just fit
+    loop, gens, _ = make_loop(**{"trainer.prompts_per_step": 5, "trainer.group_size": 3, "model.max_model_len": 40,
+                                 "generator.sampling.max_new_tokens": 34})  # the 6-token prompts just fit
     metrics, trajectories = loop.step()
     assert sum(g.seen[0] for g in gens) == 5 and all(g.seen for g in gens)
     assert len(trajectories) == 15
@@ -177,9 +31,13 @@ def test_rollout_spreads_prompts_and_counts_bad_input():
     assert loop.counters.reward_errors == len(errors)
     assert metrics["gen/tokens"] == sum(len(t.tokens) for t in trajectories)
 
-    loop.cfg.generator.sampling.max_new_tokens = 35  # now every 6-token prompt is one too long
-    trajectories, _, _ = loop.collect()
-    assert trajectories == [] and loop.counters.prompts_too_long == 5
+    loop.close()
+    # max_new_tokens 35: every 6-token prompt is one too long; nothing to train, the step completes
+    loop, _, _ = make_loop(**{"trainer.prompts_per_step": 5, "trainer.group_size": 3, "model.max_model_len": 40,
+                              "generator.sampling.max_new_tokens": 35})
+    metrics, trajectories = loop.step()
+    assert trajectories == [] and loop.counters.prompts_too_long == 5 and metrics["version"] == 1
+    loop.close()
 
 
 def _group_advantages(trajectories):
@@ -189,10 +47,13 @@ def _group_advantages(trajectories):
     return [t.reward - sum(by_group[t.group]) / len(by_group[t.group]) for t in trajectories]
 
 
+def _calls(learner, kind):
+    return [c for c in learner.calls if c[0] == kind]
+
+
 def test_train_normalises_by_all_sampled_tokens_and_skips_zero_advantage():
     loop, _, learner = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4})
-    trajectories, sampled, _ = loop.collect()
-    metrics = loop.train(trajectories, sampled)
+    metrics, trajectories = loop.step()
     kind, datums, loss_fn, loss_config = learner.calls[0]
     assert kind == "fb" and loss_fn == "ppo" and loss_config == {"eps_low": 0.2, "eps_high": 0.2}
     total = sum(len(t.tokens) for t in trajectories)
@@ -200,12 +61,61 @@ def test_train_normalises_by_all_sampled_tokens_and_skips_zero_advantage():
     # one advantage per sequence, shaped once
     assert all(d.loss_fn_inputs["advantages"].dim() == 0 for d in datums)
     assert sorted(float(d.loss_fn_inputs["advantages"]) for d in datums) == pytest.approx(sorted(expected))
-    for d in datums:  # the token weights carry the normaliser: 1 / every sampled token of the step
+    for d in datums:  # weight 1 on the two sampled tokens, 0 on the prompt
         weights = d.loss_fn_inputs["mask"]
-        assert weights[weights != 0].tolist() == pytest.approx([1 / total] * int((weights != 0).sum()))
-        assert int((weights != 0).sum()) == 2  # the two sampled tokens; prompt positions weigh 0
+        assert weights[weights != 0].tolist() == [1.0, 1.0]
+    # the step-wide normaliser, 1 / every sampled token of the step, scales the accumulated gradients
+    assert [c[0] for c in learner.calls] == ["fb", "scale", "opt"]
+    assert learner.calls[1][1] == pytest.approx(1 / total)
     assert metrics["batch/tokens_total"] == total
-    assert learner.calls[1][0] == "opt"
+    loop.close()
+
+
+def test_streaming_minibatches_send_the_same_update_as_one_batch():
+    one, _, learner_one = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4})
+    streamed, _, learner_streamed = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4,
+                                                 "trainer.num_minibatches": 2})
+    for loop in (one, streamed):
+        loop.step()
+        loop.close()
+
+    def sent(learner):
+        datums = [d for c in _calls(learner, "fb") for d in c[1]]
+        return sorted((d.model_input.to_ints(), float(d.loss_fn_inputs["advantages"]),
+                       d.loss_fn_inputs["mask"].tolist()) for d in datums)
+
+    assert len(_calls(learner_streamed, "fb")) == 2 and len(_calls(learner_one, "fb")) == 1
+    assert sent(learner_streamed) == sent(learner_one)  # the same samples (seeds follow the round)
+    assert _calls(learner_streamed, "scale") == _calls(learner_one, "scale")  # one normaliser, applied once
+    assert len(_calls(learner_streamed, "opt")) == len(_calls(learner_one, "opt")) == 1
+
+
+def test_substeps_make_one_optimizer_update_per_part():
+    loop, _, learner = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4, "trainer.num_substeps": 2})
+    loop.step()
+    loop.close()
+    kinds = [c[0] for c in learner.calls]
+    assert kinds == ["fb", "scale", "opt", "fb", "scale", "opt"]
+    tokens = [sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in c[1]) for c in _calls(learner, "fb")]
+    # each part has its own normaliser: its own sampled tokens (zero-advantage ones included)
+    assert all(s[1] <= 1 / t for s, t in zip(_calls(learner, "scale"), tokens))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_never_trains_a_sample_more_than_k_versions_old(k):
+    loop, gens, _ = make_loop(learner=FakeLearner(train_s=0.1), **{
+        "trainer.prompts_per_step": 2, "trainer.group_size": 2, "trainer.steps": 6, "trainer.max_steps_off_policy": k})
+    for g in gens:
+        g.delay = 0.05
+    staleness = []
+    for step in range(1, 7):
+        metrics, trajectories = loop.step()
+        staleness += [step - 1 - t.version for t in trajectories]
+        assert metrics["count/stale_dropped"] == 0
+    loop.close()
+    assert max(staleness) <= k  # asserted from the stamps
+    assert max(staleness) >= 1  # generation really ran ahead of training
+    assert loop.cursor <= 2 * 6  # never produced past the run's last step
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups():
@@ -213,35 +123,34 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
         "trainer.prompts_per_step": 4, "trainer.group_size": 4, "trainer.advantage.drop_uniform_groups": "true",
         "trainer.advantage.max_extra_rounds": 5})
     metrics, trained = loop.step()
+    loop.close()
     groups = {t.group for t in trained}
     assert len(groups) == 4 and metrics["batch/groups"] == 4  # prompts_per_step informative groups
     assert all(len({t.reward for t in trained if t.group == g}) > 1 for g in groups)
-    assert metrics["batch/sampling_rounds"] > 1 and loop.cursor == 4 * metrics["batch/sampling_rounds"]
-    assert metrics["batch/dropped_uniform_groups"] > 0 and metrics["batch/missing_groups"] == 0
-    assert metrics["batch/dropped_uniform_groups"] + metrics["batch/surplus_groups"] + 4 == loop.cursor
+    assert metrics["batch/sampling_rounds"] > 1 and metrics["batch/missing_groups"] == 0
+    rounds = metrics["batch/sampling_rounds"]
+    assert metrics["batch/dropped_uniform_groups"] + metrics.get("batch/surplus_groups", 0) + 4 == 4 * rounds
     # the dropped groups' tokens are not in the normaliser
-    datums = learner.calls[0][1]
     total = sum(len(t.tokens) for t in trained)
-    weights = [float(w) for d in datums for w in d.loss_fn_inputs["mask"] if w != 0]
-    assert weights == pytest.approx([1 / total] * len(weights), rel=1e-6)
+    assert _calls(learner, "scale")[0][1] == pytest.approx(1 / total)
 
 
-def test_dynamic_sampling_out_of_rounds_trains_on_what_it_has(caplog):
+def test_dynamic_sampling_out_of_rounds_trains_on_what_it_has():
     loop, _, _ = make_loop(rewarder=UniformForEvenOperand, **{
         "trainer.prompts_per_step": 8, "trainer.group_size": 4, "trainer.advantage.drop_uniform_groups": "true",
         "trainer.advantage.max_extra_rounds": 0})
     metrics, trained = loop.step()
+    loop.close()
     assert metrics["batch/sampling_rounds"] == 1 and 0 < metrics["batch/groups"] < 8
     assert metrics["batch/missing_groups"] == 8 - metrics["batch/groups"]
-    assert "dynamic sampling: " in caplog.text and "max_extra_rounds = 0" in caplog.text
 
 
 def test_kl_shaping_makes_per_token_advantages_against_the_reference():
     loop, _, learner = make_loop(**{"trainer.prompts_per_step": 3, "trainer.group_size": 4,
                                     "trainer.advantage.kl_coef": 0.5})
-    trajectories, sampled, _ = loop.collect()
-    metrics = loop.train(trajectories, sampled)
-    assert [c[0] for c in learner.calls] == ["forward", "fb", "opt"] and learner.calls[0][2] is True
+    metrics, trajectories = loop.step()
+    loop.close()
+    assert [c[0] for c in learner.calls] == ["forward", "fb", "scale", "opt"] and learner.calls[0][2] is True
     datums = learner.calls[1][1]
     trainable = [t for t in trajectories if t.tokens]
     assert len(datums) == len(trainable)  # zero-advantage sequences train too: shaping gives them signal
@@ -255,8 +164,8 @@ def test_kl_shaping_makes_per_token_advantages_against_the_reference():
 def test_std_normalisation_divides_each_group_by_its_std():
     loop, _, learner = make_loop(**{"trainer.prompts_per_step": 3, "trainer.group_size": 4,
                                     "trainer.advantage.std_normalize": "true"})
-    trajectories, sampled, _ = loop.collect()
-    loop.train(trajectories, sampled)
+    _, trajectories = loop.step()
+    loop.close()
     expected = []
     for t, a in zip(trajectories, _group_advantages(trajectories)):
         group = torch.tensor([u.reward for u in trajectories if u.group == t.group], dtype=torch.float64)
@@ -269,12 +178,13 @@ def test_std_normalisation_divides_each_group_by_its_std():
 def test_overlong_shaping_penalises_rewards_before_advantages():
     # every sampled reply is 2 tokens; with max_new_tokens 3 and a 2-token window, a 2-token reply
     # sits 1 token into the window: penalty (3 - 2 - 2) / 2 = -0.5
-    loop, _, _ = make_loop(**{"trainer.prompts_per_step": 2, "trainer.group_size": 4,
-                              "generator.sampling.max_new_tokens": 3, "trainer.advantage.overlong_cache_tokens": 2})
-    plain, _, _ = make_loop(**{"trainer.prompts_per_step": 2, "trainer.group_size": 4,
-                               "generator.sampling.max_new_tokens": 3})
-    shaped, _, metrics = loop.collect()
-    unshaped, _, _ = plain.collect()
+    common = {"trainer.prompts_per_step": 2, "trainer.group_size": 4, "generator.sampling.max_new_tokens": 3}
+    loop, _, _ = make_loop(**common, **{"trainer.advantage.overlong_cache_tokens": 2})
+    plain, _, _ = make_loop(**common)
+    metrics, shaped = loop.step()
+    _, unshaped = plain.step()
+    loop.close()
+    plain.close()
     for s, u in zip(shaped, unshaped):
         penalty = -0.5 if u.tokens else 0.0
         assert s.reward == pytest.approx(u.reward + penalty) and s.info["overlong_penalty"] == penalty
@@ -283,16 +193,18 @@ def test_overlong_shaping_penalises_rewards_before_advantages():
 
 def test_sync_advances_version_on_every_generator():
     loop, gens, _ = make_loop()
-    assert loop.sync_weights()["version"] == 1
-    assert loop.sync_weights()["version"] == 2
+    assert loop.step()[0]["version"] == 1
+    assert loop.step()[0]["version"] == 2
+    loop.close()
     assert [g.version for g in gens] == [2, 2]
 
 
 def test_sync_refuses_a_generator_left_on_an_old_version():
     loop, gens, _ = make_loop()
     gens[1].update_weights = lambda v: {"version": v - 1, "pull_s": 0, "transfer_s": 0, "bytes": 0, "load_s": 0}
-    with pytest.raises(StepError, match=r"versions \[0\], expected 1"):
-        loop.sync_weights()
+    with pytest.raises(StepError, match=r"hold versions \[0, 1\] after a pull of 1"):
+        loop.step()
+    loop.close()
 
 
 class ArrivesAtDeadline(Future):

@@ -77,7 +77,7 @@ def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
     worst_stale, mean_stale = _max_mean_diff(gen_old, learn_new)
     assert mean_stale > 3 * TOLERANCE_MEAN, (worst_stale, mean_stale)
 
-    sync = loop.sync_weights()
+    sync, _ = loop.step()  # trains once more, publishes and brings the generator along
     assert sync["version"] == 4
     gen_new, learn_new2 = _score(runtime, sequences)
     worst, mean = _max_mean_diff(gen_new, learn_new2)
@@ -102,6 +102,13 @@ def test_bad_inputs_are_counted_and_the_step_completes(runtime):
 
     before = dict(loop.counters.as_metrics())
     loop.task.train_batch = with_long_prompt
+    # the producer rolls the next step out as soon as the last version is published: drop what it
+    # made with the old task and produce the next step again
+    from meshrl.controller.pipeline import ProductionState
+
+    loop.stop_producer()
+    loop.producer.feed.release(loop.step_index + 1)
+    loop.producer.state = ProductionState(loop.step_index + 1, loop.cursor, loop.cursor)
     try:
         metrics, trajectories = loop.step()
     finally:
@@ -120,7 +127,7 @@ def test_custom_loss_through_the_learner_endpoint(runtime):
     """A picklable custom loss crosses the process boundary and trains like the registered one."""
     from meshrl.testing.custom_losses import importance_sampling_custom
 
-    trajectories, sampled, _ = runtime.loop.collect()
+    _, trajectories = runtime.loop.step()
     datums = _datums(runtime.loop, trajectories)
     learner = runtime.meshes["learner"]
     registered = learner.forward_backward.call_one(datums, "importance_sampling").get(timeout=120)

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from meshrl.losses.aggregation import GlobalCounts, global_scale
+
 from meshrl.training.trajectories import (Trajectory, group_advantages, kl_shape_datums, rl_datums, shape_overlong,
                                           uniform_groups)
 
@@ -35,17 +37,19 @@ def test_advantages_and_uniform_groups():
     assert uniform_groups(ts) == {1}
 
 
-@pytest.mark.parametrize("normalize, expected", [
-    ("token_mean", [1 / 10, 1 / 10]),          # 10 sampled tokens in the step, zero-advantage ones included
-    ("sequence_mean", [1 / (2 * 3), 1 / (4 * 3)]),  # 1 / (|o_i| * 3 trajectories with tokens)
-    ("sum", [1.0, 1.0]),
+@pytest.mark.parametrize("normalize, local, scale", [
+    ("token_mean", [1.0, 1.0], 1 / 10),  # 10 sampled tokens in the step, zero-advantage ones included
+    ("sequence_mean", [1 / 2, 1 / 4], 1 / 3),  # 1 / |o_i|, and 1 / (3 trajectories with tokens)
+    ("sum", [1.0, 1.0], 1.0),
 ])
-def test_datum_weights_carry_the_global_normaliser(normalize, expected):
+def test_datum_weights_and_the_step_wide_normaliser(normalize, local, scale):
     ts = [_traj(0, 1.0, 2), _traj(0, 0.0, 4), _traj(1, 0.5, 4), _traj(1, 0.5, 0)]
     advantages = group_advantages(ts, False)
     datums, stats = rl_datums(ts, advantages, normalize)
     assert stats == {"datums": 2, "trainable_trajectories": 3, "skipped_zero_advantage": 1, "tokens_total": 10}
-    for d, weight, adv in zip(datums, expected, [0.5, -0.5]):
+    counts = GlobalCounts(stats["tokens_total"], stats["trainable_trajectories"])
+    assert global_scale(normalize, counts) == pytest.approx(scale)
+    for d, weight, adv in zip(datums, local, [0.5, -0.5]):
         w = d.loss_fn_inputs["mask"]
         assert w[w != 0].tolist() == pytest.approx([weight] * int((w != 0).sum()))
         assert float(d.loss_fn_inputs["advantages"]) == adv

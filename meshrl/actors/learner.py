@@ -54,6 +54,11 @@ class Learner(MeshrlActor):
         return [lp.tolist() for lp in self.trainer.forward(datums, reference)]
 
     @endpoint
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (a normaliser known only afterwards)."""
+        self.trainer.scale_grads(factor)
+
+    @endpoint
     def optim_step(self, adam: AdamParams) -> dict:
         return self.trainer.optim_step(adam)
 

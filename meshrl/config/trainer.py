@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
 
@@ -83,16 +83,35 @@ class CheckpointConfig(Section):
 
 
 class TrainerConfig(Section):
-    """The synchronous GRPO loop run by the controller."""
+    """The GRPO loop run by the controller: a producer rolls out tasks, the learner trains on them."""
 
     steps: int = Field(40, ge=1)
-    """Optimizer steps to run."""
+    """Training steps to run; each publishes one weight version after `num_substeps` optimizer
+    updates."""
 
     prompts_per_step: int = Field(8, ge=1)
-    """Distinct problems per step."""
+    """Distinct problems (groups) per step: Tinker's `batch_size` / `groups_per_batch`."""
 
     group_size: int = Field(8, ge=1)
     """Samples per problem (the GRPO group)."""
+
+    num_substeps: int = Field(1, ge=1)
+    """Optimizer updates per step: the step's groups are split into this many equal parts, in
+    order, and each part is trained on once with its own normaliser and optimizer step."""
+
+    num_minibatches: int = Field(1, ge=1)
+    """Streaming minibatches per substep: the producer rolls out a substep's tasks in this many
+    pieces and the learner runs `forward_backward` on each piece as soon as it is scored, while the
+    next piece is generated; the substep's optimizer step follows the last piece (the same update as
+    one batch)."""
+
+    max_steps_off_policy: int = Field(0, ge=0)
+    """Staleness bound K: generation of step s's tasks is admitted only while the latest published
+    weight version v satisfies s - 1 - v <= K, so every sample is trained at most K versions after
+    the one that sampled it (checked again from the stamps when training; a violation is dropped
+    and counted). 0 = synchronous: generation and training take turns across steps (within a step
+    they still overlap through streaming minibatches). K >= 1 overlaps them; keep the clipped `ppo`
+    loss then (plain importance sampling destabilises at staleness 3)."""
 
     seed: int = 0
     """Seed of the training data order: each epoch of the task's training stream is a permutation
@@ -112,3 +131,11 @@ class TrainerConfig(Section):
 
     progress: bool = True
     """Show a progress bar on the terminal."""
+
+    @model_validator(mode="after")
+    def _check_pieces(self) -> "TrainerConfig":
+        pieces = self.num_substeps * self.num_minibatches
+        if self.prompts_per_step % pieces:
+            raise ValueError(f"prompts_per_step = {self.prompts_per_step} must be a multiple of num_substeps x "
+                             f"num_minibatches = {pieces}")
+        return self

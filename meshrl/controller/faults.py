@@ -18,20 +18,22 @@ class FaultInjector:
         self.meshes = meshes
         self.pending = list(injections)
         self.fired: list[dict] = []
+        self._lock = threading.Lock()  # the producer thread and the learner side both call in
 
     def before_call(self, step: int, mesh: str, phase: str) -> None:
-        """Called by the loop at the start of every step (phase `step_start`) and before each
-        remote call (with the call's mesh and phase)."""
-        for fault in list(self.pending):
-            if fault.at_step != step:
-                continue
-            if phase == "step_start" and fault.action in ("delay", "raise", "drop"):
-                self._arm_endpoint(fault)
-            elif fault.action == "kill" and fault.during == phase:
-                self._kill(fault, delay_s=0.0 if phase == "step_start" else fault.seconds)
-            else:
-                continue
-            self.pending.remove(fault)
+        """Called when a step begins (phase `step_start`: its rollout starts) and before each
+        remote call (with the call's mesh and phase), from whichever thread works on ``step``."""
+        with self._lock:
+            for fault in list(self.pending):
+                if fault.at_step != step:
+                    continue
+                if phase == "step_start" and fault.action in ("delay", "raise", "drop"):
+                    self._arm_endpoint(fault)
+                elif fault.action == "kill" and fault.during == phase:
+                    self._kill(fault, delay_s=0.0 if phase == "step_start" else fault.seconds)
+                else:
+                    continue
+                self.pending.remove(fault)
 
     def _arm_endpoint(self, fault: FaultInjection) -> None:
         actor = self.meshes[fault.mesh].slice(procs=fault.rank)

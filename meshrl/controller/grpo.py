@@ -1,7 +1,12 @@
-"""The synchronous GRPO loop: tasks -> G scored rollouts each (the run's rollout strategy) ->
-reward shaping -> DAPO dynamic sampling -> group-relative advantages -> Datums -> the learner's
-registered losses (channel 1, and the SDPO and replay channels when enabled) -> one optimizer
-step -> publish -> every weight reader pulls.
+"""The GRPO loop. A producer thread (meshrl.controller.pipeline) rolls out tasks with the run's
+rollout strategy, shapes and filters them and scores SDPO sites, ahead of the learner by at most
+`max_steps_off_policy` versions. The learner side takes the step's pieces as they arrive:
+
+  per piece     staleness check from the stamps -> group-relative advantages -> Datums ->
+                (KL shaping) -> forward_backward on the registered loss (streaming minibatches)
+  per substep   the step-wide normaliser on the accumulated gradients -> the SDPO and replay
+                channels' terms -> one optimizer step
+  per step      publish the next weight version (synchronous runs also bring every reader to it)
 
 The controller only moves tokens and small records; the actors own the engines and the model, and
 every mesh call goes through the MeshClient (deadlines, supervision, replicas).
@@ -12,21 +17,40 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.advantages import DynamicSamplingBatch
 from meshrl.config.run import RunConfig
 from meshrl.controller.mesh_client import MeshClient
+from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
 from meshrl.engines import SampleRequest
-from meshrl.training.trajectories import (Trajectory, group_advantages, groups_of, kl_shape_datums, rl_datums,
-                                          shape_overlong, uniform_groups)
+from meshrl.losses.aggregation import GlobalCounts, global_scale
+from meshrl.training.policy import combine_metrics
+from meshrl.training.trajectories import Trajectory, group_advantages, kl_shape_datums, rl_datums, uniform_groups
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Substep:
+    """What one optimizer step has accumulated so far."""
+
+    groups: int = 0
+    counts: GlobalCounts = GlobalCounts(0.0, 0)
+    passes: list[dict] = field(default_factory=list)
+    sdpo: list = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def _add(metrics: dict, more: dict) -> None:
+    for k, v in more.items():
+        metrics[k] = metrics.get(k, 0.0) + v
+
+
 class GRPOLoop:
-    """Drives the meshes through synchronous GRPO steps."""
+    """Drives the meshes through GRPO steps (synchronous at K = 0, overlapped at K >= 1)."""
 
     def __init__(self, cfg: RunConfig, task, strategy: RolloutStrategy, client: MeshClient, counters: Counters,
                  stop_tokens: tuple[int, ...], sdpo=None, replay=None):
@@ -38,17 +62,27 @@ class GRPOLoop:
         self.stop_tokens = stop_tokens
         self.sdpo = sdpo  # channel 2 (SDPOChannel) or None
         self.replay = replay  # channel 3 (ReplayChannel) or None
-        self.cursor = 0
         self.step_index = 0  # the step being run (1-based once running)
+        self.published = 0  # the latest published weight version
+        self.producer = Producer(self, cfg.trainer.steps)
+        if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
+            log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
+                        "consider ppo (stale samples destabilise plain importance sampling)",
+                        cfg.trainer.max_steps_off_policy)
 
     @property
     def version(self) -> int:
-        """The latest weight version published and pulled by every reader."""
-        return self.client.version
+        """The latest published weight version."""
+        return self.published
+
+    @property
+    def cursor(self) -> int:
+        """Data position of the next task to be rolled out."""
+        return self.producer.state.cursor
 
     def sampling_seed(self, cursor: int) -> int:
-        """Seed of the batch starting at data position ``cursor``: a rerun of the same step (e.g.
-        after a resume) samples exactly the same tokens given the same weights."""
+        """Seed of the round of tasks starting at data position ``cursor``: a rerun of the same step
+        (e.g. after a resume) samples exactly the same tokens given the same weights."""
         return (self.cfg.generator.seed * 1_000_003 + cursor * 7919) % (2**31 - 1)
 
     def _request(self, seed: int | None, greedy: bool = False) -> SampleRequest:
@@ -56,147 +90,207 @@ class GRPOLoop:
         return SampleRequest(n=1, max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
                              top_p=1.0 if greedy else s.top_p, stop_token_ids=self.stop_tokens, seed=seed)
 
-    # ---- stages -----------------------------------------------------------------------------
-    def _round(self, offset: int) -> tuple[list[Trajectory], dict]:
-        """One batch of `prompts_per_step` tasks from the stream, rolled out, scored and shaped;
-        group ids start at ``offset``."""
+    # ---- the producer's work (runs in its thread) -------------------------------------------
+    @property
+    def unit_size(self) -> int:
         tc = self.cfg.trainer
-        cursor = self.cursor
-        tasks = self.task.train_batch(cursor, tc.prompts_per_step)
-        self.cursor += tc.prompts_per_step
-        trajectories, timing = self.strategy.collect(tasks, tc.group_size, self._request(self.sampling_seed(cursor)),
-                                                     f"train{cursor}")
+        return tc.prompts_per_step // (tc.num_substeps * tc.num_minibatches)
+
+    def _sync(self, version: int) -> dict:
+        """Every weight reader pulls ``version``; the generators' pull statistics."""
+        t0 = time.perf_counter()
+        pulls = self.client.sync_readers(version)
+        return {"sync/pull_s": max(p["pull_s"] for p in pulls), "sync/load_s": max(p["load_s"] for p in pulls),
+                "timing/sync_s": time.perf_counter() - t0}
+
+    def produce_unit(self, st: ProductionState, version: int) -> Unit:
+        """Roll out the next `unit_size` tasks of step ``st.step`` with the latest published weights
+        ``version``; updates ``st``. Tasks are sampled with the seeds of their round, so a step cut
+        into pieces samples the same tokens as one piece."""
+        tc, u = self.cfg.trainer, self.unit_size
+        self.client.step = st.step
+        if st.units == 0 and self.client.faults is not None:  # a step begins with its rollout
+            self.client.faults.before_call(st.step, "*", "step_start")
+        metrics: dict[str, Any] = {}
+        if self.client.version < version:
+            metrics.update(self._sync(version))
+        tasks = self.task.train_batch(st.cursor, u)
+        seed = self.sampling_seed(st.round_cursor) + (st.cursor - st.round_cursor)
+        trajectories, timing = self.strategy.collect(tasks, tc.group_size, self._request(seed), f"train{st.cursor}")
+        metrics.update(timing)
         for t in trajectories:
-            t.group += offset
-        if tc.advantage.overlong_cache_tokens:
-            timing["count/overlong_penalised"] = shape_overlong(
-                trajectories, self.cfg.generator.sampling.max_new_tokens, tc.advantage.overlong_cache_tokens)
-        return trajectories, timing
+            t.group += st.units * u
+        groups = shape_and_filter(trajectories, self.cfg, metrics)
+        room = tc.prompts_per_step - st.groups
+        if len(groups) > room:
+            metrics["batch/surplus_groups"] = len(groups) - room
+            groups = groups[:room]
+        unit = Unit(st.step, st.units, groups, trajectories, metrics=metrics)
+        if self.sdpo is not None:
+            t0 = time.perf_counter()
+            unit.sdpo, counts = self.sdpo.score(trajectories, self.cfg.sdpo.max_sites_per_step - st.sdpo_sites)
+            metrics.update(counts)
+            metrics["timing/sdpo_s"] = time.perf_counter() - t0
+            st.sdpo_sites += len(unit.sdpo)
+        st.cursor += u
+        st.units += 1
+        st.groups += len(groups)
+        if st.cursor - st.round_cursor >= tc.prompts_per_step:
+            st.round_cursor = st.cursor
+        return unit
 
-    def collect(self) -> tuple[list[Trajectory], list[Trajectory], dict]:
-        """The step's trajectories to train on, every trajectory sampled in the step, and metrics.
+    def step_complete(self, st: ProductionState) -> bool:
+        """A step is complete with `prompts_per_step` groups, or after its rounds are spent (one
+        round, plus `max_extra_rounds` under dynamic sampling)."""
+        tc = self.cfg.trainer
+        rounds = 1 + (tc.advantage.max_extra_rounds if tc.advantage.drop_uniform_groups else 0)
+        return st.groups >= tc.prompts_per_step or st.units >= rounds * tc.num_substeps * tc.num_minibatches
 
-        With `drop_uniform_groups` (DAPO dynamic sampling), groups whose rewards are all equal are
-        dropped and up to `max_extra_rounds` further batches are rolled out until
-        `prompts_per_step` informative groups are in (extra ones beyond that are counted, unused)."""
-        adv = self.cfg.trainer.advantage
-        sampled, metrics, offset = [], {}, 0
-        batch = DynamicSamplingBatch(self.cfg.trainer.prompts_per_step, max_rounds=1 + adv.max_extra_rounds)
-        while True:
-            trajectories, timing = self._round(offset)
-            offset += self.cfg.trainer.prompts_per_step
-            sampled += trajectories
-            for k, v in timing.items():
-                metrics[k] = metrics.get(k, 0.0) + v
-            if not adv.drop_uniform_groups:
-                return sampled, sampled, metrics
-            groups = [[trajectories[i] for i in members] for members in groups_of(trajectories).values()]
-            batch.add(groups, [[t.reward for t in g] for g in groups])
-            if batch.is_full or batch.out_of_rounds:
-                break
-        if not batch.is_full:
-            log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
-                        "(trainer.advantage.max_extra_rounds = %d); training on those",
-                        len(batch.groups), batch.target_groups, batch.rounds, adv.max_extra_rounds)
-        metrics.update({"batch/sampling_rounds": batch.rounds, "batch/dropped_uniform_groups": batch.dropped,
-                        "batch/surplus_groups": batch.surplus,
-                        "batch/missing_groups": batch.target_groups - len(batch.groups)})
-        return [t for g in batch.groups for t in g], sampled, metrics
+    # ---- the learner side -------------------------------------------------------------------
+    def _fresh(self, groups: list[list[Trajectory]], step: int, metrics: dict) -> list[list[Trajectory]]:
+        """Groups whose every sample is at most K versions older than the policy being updated
+        (step - 1); others are dropped and counted. Records the staleness histogram."""
+        k = self.cfg.trainer.max_steps_off_policy
+        fresh = []
+        for group in groups:
+            staleness = [step - 1 - t.version for t in group]
+            if max(staleness) > k:
+                self.counters.stale_dropped += len(group)
+                log.warning("dropping a group sampled at version %d for step %d (max_steps_off_policy = %d)",
+                            min(t.version for t in group), step, k)
+                continue
+            for s in staleness:
+                _add(metrics, {f"staleness/{s}": 1})
+            fresh.append(group)
+        return fresh
 
-    def _loss_config(self) -> dict:
-        loss = self.cfg.trainer.loss
-        if loss.name == "ppo":
-            return {"eps_low": loss.eps_low, "eps_high": loss.eps_high}
-        if loss.name == "cispo":
-            return {"clip_high": loss.cispo_clip_high}
-        return {}
+    def _minibatch(self, sub: Substep, groups: list[list[Trajectory]]) -> None:
+        """forward_backward on one piece of the substep with its sequence-local weights."""
+        tc = self.cfg.trainer
+        trajectories = [t for g in groups for t in g]
+        sub.groups += len(groups)
+        kl_coef = tc.advantage.kl_coef
+        datums, stats = rl_datums(trajectories, group_advantages(trajectories, tc.advantage.std_normalize),
+                                  tc.loss.normalize, skip_zero_advantage=kl_coef == 0)
+        sub.counts += GlobalCounts(float(stats["tokens_total"]), stats["trainable_trajectories"])
+        _add(sub.stats, {f"batch/{k}": v for k, v in stats.items() if k != "tokens_total"})
+        if not datums:
+            return
+        if kl_coef > 0:
+            sub.kl.append(kl_shape_datums(datums, self.client.forward(datums, reference=True), kl_coef)
+                          ["kl/sampler_reference_k1"])
+        loss = tc.loss
+        config = ({"eps_low": loss.eps_low, "eps_high": loss.eps_high} if loss.name == "ppo"
+                  else {"clip_high": loss.cispo_clip_high} if loss.name == "cispo" else {})
+        sub.passes.append(self.client.forward_backward(datums, loss.name, config))
 
-    def _channel_term(self, datums: list, loss_fn: str, config: dict, weight: float, prefix: str,
-                      metrics: dict) -> float:
-        """Train a channel's Datums (their weights carry ``weight``); returns the weighted loss and
-        logs the unweighted term."""
+    def _channel_term(self, datums: list, loss_fn: str, config: dict, prefix: str, metrics: dict) -> float:
+        """Train a channel's Datums (their weights carry the channel's weight); the weighted loss."""
         if not datums:
             return 0.0
         fb = self.client.forward_backward(datums, loss_fn, config)
-        metrics.update({f"{prefix}/{k}": v for k, v in fb.items() if k != "loss"})
+        _add(metrics, {f"{prefix}/{k}": v for k, v in fb.items() if k != "loss"})
         return fb["loss"]
 
-    def train(self, trajectories: list[Trajectory], sampled: list[Trajectory]) -> dict:
-        """One optimizer step: channel 1 on ``trajectories`` (ppo / importance sampling / cispo),
-        the enabled channels on everything ``sampled``; loss/total = grpo + alpha*jsd + beta*dpo."""
-        t0 = time.perf_counter()
+    def _finish_substep(self, sub: Substep, metrics: dict) -> None:
+        """The step-wide normaliser, the channel terms, one optimizer step."""
         tc = self.cfg.trainer
-        kl_coef = tc.advantage.kl_coef
-        advantages = group_advantages(trajectories, tc.advantage.std_normalize)
-        datums, stats = rl_datums(trajectories, advantages, tc.loss.normalize, skip_zero_advantage=kl_coef == 0)
-        metrics: dict[str, Any] = {f"batch/{k}": v for k, v in stats.items()}
-        if kl_coef > 0 and datums:
-            metrics.update(kl_shape_datums(datums, self.client.forward(datums, reference=True), kl_coef))
-        grpo_loss = 0.0
-        if datums:
-            fb = self.client.forward_backward(datums, tc.loss.name, self._loss_config())
-            metrics.update({f"train/{k}": v for k, v in fb.items()})
-            grpo_loss = fb["loss"]
-        metrics["loss/grpo"] = total = grpo_loss
+        t0 = time.perf_counter()
+        scale = global_scale(tc.loss.normalize, sub.counts)
+        grpo = 0.0
+        if sub.passes:
+            self.client.scale_grads(scale)
+            combined = combine_metrics([(p["tokens"], p) for p in sub.passes])
+            combined["loss"] *= scale
+            grpo = combined["loss"]
+            _add(metrics, {f"train/{k}": v / tc.num_substeps for k, v in combined.items()})
+        terms = {"loss/grpo": grpo}
+        if sub.kl:
+            terms["kl/sampler_reference_k1"] = sum(sub.kl) / len(sub.kl)
         if self.sdpo is not None:
-            sdpo_datums, counts = self.sdpo.datums(sampled)
-            metrics.update(counts)
-            weighted = self._channel_term(sdpo_datums, "sdpo_jsd", self.sdpo.loss_config(), self.cfg.sdpo.alpha,
-                                          "sdpo", metrics)
-            metrics["loss/sdpo_jsd"] = weighted / self.cfg.sdpo.alpha
-            total += weighted
+            weighted = self._channel_term(self.sdpo.weighted(sub.sdpo), "sdpo_jsd", self.sdpo.loss_config(), "sdpo",
+                                          metrics)
+            terms["loss/sdpo_jsd"] = weighted / self.cfg.sdpo.alpha
+            grpo += weighted
         if self.replay is not None:
-            dpo_datums, counts = self.replay.datums(self.version)
+            dpo_datums, counts = self.replay.datums(self.published)
             metrics.update(counts)
-            weighted = self._channel_term(dpo_datums, "dpo", {"beta": self.cfg.replay.dpo_beta}, self.cfg.replay.beta,
-                                          "dpo", metrics)
-            metrics["loss/replay_dpo"] = weighted / self.cfg.replay.beta
-            total += weighted
-        metrics["loss/total"] = total
+            weighted = self._channel_term(dpo_datums, "dpo", {"beta": self.cfg.replay.dpo_beta}, "dpo", metrics)
+            terms["loss/replay_dpo"] = weighted / self.cfg.replay.beta
+            grpo += weighted
+        terms["loss/total"] = grpo
+        _add(metrics, {k: v / tc.num_substeps for k, v in terms.items()})
         opt = self.client.optim_step(self.cfg.learner.adam_params())
         metrics.update({f"train/{k}": v for k, v in opt.items()})
-        metrics["timing/train_s"] = time.perf_counter() - t0
-        return metrics
+        _add(metrics, {"batch/groups": sub.groups, "batch/tokens_total": sub.counts.num_tokens,
+                       "timing/train_s": time.perf_counter() - t0, **sub.stats})
 
-    def sync_weights(self) -> dict:
-        """Publish the learner's weights as the next version and have every reader pull them."""
+    def _publish(self, version: int, metrics: dict) -> None:
         t0 = time.perf_counter()
-        pub = self.client.publish(self.version + 1)
-        t1 = time.perf_counter()
-        pulls = self.client.sync_readers(pub["version"])
-        t2 = time.perf_counter()
-        pull_s = max(p["pull_s"] for p in pulls)
-        return {
-            "version": self.version,
-            "sync/publish_s": pub["publish_s"],
-            "sync/pull_s": pull_s,
-            "sync/load_s": max(p["load_s"] for p in pulls),
-            "sync/bytes": pub["bytes"],
-            "sync/pull_gbps": pub["bytes"] / max(pull_s, 1e-9) / 1e9,
-            "timing/sync_s": t2 - t0,
-            "timing/publish_s": t1 - t0,
-        }
-
-    def evaluate(self) -> dict:
-        """Greedy success rate (accuracy) on the held-out tasks."""
-        t0 = time.perf_counter()
-        held = self.task.heldout(self.cfg.trainer.eval.size)
-        trajectories, _ = self.strategy.collect(held, 1, self._request(None, greedy=True), f"eval{self.version}")
-        n = max(len(trajectories), 1)
-        return {"eval/accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
-                "eval/reward_mean": sum(t.reward for t in trajectories) / n,
-                "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
+        pub = self.client.publish(version)
+        self.published = version
+        metrics.update({"version": version, "sync/bytes": pub["bytes"], "sync/publish_s": pub["publish_s"],
+                        "timing/publish_s": time.perf_counter() - t0})
+        if self.cfg.trainer.max_steps_off_policy == 0:  # synchronous: readers follow at once
+            metrics.update(self._sync(version))
+            metrics["sync/pull_gbps"] = pub["bytes"] / max(metrics["sync/pull_s"], 1e-9) / 1e9
+        self.producer.publish(version)
 
     def step(self) -> tuple[dict, list[Trajectory]]:
-        """One full synchronous GRPO step; returns its metrics and the trajectories trained on."""
+        """One training step; returns its metrics and the trajectories trained on."""
         t0 = time.perf_counter()
+        tc = self.cfg.trainer
         self.step_index += 1
-        self.client.step = self.step_index
+        t = self.step_index
+        self.client.step = t
         if self.client.faults is not None:
-            self.client.faults.before_call(self.step_index, "*", "step_start")
-        trajectories, sampled, metrics = self.collect()
+            self.client.faults.before_call(t, "*", "step_start")
+        self.producer.start()
+        metrics: dict[str, Any] = {"timing/learner_idle_s": 0.0}
+        per_substep = tc.prompts_per_step // tc.num_substeps
+        sub, pending, trained, sampled, index, updates = Substep(), [], [], [], 0, 0
+        while True:
+            waited = time.perf_counter()
+            unit = self.producer.feed.take(t, index, self.producer.alive)
+            metrics["timing/learner_idle_s"] += time.perf_counter() - waited
+            if unit is None:
+                break
+            index += 1
+            _add(metrics, {k: v for k, v in unit.metrics.items() if not k.startswith(("sdpo/", "sync/"))})
+            metrics.update({k: v for k, v in unit.metrics.items() if k.startswith(("sdpo/", "sync/"))})
+            sampled += unit.sampled
+            if self.replay is not None and unit.sampled:
+                self.replay.submit(unit.sampled, min(s.version for s in unit.sampled))
+            pending += self._fresh(unit.groups, t, metrics)
+            sub.sdpo += unit.sdpo
+            while len(pending) >= self.unit_size:
+                piece, pending = pending[: self.unit_size], pending[self.unit_size :]
+                trained += piece
+                self._minibatch(sub, piece)
+                if sub.groups >= per_substep:
+                    self._finish_substep(sub, metrics)
+                    sub, updates = Substep(), updates + 1
+        if pending:
+            trained += pending
+            self._minibatch(sub, pending)
+        if sub.groups or sub.sdpo or updates == 0:  # every step makes at least one optimizer update
+            self._finish_substep(sub, metrics)
+        self.producer.feed.release(t)
+        metrics["batch/sampling_rounds"] = rounds = -(-index // (tc.num_substeps * tc.num_minibatches))
+        if tc.advantage.drop_uniform_groups and len(trained) < tc.prompts_per_step:
+            log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
+                        "(trainer.advantage.max_extra_rounds = %d); step %d trains on those",
+                        len(trained), tc.prompts_per_step, rounds, tc.advantage.max_extra_rounds, t)
+        self._publish(t, metrics)
+        trajectories = [x for g in trained for x in g]
+        self._step_metrics(metrics, trajectories, sampled)
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics, trajectories
+
+    def _step_metrics(self, metrics: dict, trajectories: list[Trajectory], sampled: list[Trajectory]) -> None:
         n = max(len(sampled), 1)
         rewards = [t.reward for t in sampled]
+        metrics.setdefault("batch/datums", 0)  # a step with no signal trains no policy-gradient datum
         mean = sum(rewards) / n
         gen_tokens = sum(t.sampled_tokens for t in sampled)
         metrics.update({
@@ -204,26 +298,40 @@ class GRPOLoop:
             "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
             "accuracy": sum(bool(t.info.get("correct")) for t in sampled) / n,
             "gen/tokens": gen_tokens,
-            "gen/tokens_per_s": gen_tokens / max(metrics["timing/generate_s"], 1e-9),
+            "gen/tokens_per_s": gen_tokens / max(metrics.get("timing/generate_s", 0.0), 1e-9),
             "gen/mean_length": gen_tokens / n,
             "gen/stopped_fraction": sum(t.finish_reason == "stop" for t in sampled) / n,
             "batch/uniform_groups": len(uniform_groups(sampled)),
             "batch/trajectories": len(trajectories),
-            "batch/groups": len({t.group for t in trajectories}),
+            "batch/missing_groups": self.cfg.trainer.prompts_per_step - metrics.get("batch/groups", 0),
         })
-        if self.replay is not None:
-            self.replay.submit(sampled, self.version)
-        metrics.update(self.train(trajectories, sampled))
-        metrics.update(self.sync_weights())
         metrics.update(self.counters.as_metrics())
         metrics.update(self.client.sup.metrics())
-        metrics["timing/step_s"] = time.perf_counter() - t0
-        return metrics, trajectories
+
+    def evaluate(self) -> dict:
+        """Greedy success rate (accuracy) on the held-out tasks, with the latest published weights."""
+        t0 = time.perf_counter()
+        with self.producer.paused():
+            self.client.step = self.step_index
+            if self.client.version < self.published:
+                self._sync(self.published)
+            held = self.task.heldout(self.cfg.trainer.eval.size)
+            trajectories, _ = self.strategy.collect(held, 1, self._request(None, greedy=True), f"eval{self.version}")
+        n = max(len(trajectories), 1)
+        return {"eval/accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
+                "eval/reward_mean": sum(t.reward for t in trajectories) / n,
+                "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
+
+    # ---- state --------------------------------------------------------------------------------
+    def stop_producer(self) -> None:
+        self.producer.stop()
 
     def state_dict(self) -> dict:
-        """Controller-side training state for checkpoints (JSON-able)."""
-        state = {"cursor": self.cursor, "version": self.version, "step_index": self.step_index,
-                 "counters": dataclasses.asdict(self.counters)}
+        """Training state for checkpoints: step, version, counters, channel state and the producer's
+        position and every rolled-out unit not yet trained (taken between units)."""
+        with self.producer.paused():
+            state = {"version": self.published, "step_index": self.step_index,
+                     "counters": dataclasses.asdict(self.counters), "producer": self.producer.state_dict()}
         if self.sdpo is not None:
             state["sdpo"] = self.sdpo.state_dict()
         if self.replay is not None:
@@ -231,12 +339,21 @@ class GRPOLoop:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor = int(state["cursor"])
-        self.client.version = int(state["version"])
+        """Restore (the producer is stopped first and starts again with the next step)."""
+        self.producer.stop()
+        self.published = int(state["version"])
         self.step_index = int(state["step_index"])
         for k, v in state["counters"].items():
             setattr(self.counters, k, v)
+        if "producer" in state:
+            self.producer.load_state_dict(state["producer"])
+        else:
+            self.producer = Producer(self, self.cfg.trainer.steps)
+        self.producer.publish(self.published)
         if self.sdpo is not None and "sdpo" in state:
             self.sdpo.load_state_dict(state["sdpo"])
         if self.replay is not None and "replay" in state:
             self.replay.load_state_dict(state["replay"])
+
+    def close(self) -> None:
+        self.producer.stop(wait=False)

@@ -9,6 +9,7 @@ the channels only say what they want (generate, score, step environments, train,
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 from meshrl.controller.supervisor import Supervisor, wait_all
@@ -30,18 +31,31 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 
 class MeshClient:
-    """Supervised calls on the run's meshes. ``step`` (set by the loop) is what fault injection
-    keys on; ``readers`` are the meshes that pull every published weight version."""
+    """Supervised calls on the run's meshes, safe to use from the producer thread and the learner
+    side at once. ``step`` (per thread) is what fault injection keys on; ``readers`` are the meshes
+    that pull every published weight version."""
 
     def __init__(self, meshes, supervisor: Supervisor, timeouts: dict[str, float], faults=None):
         self.meshes = meshes
         self.sup = supervisor
         self.timeouts = timeouts  # the deadline of one call, per mesh, and "sync" for weight pulls
         self.faults = faults
-        self.step = 0
+        self._local = threading.local()  # the producer and the learner side each work on their own step
         self.version = 0  # the latest weight version every reader holds
+        # publishing and pulling never interleave, so all readers always pull one version together;
+        # re-entrant: a reader replaced during a pull re-syncs inside it
+        self._sync_lock = threading.RLock()
         self.readers: list[str] = []
         self.add_reader(GENERATOR)
+
+    @property
+    def step(self) -> int:
+        """The step this thread's calls work for (what fault injection keys on)."""
+        return getattr(self._local, "step", 0)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._local.step = value
 
     def procs(self, mesh: str) -> int:
         return self.meshes.procs_of(mesh)
@@ -49,7 +63,9 @@ class MeshClient:
     def add_reader(self, mesh: str) -> None:
         """``mesh`` pulls each published version; a replacement pulls the current one at once."""
         self.readers.append(mesh)
-        self.sup.on_respawn(mesh, lambda: self._pull(mesh, self.version))
+        # a replacement brings every reader to the newest published version (asynchronous runs
+        # publish ahead of the readers' last pull), so they keep holding one version together
+        self.sup.on_respawn(mesh, lambda: self.sync_readers(self.version))
 
     def call(self, mesh: str, phase: str, issue: Callable[[Any], list], what: str,
              timeout_s: float | None = None) -> list:
@@ -125,24 +141,30 @@ class MeshClient:
     def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
         return self.learner("forward", lambda m: m.forward.call_one(datums, reference))
 
+    def scale_grads(self, factor: float) -> None:
+        self.learner("scale_grads", lambda m: m.scale_grads.call_one(factor))
+
     def optim_step(self, adam: AdamParams) -> dict:
         return self.learner("optim_step", lambda m: m.optim_step.call_one(adam))
 
     # ---- weights ------------------------------------------------------------------------------
     def publish(self, version: int) -> dict:
-        return self.learner("publish", lambda m: m.publish.call_one(version))
+        with self._sync_lock:
+            return self.learner("publish", lambda m: m.publish.call_one(version))
 
     def _pull(self, mesh: str, version: int) -> list[dict]:
         pulls = self.call(mesh, "sync", lambda m: [m.update_weights.call(version)], f"{mesh}.update_weights",
                           self.timeouts["sync"])[0]
-        pulls = list(pulls.values())
-        stale = [p["version"] for p in pulls if p["version"] != version]
-        if stale:
-            raise StepError(f"{mesh}.update_weights returned versions {stale}, expected {version}")
-        return pulls
+        return list(pulls.values())
 
     def sync_readers(self, version: int) -> list[dict]:
-        """Every weight reader pulls ``version`` (published already); the generators' stats."""
-        self.version = version
-        stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
-        return stats[GENERATOR]
+        """Every weight reader pulls the newest published version, at least ``version``, all the
+        same one (nothing is published meanwhile); the generators' pull statistics."""
+        with self._sync_lock:
+            stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
+            held = {p["version"] for pulls in stats.values() for p in pulls}
+            if len(held) != 1 or min(held) < version:
+                raise StepError(f"weight readers hold versions {sorted(held)} after a pull of {version}, expected "
+                                f"one version >= {version}")
+            self.version = held.pop()
+            return stats[GENERATOR]

@@ -31,6 +31,8 @@ class Counters:
     prompts_too_long: int = 0
     empty_generations: int = 0
     reward_errors: int = 0
+    stale_dropped: int = 0
+    """Samples older than max_steps_off_policy when their step trained (never trained on)."""
 
     def as_metrics(self) -> dict[str, int]:
         return {f"count/{k}": v for k, v in dataclasses.asdict(self).items()}

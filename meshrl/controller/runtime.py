@@ -4,6 +4,7 @@ the renderer, the task, the actor meshes, their supervisor and the GRPO loop ove
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -93,6 +94,7 @@ class Runtime:
         """Load ``checkpoint`` into the learner (None = start over from the initial weights),
         republish those weights and bring every reader to them. After a learner failure
         (``respawn``) its processes, and any mesh sharing them, are replaced first."""
+        self.loop.stop_producer()  # nothing is generated while the learner's state is replaced
         if respawn:
             for name in self.meshes.respawn("learner"):
                 if name != "learner" and name in self.supervisor.resync:
@@ -101,13 +103,14 @@ class Runtime:
             self.learner_call("load_checkpoint", lambda m: m.load_checkpoint.call_one(str(checkpoint.learner_dir)))
             self.loop.load_state_dict(checkpoint.state["loop"])
         else:
-            self.loop.load_state_dict({"cursor": 0, "version": 0, "step_index": 0,
-                                       "counters": self.loop.state_dict()["counters"]})
+            self.loop.load_state_dict({"version": 0, "step_index": 0,
+                                       "counters": dataclasses.asdict(self.loop.counters)})
         version = self.loop.version
         self.learner_call("publish", lambda m: m.publish.call_one(version))
         self.client.sync_readers(version)
 
     def close(self) -> None:
+        self.loop.close()
         if self.replay is not None:
             self.replay.close()
         self.meshes.stop()

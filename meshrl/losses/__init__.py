@@ -9,7 +9,7 @@ Importing this package imports every module in it, which registers the learner's
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregation_weights
+from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregation_weights, global_scale, local_weights
 from meshrl.losses.base import LossOutput
 from meshrl.losses.distill import IGNORE_INDEX, generalized_jsd, generalized_jsd_topk, jsd_per_token
 from meshrl.losses.preference import dpo, sequence_logprobs
@@ -30,9 +30,11 @@ __all__ = [
     "dpo",
     "generalized_jsd",
     "generalized_jsd_topk",
+    "global_scale",
     "get_loss",
     "importance_sampling",
     "jsd_per_token",
+    "local_weights",
     "ppo",
     "register_loss",
     "sequence_logprobs",

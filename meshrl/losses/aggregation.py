@@ -55,6 +55,34 @@ class GlobalCounts:
         return GlobalCounts(self.num_tokens + other.num_tokens, self.num_sequences + other.num_sequences)
 
 
+def local_weights(mask: torch.Tensor, mode: Aggregation | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The part of the weights that each sequence knows by itself: m_t, or m_t / |o_i| for
+    ``sequence_mean``. Times :func:`global_scale` they are the weights of ``mode``."""
+    m = (mask.detach() != 0).to(dtype)
+    if Aggregation(mode) is Aggregation.SEQUENCE_MEAN:
+        return m / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    return m
+
+
+def global_scale(mode: Aggregation | str, counts: GlobalCounts | None = None, max_tokens: int | None = None) -> float:
+    """The step-wide factor of ``mode`` from the GLOBAL counts of the whole step: 1 (``sum``),
+    1 / N_tok, 1 / N_seq, or 1 / (L_max N_seq). Applied to the weights, or (when the counts are
+    known only after the gradients are accumulated, e.g. streaming minibatches) to the gradients."""
+    mode = Aggregation(mode)
+    if mode is Aggregation.SUM:
+        return 1.0
+    if counts is None:
+        raise ValueError(f"aggregation {mode.value!r} needs the global counts of the step")
+    if mode is Aggregation.TOKEN_MEAN:
+        return 1.0 / max(counts.num_tokens, 1.0)
+    n_seq = max(counts.num_sequences, 1)
+    if mode is Aggregation.SEQUENCE_MEAN:
+        return 1.0 / n_seq
+    if max_tokens is None or max_tokens < 1:
+        raise ValueError("aggregation 'fixed_length' needs max_tokens >= 1")
+    return 1.0 / (float(max_tokens) * n_seq)
+
+
 def aggregation_weights(
     mask: torch.Tensor,
     mode: Aggregation | str,
@@ -62,22 +90,7 @@ def aggregation_weights(
     max_tokens: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Per-token weights [B, T] (``dtype``) implementing ``mode`` for this micro-batch's ``mask``.
-
-    ``counts`` must be the GLOBAL counts of the whole step (required except for ``sum``).
-    """
-    mode = Aggregation(mode)
-    m = (mask.detach() != 0).to(dtype)
-    if mode is Aggregation.SUM:
-        return m
-    if counts is None:
-        raise ValueError(f"aggregation {mode.value!r} needs the global counts of the step")
-    if mode is Aggregation.TOKEN_MEAN:
-        return m / max(counts.num_tokens, 1.0)
-    n_seq = max(counts.num_sequences, 1)
-    if mode is Aggregation.SEQUENCE_MEAN:
-        lengths = m.sum(dim=-1, keepdim=True).clamp_min(1.0)
-        return m / (lengths * n_seq)
-    if max_tokens is None or max_tokens < 1:
-        raise ValueError("aggregation 'fixed_length' needs max_tokens >= 1")
-    return m / (float(max_tokens) * n_seq)
+    """Per-token weights [B, T] (``dtype``) implementing ``mode`` for this micro-batch's ``mask``:
+    :func:`local_weights` x :func:`global_scale`. ``counts`` must be the GLOBAL counts of the
+    whole step (required except for ``sum``)."""
+    return local_weights(mask, mode, dtype) * global_scale(mode, counts, max_tokens)

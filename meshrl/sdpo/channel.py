@@ -2,9 +2,10 @@
 have the SDPOTeacherActor (the current policy, no grad) score each site's response tokens under
 the hinted context, and turn the teacher's top-k into `sdpo_jsd` Datums for the learner.
 
-The step's loss gains ``alpha * JSD`` on exactly the error-site tokens: ``alpha / (site tokens of
-the step)`` is each site token's weight in the Datum, so the learner's sum-reduced loss is alpha
-times the per-token mean.
+The sites are scored where the trajectories are produced, while the teacher holds the weights
+that sampled them; the optimizer step's loss gains ``alpha * JSD`` on exactly the error-site
+tokens: ``alpha / (site tokens of the step)`` is each site token's weight in the Datum, so the
+learner's sum-reduced loss is alpha times the per-token mean.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ class SDPOChannel:
     def loss_config(self) -> dict:
         return {"beta": self.cfg.jsd_beta, "temperature": self.cfg.temperature, "is_weight_cap": self.cfg.is_weight_cap}
 
-    def datums(self, trajectories: list) -> tuple[list[Datum], dict]:
-        """This step's `sdpo_jsd` Datums and the channel's counters (cumulative over the run)."""
+    def score(self, trajectories: list, limit: int) -> tuple[list[Datum], dict]:
+        """`sdpo_jsd` Datums for at most ``limit`` error sites of ``trajectories`` (each site token
+        weighted 1; :meth:`weighted` sets the step's weights) and the channel's counters
+        (cumulative over the run). The teacher holds the weights that sampled them."""
         c = self.cfg
-        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, c.max_sites_per_step, self.hint_source)
+        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, limit, self.hint_source)
         if self.hint_source is not None:
             counts.update({f"llm_hint_{k}": v for k, v in self.hint_source.counts.items()})
             self.hint_source.counts.clear()
@@ -83,8 +86,15 @@ class SDPOChannel:
 
         scored = self.client.call(SDPO_TEACHER, "sdpo", issue, f"{SDPO_TEACHER}.score_sites", c.call_timeout_s)
         topk = [t for reply in scored for t in reply["topk"]]
-        weight = c.alpha / float(sum(s.length for s in sites))
-        return [site_datum(s, idx, lp, weight) for s, (idx, lp) in zip(sites, topk)], metrics
+        return [site_datum(s, idx, lp, 1.0) for s, (idx, lp) in zip(sites, topk)], metrics
+
+    def weighted(self, datums: list[Datum]) -> list[Datum]:
+        """The datums of one optimizer step, each site token weighted alpha / (site tokens of all of
+        them), so the loss is alpha times the per-token mean JSD."""
+        tokens = sum(float((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums)
+        for d in datums:
+            d.loss_fn_inputs["mask"] = (d.loss_fn_inputs["mask"] != 0).float() * (self.cfg.alpha / tokens)
+        return datums
 
     def state_dict(self) -> dict:
         return {"counts": dict(self.counts)}

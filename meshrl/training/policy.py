@@ -213,6 +213,14 @@ class PolicyTrainer:
                 out[id(d)] = logp[row, : d.length].float().cpu()
         return [out[id(d)] for d in datums]
 
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (a step-wide normaliser known only after
+        they were accumulated)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def optim_step(self, adam: AdamParams) -> dict:
         """Apply the accumulated gradients with AdamW, then clear them."""
         for group in self.optimizer.param_groups:

@@ -4,7 +4,8 @@ them into the learner's Datums, each done once, in this order:
   reward shaping      DAPO overlong penalty per sampled turn (every task, one implementation)
   advantages          group-relative, one value per trajectory
   datums              one per trajectory with signal: tokens, sampler logprobs, the per-sequence
-                      advantage and the token weights (mask x the step's global normaliser)
+                      advantage and the sequence-local token weights (the step-wide normaliser is
+                      applied once the whole step is in: losses.global_scale)
   KL shaping          optional: per-token advantages A_t + c (mean(d) - d_t), d = log q - log p_ref
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from meshrl.advantages import group_centered_advantages, kl_estimate, kl_reward_shaping, overlong_penalty
-from meshrl.losses.aggregation import GlobalCounts, aggregation_weights
+from meshrl.losses.aggregation import GlobalCounts, local_weights
 from meshrl.types import Datum
 
 Normalize = Literal["token_mean", "sequence_mean", "sum"]
@@ -100,11 +101,13 @@ def rl_datums(trajectories: list[Trajectory], advantages: list[float], normalize
     """One Datum per trajectory for the policy-gradient losses.
 
     Each carries its tokens, the sampler's logprobs, its advantage as one per-sequence value, and
-    ``mask`` = the token weights of ``normalize`` computed from the counts of the WHOLE step
-    (token_mean: 1 / sampled tokens of all trajectories; sequence_mean: 1 / (|o_i| * trajectories)),
-    so micro-batching and skipping cannot change the gradient. Trajectories with zero advantage
-    give exactly zero gradient and are left out when ``skip_zero_advantage`` (their tokens still
-    count in the normaliser).
+    ``mask`` = the sequence-local part of the token weights of ``normalize`` (1, or 1 / |o_i| for
+    sequence_mean). The step-wide factor (1 / all sampled tokens, 1 / trajectories) is
+    ``losses.global_scale(normalize, counts)`` over the counts of the whole step (``stats``:
+    `tokens_total`, `trainable_trajectories`); the caller applies it once every piece of the step is
+    in, so micro-batching, streaming and skipping cannot change the gradient. Trajectories with zero
+    advantage give exactly zero gradient and are left out when ``skip_zero_advantage`` (their
+    tokens still count).
     """
     trainable = [(t, a) for t, a in zip(trajectories, advantages) if t.sampled_tokens > 0]
     masks = [torch.tensor([0] * len(t.prompt_tokens) + list(t.mask), dtype=torch.float32)[None] for t, _ in trainable]
@@ -114,12 +117,11 @@ def rl_datums(trajectories: list[Trajectory], advantages: list[float], normalize
         if skip_zero_advantage and adv == 0.0:
             skipped_zero += 1
             continue
-        weights = aggregation_weights(mask, normalize, counts)[0]
         datums.append(Datum.from_sequence(
-            t.prompt_tokens + t.tokens, per_sequence={"advantages": adv}, mask=weights,
+            t.prompt_tokens + t.tokens, per_sequence={"advantages": adv}, mask=local_weights(mask, normalize)[0],
             logprobs=[0.0] * len(t.prompt_tokens) + list(t.logprobs),
         ))
-    stats = {"datums": len(datums), "trainable_trajectories": len(trainable), "skipped_zero_advantage": skipped_zero,
+    stats = {"datums": len(datums), "trainable_trajectories": counts.num_sequences, "skipped_zero_advantage": skipped_zero,
              "tokens_total": int(counts.num_tokens)}
     return datums, stats
 

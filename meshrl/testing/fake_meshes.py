@@ -1,0 +1,163 @@
+"""Fake Monarch endpoints for the GRPO loop: in-process generator, rewarder and learner "meshes"
+with optional delays, used by the loop's unit tests and by the simulated-latency mode of
+`benchmarks/pipeline.py`. The loop, the MeshClient, the producer and the rollout strategy run for
+real; only the actors behind the endpoints are stand-ins."""
+
+from __future__ import annotations
+
+import time
+
+from meshrl.actors.rewarder import safe_grade
+from meshrl.config.base import load_config
+from meshrl.config.run import RunConfig
+from meshrl.controller.grpo import GRPOLoop
+from meshrl.controller.mesh_client import MeshClient
+from meshrl.controller.rollout import Counters, SingleTurnRollout
+from meshrl.controller.supervisor import Supervisor
+from meshrl.engines import Completion
+from meshrl.envs.arithmetic import ArithmeticTask
+
+
+class Future:
+    def __init__(self, value=None, hang=False):
+        self.value, self.hang = value, hang
+
+    def get(self, timeout=None):
+        if self.hang:
+            raise TimeoutError
+        return self.value
+
+
+class ValueMesh:
+    def __init__(self, values):
+        self._values = values
+
+    def values(self):
+        return list(self._values)
+
+
+class Endpoint:
+    def __init__(self, actors, name):
+        self.actors, self.name = actors, name
+
+    def call_one(self, *args):
+        assert len(self.actors) == 1
+        return Future(getattr(self.actors[0], self.name)(*args))
+
+    def call(self, *args):
+        return Future(ValueMesh([getattr(a, self.name)(*args) for a in self.actors]))
+
+
+class Mesh:
+    def __init__(self, actors):
+        self.actors = actors
+
+    def slice(self, procs):
+        return Mesh([self.actors[procs]])
+
+    def __getattr__(self, name):
+        return Endpoint(self.actors, name)
+
+
+class FakeGenerator:
+    """Answers each prompt with G completions; the answer text is scripted per call."""
+
+    def __init__(self, replica):
+        self.replica, self.version, self.seen, self.delay = replica, 0, [], 0.0
+
+    def generate(self, prompts, request):
+        from meshrl.actors.generator import GenerationBatch
+
+        time.sleep(self.delay)
+        self.seen.append(len(prompts))
+        groups = []
+        for p in prompts:
+            group = []
+            for k in range(request.n):
+                if k == 0 and len(p) % 2 == 0:
+                    group.append(Completion([], [], "stop", ""))  # an empty generation
+                    continue
+                text = f"{p[-1] + k}"
+                group.append(Completion([p[-1], k], [-0.5, -1.5], "stop", text, {"version": self.version}))
+            groups.append(group)
+        return GenerationBatch(groups, self.version, 0.01, 0)
+
+    def update_weights(self, version):
+        self.version = version
+        return {"version": version, "pull_s": 0.1, "transfer_s": 0.1, "bytes": 100, "load_s": 0.01}
+
+
+class FakeRewarder:
+    def score(self, items):
+        def grade(problem, response):
+            if response.endswith("3"):
+                raise ValueError("grader bug")
+            return (1.0, {"correct": True}) if int(response) % 2 else (0.0, {"correct": False})
+
+        return [safe_grade(grade, p, r) for p, r in items]
+
+
+class UniformForEvenOperand(FakeRewarder):
+    """All-equal rewards for problems whose first operand is even (a group with no signal)."""
+
+    def score(self, items):
+        return [(1.0, {"correct": True}) if p.meta["a"] % 2 == 0 else s
+                for (p, _), s in zip(items, super().score(items))]
+
+
+class FakeLearner:
+    def __init__(self, train_s=0.0):
+        self.calls, self.train_s = [], train_s
+
+    def forward_backward(self, datums, loss_fn, loss_config):
+        self.calls.append(("fb", datums, loss_fn, loss_config))
+        time.sleep(self.train_s)
+        return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums))}
+
+    def scale_grads(self, factor):
+        self.calls.append(("scale", factor))
+
+    def forward(self, datums, reference):
+        """Reference logprobs: -1 at every position."""
+        self.calls.append(("forward", datums, reference))
+        return [[-1.0] * d.length for d in datums]
+
+    def optim_step(self, adam):
+        self.calls.append(("opt", adam))
+        return {"grad_norm": 1.0}
+
+    def publish(self, version):
+        return {"version": version, "bytes": 100, "publish_s": 0.01, "pack_s": 0.01}
+
+
+class FakeRenderer:
+    """Prompt tokens = one token per word of the user message plus its length."""
+
+    def build_generation_prompt(self, messages):
+        words = messages[-1]["content"].split()
+        return list(range(len(words))) + [len(words)]
+
+    def get_stop_sequences(self):
+        return [2]
+
+
+class FakeMeshGroup(dict):
+    def procs_of(self, name):
+        return len(self[name].actors)
+
+    def cohabitants(self, name):
+        return [name]
+
+
+def make_loop(n_generators=2, rewarder=FakeRewarder, learner=None, **overrides):
+    """A GRPOLoop over fake meshes; ``overrides`` are dotted config keys. Returns (loop, generator
+    fakes, learner fake); set ``delay`` on a generator fake to make its generate calls slow."""
+    cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+    gens = [FakeGenerator(r) for r in range(n_generators)]
+    learner = learner or FakeLearner()
+    meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([rewarder()]), learner=Mesh([learner]))
+    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")})
+    counters = Counters()
+    strategy = SingleTurnRollout(client, FakeRenderer(), cfg.model.max_model_len, counters)
+    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, (2,))
+    return loop, gens, learner
