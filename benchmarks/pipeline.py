@@ -76,7 +76,7 @@ def simulated(args) -> dict:
     return {"kind": "pipeline_simulated", "gen_s": g, "train_s": t, "steps": args.steps, "rows": rows, **_machine()}
 
 
-def real_run(k: int, steps: int, out_dir: str) -> dict:
+def real_run(k: int, steps: int, out_dir: str, overrides: list[str]) -> dict:
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
     from meshrl.controller.metrics import read_metrics
@@ -85,7 +85,7 @@ def real_run(k: int, steps: int, out_dir: str) -> dict:
     cfg = load_config(RunConfig, "configs/default.yaml", [
         f"trainer.steps={steps}", "trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.progress=false",
         "trainer.checkpoint.every=0", "trainer.checkpoint.export_final=false", f"trainer.max_steps_off_policy={k}",
-        f"output.dir={out_dir}", f"output.name=k{k}"])
+        f"output.dir={out_dir}", f"output.name=k{k}", *overrides])
     run_dir = make_run_dir(cfg, overwrite=True)
     result = run_training(cfg, run_dir)
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
@@ -103,15 +103,15 @@ def real_run(k: int, steps: int, out_dir: str) -> dict:
 def real(args) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for k in (0, 1, 2):
-            rows.append(real_run(k, args.steps, tmp))
+        for k in args.k:
+            rows.append(real_run(k, args.steps, tmp, args.override))
             r = rows[-1]
             print(f"K={k}: {r['step_s']:.2f}s per step ({r['steps_per_s']:.3f} steps/s), generator idle "
                   f"{r['generator_idle_s']:.2f}s, learner idle {r['learner_idle_s']:.2f}s per step, "
                   f"staleness {r['staleness']}")
     for r in rows:
         r["speedup_vs_sync"] = rows[0]["step_s"] / r["step_s"]
-    return {"kind": "pipeline_real", "steps": args.steps, "rows": rows, **_machine()}
+    return {"kind": "pipeline_real", "steps": args.steps, "overrides": args.override, "rows": rows, **_machine()}
 
 
 def main() -> int:
@@ -123,10 +123,13 @@ def main() -> int:
     sim.add_argument("--steps", type=int, default=12)
     rl = sub.add_parser("real", help="the default task on the real model, K = 0, 1, 2")
     rl.add_argument("--steps", type=int, default=6)
+    rl.add_argument("--k", type=int, nargs="+", default=[0, 1, 2], help="max_steps_off_policy values to run")
+    rl.add_argument("--override", action="append", default=[], help="a dotted config override for every run")
+    rl.add_argument("--tag", default="", help="suffix of the result file")
     args = parser.parse_args()
     result = simulated(args) if args.mode == "simulated" else real(args)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"pipeline_{args.mode}.json"
+    out = RESULTS / f"pipeline_{args.mode}{getattr(args, 'tag', '')}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return 0

@@ -3,7 +3,6 @@
   group-centred advantage      A_i = r_i - mean_group(r)                 (default: no std, no length
                                                                           normalisation, as Tinker)
   with normalize_std=True      A_i = (r_i - mean_group(r)) / (std_group(r) + eps)   (unbiased std)
-  DAPO dynamic sampling        keep a group only if its rewards are not all equal
   DAPO overlong shaping        R_len(L) = 0                               if L <= Lmax - Lcache
                                         = ((Lmax - Lcache) - L) / Lcache  if Lmax - Lcache < L <= Lmax
                                         = -1                              if L > Lmax
@@ -14,8 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -42,57 +40,6 @@ def group_centered_advantages(
         else:
             centred = torch.zeros_like(centred)
     return centred.to(torch.float32)
-
-
-def informative_groups(group_rewards: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """DAPO dynamic-sampling keep-mask [num_groups] for rewards [num_groups, G]: not all rewards equal."""
-    if group_rewards.dim() != 2:
-        raise ValueError(f"expected rewards [num_groups, G], got {tuple(group_rewards.shape)}")
-    spread = group_rewards.max(dim=-1).values - group_rewards.min(dim=-1).values
-    return spread > atol
-
-
-@dataclass
-class DynamicSamplingBatch:
-    """Accumulates informative groups over generation rounds until ``target_groups`` are collected.
-
-    The controller calls :meth:`add` after each generation round and stops when :attr:`is_full` or
-    :attr:`out_of_rounds` (``max_rounds`` bounds the extra generation DAPO may spend). Uniform
-    groups are counted in ``dropped``, informative ones beyond the target in ``surplus``.
-    """
-
-    target_groups: int
-    max_rounds: int = 3
-    groups: list[Any] = field(default_factory=list)
-    rewards: list[torch.Tensor] = field(default_factory=list)
-    rounds: int = 0
-    dropped: int = 0
-    surplus: int = 0
-
-    def add(self, groups: Sequence[Any], group_rewards: torch.Tensor | Sequence[Sequence[float]],
-            atol: float = 0.0) -> None:
-        """One round's groups with their rewards: a [num_groups, G] tensor or one sequence per
-        group (groups may differ in size)."""
-        if len(groups) != len(group_rewards):
-            raise ValueError(f"{len(groups)} groups but rewards for {len(group_rewards)}")
-        self.rounds += 1
-        for group, reward in zip(groups, group_rewards):
-            reward = torch.as_tensor(reward, dtype=torch.float32)
-            if not bool(informative_groups(reward[None], atol)[0]):
-                self.dropped += 1
-            elif self.is_full:
-                self.surplus += 1
-            else:
-                self.groups.append(group)
-                self.rewards.append(reward)
-
-    @property
-    def is_full(self) -> bool:
-        return len(self.groups) >= self.target_groups
-
-    @property
-    def out_of_rounds(self) -> bool:
-        return self.rounds >= self.max_rounds
 
 
 def overlong_penalty(lengths: torch.Tensor | Sequence[int], max_length: int, cache_length: int) -> torch.Tensor:
@@ -153,9 +100,7 @@ def kl_estimate(logp_sampled: torch.Tensor, logp_other: torch.Tensor, kind: str 
 
 
 __all__ = [
-    "DynamicSamplingBatch",
     "group_centered_advantages",
-    "informative_groups",
     "kl_estimate",
     "kl_from_log_ratio",
     "kl_reward_shaping",

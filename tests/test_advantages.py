@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from meshrl.advantages import (
-    DynamicSamplingBatch,
     group_centered_advantages,
-    informative_groups,
     kl_estimate,
     kl_reward_shaping,
     overlong_penalty,
@@ -37,20 +35,6 @@ def test_group_centered_advantages_ragged_groups():
     adv = group_centered_advantages([[1.0, 2.0, 3.0], [4.0, 0.0]])
     torch.testing.assert_close(adv[0], torch.tensor([-1.0, 0.0, 1.0]))
     torch.testing.assert_close(adv[1], torch.tensor([2.0, -2.0]))
-
-
-def test_dynamic_sampling_filter_and_accumulator():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.6]])
-    assert informative_groups(rewards).tolist() == [False, True, False, True]
-    assert informative_groups(rewards, atol=0.2).tolist() == [False, True, False, False]
-
-    batch = DynamicSamplingBatch(target_groups=3, max_rounds=3)
-    batch.add(["a", "b", "c", "d"], rewards)
-    assert batch.groups == ["b", "d"] and not batch.is_full and batch.dropped == 2
-    batch.add(["e", "f"], torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
-    assert batch.groups == ["b", "d", "e"] and batch.is_full and batch.rounds == 2 and not batch.out_of_rounds
-    assert batch.surplus == 1 and batch.dropped == 2  # "f" was informative but the batch was full
-    torch.testing.assert_close(torch.stack(batch.rewards)[2], torch.tensor([1.0, 0.0, 0.0]))
 
 
 def test_overlong_penalty_piecewise():

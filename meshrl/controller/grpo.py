@@ -167,6 +167,7 @@ class GRPOLoop:
     def _minibatch(self, sub: Substep, groups: list[list[Trajectory]]) -> None:
         """forward_backward on one piece of the substep with its sequence-local weights."""
         tc = self.cfg.trainer
+        started = time.perf_counter()
         trajectories = [t for g in groups for t in g]
         sub.groups += len(groups)
         kl_coef = tc.advantage.kl_coef
@@ -183,6 +184,7 @@ class GRPOLoop:
         config = ({"eps_low": loss.eps_low, "eps_high": loss.eps_high} if loss.name == "ppo"
                   else {"clip_high": loss.cispo_clip_high} if loss.name == "cispo" else {})
         sub.passes.append(self.client.forward_backward(datums, loss.name, config))
+        _add(sub.stats, {"timing/train_s": time.perf_counter() - started})
 
     def _channel_term(self, datums: list, loss_fn: str, config: dict, prefix: str, metrics: dict) -> float:
         """Train a channel's Datums (their weights carry the channel's weight); the weighted loss."""
@@ -223,7 +225,8 @@ class GRPOLoop:
         opt = self.client.optim_step(self.cfg.learner.adam_params())
         metrics.update({f"train/{k}": v for k, v in opt.items()})
         _add(metrics, {"batch/groups": sub.groups, "batch/tokens_total": sub.counts.num_tokens,
-                       "timing/train_s": time.perf_counter() - t0, **sub.stats})
+                       "timing/train_s": time.perf_counter() - t0})
+        _add(metrics, sub.stats)  # the pieces' datum counts and forward_backward time
 
     def _publish(self, version: int, metrics: dict) -> None:
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshrl.training.trajectories import Trajectory, groups_of, shape_overlong
+from meshrl.training.trajectories import Trajectory, groups_of, shape_overlong, uniform_groups
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.5
@@ -217,9 +217,8 @@ def shape_and_filter(trajectories: list[Trajectory], cfg, metrics: dict) -> list
     if adv.overlong_cache_tokens:
         metrics["count/overlong_penalised"] = shape_overlong(trajectories, cfg.generator.sampling.max_new_tokens,
                                                              adv.overlong_cache_tokens)
-    groups = [[trajectories[i] for i in members] for members in groups_of(trajectories).values()]
-    if adv.drop_uniform_groups:
-        kept = [g for g in groups if len({t.reward for t in g}) > 1]
-        metrics["batch/dropped_uniform_groups"] = len(groups) - len(kept)
-        groups = kept
-    return groups
+    by_group = groups_of(trajectories)
+    dropped = uniform_groups(trajectories) if adv.drop_uniform_groups else set()
+    if dropped:
+        metrics["batch/dropped_uniform_groups"] = len(dropped)
+    return [[trajectories[i] for i in members] for g, members in by_group.items() if g not in dropped]

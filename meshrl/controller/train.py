@@ -152,11 +152,12 @@ def _save_episodes(run_dir: Path, loop) -> None:
     """Append the multi-turn episode records of the step (turns, code, outputs, rewards) to
     `trajectories.jsonl`."""
     records = loop.strategy.episode_records
-    if records:
+    n = len(records)  # the producer thread may append more meanwhile: those stay for next time
+    if n:
         from meshrl.envs.code_env import save_trajectories
 
-        save_trajectories(run_dir / "trajectories.jsonl", records)
-        records.clear()
+        save_trajectories(run_dir / "trajectories.jsonl", records[:n])
+        del records[:n]
 
 
 def _log_recoveries(metrics, supervisor, step: int, result: dict) -> None:
