@@ -53,7 +53,9 @@ class AdvantageConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """KL-as-reward shaping against the frozen reference policy (the initial weights), never a
     loss term: each sampled token's advantage becomes A + kl_coef * (mean(d) - d_t) with
-    d_t = log q_t - log p_ref_t (q = the sampler); 0 = off (no reference forward at all)."""
+    d_t = log q_t - log p_ref_t (q = the sampler) and the mean over the piece being trained (the
+    whole step unless it is streamed in `num_substeps x num_minibatches` pieces); 0 = off (no
+    reference forward at all)."""
 
 
 class EvalConfig(Section):
