@@ -71,3 +71,22 @@ def test_learner_killed_in_async_mode_resumes_the_stream(tiny_run_config):
     assert all(r["batch/groups"] == cfg.trainer.prompts_per_step for r in train)
     # the staleness bound holds across the resume (the restored feed and producer continue)
     assert all(0 <= k <= 1 for r in train for k in (int(key.split("/")[1]) for key in r if key.startswith("staleness/")))
+
+
+def test_all_three_channels_train_in_async_mode(tiny_run_config):
+    """K = 1 with SDPO (teacher scored at the sampling version, in the producer) and trace replay
+    (results drained on the learner side with their version checks)."""
+    from meshrl.testing.fake_openai import FakeOpenAIServer
+
+    with FakeOpenAIServer({"m0": "The answer is 42.", "m1": "42", "m2": "42"}) as server:
+        teachers = ", ".join(f"{{name: t{i}, base_url: '{server.base_url}', model: m{i}, timeout_s: 5}}" for i in range(3))
+        cfg = tiny_run_config("output.name=async-full", "trainer.max_steps_off_policy=1", "trainer.steps=4", *QUIET,
+                              "trainer.checkpoint.every=0", "sdpo.alpha=0.5", "replay.beta=0.5", "replay.channel.procs=1",
+                              f"replay.teachers.teachers=[{teachers}]")
+        train, _ = _train_records(cfg)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert any(r["loss/sdpo_jsd"] > 0 for r in train) and any(r["loss/replay_dpo"] > 0 for r in train)
+    for r in train:
+        assert r["loss/total"] == pytest.approx(r["loss/grpo"] + 0.5 * r["loss/sdpo_jsd"] + 0.5 * r["loss/replay_dpo"])
+        assert all(int(k.split("/")[1]) <= 1 for k in r if k.startswith("staleness/"))
+    assert train[-1]["sdpo/hints"] > 0 and train[-1]["replay/dpo_items"] > 0
