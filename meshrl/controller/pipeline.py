@@ -133,7 +133,7 @@ class Producer:
         self.last_step = last_step
         self.feed = StepFeed()
         self.state = ProductionState()
-        self.lock = threading.Lock()  # held while a unit is produced; pause() takes it
+        self.lock = threading.Lock()  # held while a unit is produced; paused() hands it out
         self.published = threading.Condition()
         self.version = 0  # the latest published version
         self._stop = threading.Event()
