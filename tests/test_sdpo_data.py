@@ -73,11 +73,11 @@ def test_error_site_aligns_student_and_teacher_on_the_same_response_tokens(rende
 
     teacher_idx = torch.arange(site.length * 3).reshape(site.length, 3)
     teacher_lp = -teacher_idx.float()
-    datum = site_datum(site, teacher_idx, teacher_lp, weight=0.25)
+    datum = site_datum(site, teacher_idx, teacher_lp)
     mask = datum.loss_fn_inputs["mask"]
     positions = torch.nonzero(mask).squeeze(-1).tolist()
     assert positions == list(range(site.student_start - 1, site.student_start - 1 + site.length))
-    assert mask[mask > 0].tolist() == [0.25] * site.length
+    assert mask[mask > 0].tolist() == [1.0] * site.length
     assert datum.loss_fn_inputs["target_tokens"][mask > 0].tolist() == response
     # the teacher's rows sit at exactly the positions that predict the response tokens
     assert torch.equal(datum.loss_fn_inputs["teacher_topk_indices"][mask > 0], teacher_idx)
@@ -113,3 +113,18 @@ def test_missing_hint_template_is_counted_not_fatal(renderer):
     sites, counts = select_error_sites(renderer, [traj], {}, 8)
     assert sites == [] and counts["no_hint_template"] == 1
     assert render_hint({"k": "{a} and {missing}"}, "k", {"a": 1}) == "1 and ?"
+
+
+def test_step_weights_make_the_loss_alpha_times_the_per_token_mean():
+    from meshrl.config.sdpo import SDPOConfig
+    from meshrl.sdpo.channel import SDPOChannel
+    from meshrl.types import Datum
+
+    channel = SDPOChannel.__new__(SDPOChannel)  # weighing needs only the config
+    channel.cfg = SDPOConfig(alpha=0.5)
+    datums = [Datum.from_sequence(list(range(8)), mask=[0, 0, 1, 1, 1, 0, 0, 0]),
+              Datum.from_sequence(list(range(9)), mask=[0, 1, 1, 1, 1, 1, 0, 0, 0])]
+    for d in channel.weighted(datums):  # 3 + 5 site tokens: each weighs alpha / 8
+        w = d.loss_fn_inputs["mask"]
+        assert w[w != 0].tolist() == pytest.approx([0.5 / 8] * int((w != 0).sum()))
+        assert (w == 0).sum() == d.length - int((w != 0).sum())

@@ -82,8 +82,7 @@ class EpisodeRollout:
         by_rank: dict[int, list] = {}
         for ep, arg in per_episode:
             by_rank.setdefault(ep.rank, []).append((ep, arg))
-        replies = self.client.per_rank(ENV, endpoint, {r: [a for _, a in items] for r, items in by_rank.items()},
-                                       unsupervised=True)
+        replies = self.client.per_rank(ENV, endpoint, {r: [a for _, a in items] for r, items in by_rank.items()})
         out = {ep.id: value for r, items in by_rank.items() for (ep, _), value in zip(items, replies[r])}
         return [out[ep.id] for ep, _ in per_episode]
 

@@ -89,17 +89,13 @@ class MeshClient:
         """Run ``fn`` (a whole exchange with ``mesh``) again from the start if ``mesh`` fails."""
         return self.sup.run(mesh, fn, what)
 
-    def per_rank(self, mesh: str, endpoint: str, args_by_rank: dict[int, Any], what: str | None = None,
-                 unsupervised: bool = False) -> dict[int, Any]:
-        """``endpoint(args)`` on each listed rank of ``mesh``; replies by rank. ``unsupervised``
-        waits with the deadline only (the caller supervises a larger exchange)."""
+    def per_rank(self, mesh: str, endpoint: str, args_by_rank: dict[int, Any]) -> dict[int, Any]:
+        """``endpoint(args)`` on each listed rank of ``mesh``; replies by rank. Waits with the
+        deadline only: the caller supervises the whole exchange (see :meth:`supervised`)."""
         ranks = sorted(args_by_rank)
-
-        def issue(actors):
-            return [getattr(actors.slice(procs=r), endpoint).call_one(args_by_rank[r]) for r in ranks]
-
-        what = what or f"{mesh}.{endpoint}"
-        replies = self.unsupervised(mesh, issue, what) if unsupervised else self.call(mesh, endpoint, issue, what)
+        replies = self.unsupervised(
+            mesh, lambda actors: [getattr(actors.slice(procs=r), endpoint).call_one(args_by_rank[r]) for r in ranks],
+            f"{mesh}.{endpoint}")
         return dict(zip(ranks, replies))
 
     # ---- generation and rewards -------------------------------------------------------------

@@ -20,10 +20,10 @@ from meshrl.types import Datum
 SDPO_TEACHER = "sdpo_teacher"
 
 
-def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Tensor, weight: float) -> Datum:
+def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Tensor) -> Datum:
     """The student's sequence with the teacher's top-k ([length, k]; indices None = the full
-    vocabulary) placed at the site's tokens, weight ``weight`` on each of them and the sampler's
-    logprobs for the optional IS weight."""
+    vocabulary) placed at the site's tokens, weight 1 on each of them (:meth:`SDPOChannel.weighted`
+    sets the step's weights) and the sampler's logprobs for the optional IS weight."""
     n, start, length = len(site.student_tokens), site.student_start, site.length
 
     def at_site(rows: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Te
         return full
 
     mask = torch.zeros(n)
-    mask[start : start + length] = weight
+    mask[start : start + length] = 1.0
     sampler = torch.zeros(n)
     sampler[start : start + length] = torch.tensor(site.sampler_logprobs, dtype=torch.float32)
     teacher = {"teacher_topk_logprobs": at_site(logprobs)}
@@ -65,8 +65,7 @@ class SDPOChannel:
         return {"beta": self.cfg.jsd_beta, "temperature": self.cfg.temperature, "is_weight_cap": self.cfg.is_weight_cap}
 
     def score(self, trajectories: list, limit: int) -> tuple[list[Datum], dict]:
-        """`sdpo_jsd` Datums for at most ``limit`` error sites of ``trajectories`` (each site token
-        weighted 1; :meth:`weighted` sets the step's weights) and the channel's counters
+        """`sdpo_jsd` Datums for at most ``limit`` error sites of ``trajectories`` and the channel's counters
         (cumulative over the run). The teacher holds the weights that sampled them."""
         c = self.cfg
         sites, counts = select_error_sites(self.renderer, trajectories, c.hints, limit, self.hint_source)
@@ -86,7 +85,7 @@ class SDPOChannel:
 
         scored = self.client.call(SDPO_TEACHER, "sdpo", issue, f"{SDPO_TEACHER}.score_sites", c.call_timeout_s)
         topk = [t for reply in scored for t in reply["topk"]]
-        return [site_datum(s, idx, lp, 1.0) for s, (idx, lp) in zip(sites, topk)], metrics
+        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)], metrics
 
     def weighted(self, datums: list[Datum]) -> list[Datum]:
         """The datums of one optimizer step, each site token weighted alpha / (site tokens of all of

@@ -3,8 +3,9 @@
 The trainer is algorithm-blind: a loss is a name in :mod:`meshrl.losses.registry`, and the trainer
 only pads datums into micro-batches, hands each to the loss as a :class:`MicroBatchPass` (logits,
 logprobs, reference logprobs on demand) and backpropagates the loss it returns. Losses are
-sum-reduced; the caller normalises through the datums' weights (e.g. 1 / total valid tokens of the
-step), so accumulating gradients over micro-batches gives exactly the gradient of one big batch.
+sum-reduced; the caller normalises through the datums' weights, or through `scale_grads` once a
+step-wide count is known (e.g. 1 / total valid tokens of the step), so accumulating gradients over
+micro-batches gives exactly the gradient of one big batch.
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-        self.pending_tokens = 0  # valid tokens whose gradients are accumulated but not yet applied
         self.steps_applied = 0  # optimizer steps taken (restored from checkpoints)
         self._frozen_copy = None  # the initial weights (full fine-tuning), loaded on first use
 
@@ -178,7 +178,6 @@ class PolicyTrainer:
             weight = n_valid if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
             parts.append((float(weight), metrics))
             tokens += n_valid
-        self.pending_tokens += tokens
         result = combine_metrics(parts)
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
         return result
@@ -198,7 +197,6 @@ class PolicyTrainer:
             grad = torch.nn.utils.rnn.pad_sequence([grad_of[id(d)] for d in group], batch_first=True).to(self.device)
             (fp.logprobs() * grad).sum().backward()
             tokens += int(fp.valid.sum())
-        self.pending_tokens += tokens
         return {**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach()), "tokens": float(tokens),
                 "seconds": time.perf_counter() - started}
 
@@ -236,7 +234,6 @@ class PolicyTrainer:
             ) if any(p.grad is not None for p in params) else torch.tensor(0.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.pending_tokens = 0
         self.steps_applied += 1
         return {"grad_norm": float(norm), "lr": adam.learning_rate}
 
