@@ -4,7 +4,7 @@ import torch
 
 from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
-from meshrl.training.checkpoint import export_hf, load_learner, save_learner
+from meshrl.training.checkpoint import export_hf, load_learner, save_learner, saved_names
 from meshrl.training.policy import PolicyTrainer
 from meshrl.types import Datum
 
@@ -53,9 +53,7 @@ def test_lora_checkpoint_holds_only_the_adapter_and_export_merges(tmp_path):
     a = PolicyTrainer(path, cfg)
     _step(a, cfg, 0)
     save_learner(a, tmp_path / "ckpt")
-    from safetensors.torch import load_file
-
-    saved = load_file(str(tmp_path / "ckpt" / "weights.safetensors"))
+    saved = saved_names(tmp_path / "ckpt")
     assert saved and all("lora_" in k for k in saved)
 
     b = PolicyTrainer(path, cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monarch.actor import endpoint
+from monarch.actor import current_rank, current_size, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
@@ -13,12 +13,15 @@ from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_w
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
+from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
 from meshrl.types import AdamParams, Datum
 
 
 class Learner(MeshrlActor):
-    """Tinker-style training endpoints over one HF policy."""
+    """Tinker-style training endpoints over one HF policy. A mesh of N learners trains one policy
+    data-parallel (``learner.data_parallel``): the controller calls every rank with its share of
+    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes."""
 
     def __init__(
         self,
@@ -27,31 +30,37 @@ class Learner(MeshrlActor):
         learner_cfg: LearnerConfig,
         sync_cfg: WeightSyncConfig,
         store: str = POLICY_STORE,
+        dist_address: str = "",
     ):
         silence_tcp_fallback_warning()
-        self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype)
-        self.publisher = WeightPublisher(store, sync_cfg)
+        parallel = DataParallelSpec(rank=current_rank().rank, world=current_size().get("procs", 1),
+                                    mode=learner_cfg.data_parallel, address=dist_address,
+                                    timeout_s=learner_cfg.call_timeout_s)
+        self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype, parallel)
+        self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 else None
 
     def describe(self) -> dict:
-        return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad)}
+        return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad),
+                "rank": self.trainer.dp.rank, "data_parallel": self.trainer.dp.mode}
 
     @endpoint
-    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                         padding: bool = False) -> dict:
         """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over ``datums``."""
         self.fault_point("forward_backward")
-        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config)
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding)
 
     @endpoint
-    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss) -> dict:
+    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
         """Accumulate the gradients of ``fn(datums, logprobs) -> (loss, metrics)`` (a picklable function)."""
         self.fault_point("forward_backward")
-        return self.trainer.forward_backward_custom(datums, fn)
+        return self.trainer.forward_backward_custom(datums, fn, padding)
 
     @endpoint
-    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
+    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False) -> list[list[float]]:
         """Logprobs of each datum's target tokens under the current weights (or the frozen
         reference policy), without grad."""
-        return [lp.tolist() for lp in self.trainer.forward(datums, reference)]
+        return [lp.tolist() for lp in self.trainer.forward(datums, reference, padding)]
 
     @endpoint
     def scale_grads(self, factor: float) -> None:
@@ -79,7 +88,13 @@ class Learner(MeshrlActor):
 
     @endpoint
     def publish(self, version: int) -> dict:
-        """Publish the current weights (LoRA merged, or the adapter only) as ``version``."""
-        stats = self.publisher.publish(self.trainer.sync_state_dict(), version)
+        """Publish the current weights (LoRA merged, or the adapter only) as ``version``. Every rank
+        takes part (FSDP2 gathers its shards); rank 0 holds a full copy and publishes it."""
+        if self.publisher is None and not self.trainer.dp.sharded:
+            return {}
+        state = self.trainer.sync_state_dict()
+        if self.publisher is None:
+            return {}
+        stats = self.publisher.publish(state, version)
         return {"version": stats.version, "bytes": stats.nbytes, "publish_s": stats.seconds,
                 "pack_s": stats.pack_seconds}

@@ -70,7 +70,13 @@ class LearnerConfig(Section):
     """LoRA settings."""
 
     call_timeout_s: float = Field(900.0, gt=0)
-    """Deadline for one learner call (forward_backward, optim_step, publish)."""
+    """Deadline for one learner call (forward_backward, optim_step, publish), and for every
+    collective between data-parallel learner processes."""
+
+    data_parallel: Literal["fsdp2", "ddp"] = "fsdp2"
+    """How `meshes.learner.procs` > 1 processes train one policy: `fsdp2` shards parameters,
+    gradients and optimiser state (torch `fully_shard`; full fine-tuning only), `ddp` replicates
+    the policy and sums gradients before each optimiser step (LoRA too). gloo on CPU, NCCL on GPU."""
 
     def adam_params(self):
         """The optimiser settings as Tinker-style AdamParams."""

@@ -26,7 +26,7 @@ class MeshesConfig(Section):
     """Generator replicas (vLLM engines)."""
 
     learner: MeshSpec = MeshSpec()
-    """Learner processes (one for now; data parallelism comes with multi-host launching)."""
+    """Learner processes: more than one train the policy data-parallel (`learner.data_parallel`)."""
 
     rewarder: MeshSpec = MeshSpec()
     """Rewarder processes (verifiers)."""
@@ -51,8 +51,6 @@ class MeshesConfig(Section):
                 raise ValueError(f"{name}.colocate_with = {target!r}: {target} is itself co-located")
             if host.procs != spec.procs:
                 raise ValueError(f"{name}.procs = {spec.procs}: must equal {target}.procs = {host.procs} to co-locate")
-        if self.learner.procs != 1:
-            raise ValueError(f"learner.procs = {self.learner.procs}: only 1 learner process is supported so far")
         return self
 
 

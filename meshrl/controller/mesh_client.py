@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
+from meshrl.losses import get_loss
+from meshrl.training.policy import combine_metrics
 from meshrl.types import AdamParams, Datum
 
 GENERATOR, LEARNER, REWARDER, ENV = "generator", "learner", "rewarder", "env"
@@ -21,6 +23,21 @@ GENERATOR, LEARNER, REWARDER, ENV = "generator", "learner", "rewarder", "env"
 
 class StepError(RuntimeError):
     """A step cannot proceed; the message names the mesh and the call."""
+
+
+def split_by_tokens(datums: list[Datum], parts: int, per_item: int = 1) -> list[list[int]]:
+    """Datum indices for each of ``parts`` ranks, balanced by token count (the longest item goes
+    to the rank with the fewest tokens so far), items of ``per_item`` consecutive datums kept
+    whole, each share in datum order. With fewer items than ranks some shares are empty."""
+    items = [list(range(i, min(i + per_item, len(datums)))) for i in range(0, len(datums), per_item)]
+    items.sort(key=lambda item: -sum(datums[i].length for i in item))
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for item in items:
+        r = min(range(parts), key=lambda k: (load[k], k))
+        shares[r].extend(item)
+        load[r] += sum(datums[i].length for i in item)
+    return [sorted(share) for share in shares]
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -126,27 +143,59 @@ class MeshClient:
                            "rewarder.score")
         return [s for part in scored for s in part]
 
-    # ---- the learner --------------------------------------------------------------------------
-    def learner(self, what: str, call: Callable[[Any], Any]):
-        """One learner call (``call(learner_mesh)`` -> future) with the learner deadline."""
-        return self.call(LEARNER, "train", lambda m: [call(m)], f"learner.{what}")[0]
+    # ---- the learner ------------------------------------------------------------------------
+    def on_learners(self, endpoint: str, *args, supervised: bool = True, timeout_s: float | None = None):
+        """``endpoint(*args)`` on every learner rank (data-parallel ranks take part together);
+        rank 0's reply. ``supervised=False`` for calls outside the loop's recovery."""
+        def issue(m):
+            return [getattr(m, endpoint).call(*args)]
+
+        what = f"learner.{endpoint}"
+        if supervised:
+            replies = self.call(LEARNER, "train", issue, what, timeout_s)[0]
+        else:
+            replies = self.unsupervised(LEARNER, issue, what, timeout_s)[0]
+        return replies.item(procs=0)
+
+    def _split_learners(self, endpoint: str, datums: list[Datum], per_item: int, *args) -> list:
+        """``endpoint(share, *args, padding)`` on every learner rank with its share of ``datums``
+        (balanced by tokens, items of ``per_item`` datums kept whole); replies of the ranks that got
+        real datums, with their shares' datum indices."""
+        shares = split_by_tokens(datums, self.procs(LEARNER), per_item)
+
+        def issue(m):
+            return [getattr(m.slice(procs=r), endpoint).call_one(
+                [datums[i] for i in (idx or range(min(per_item, len(datums))))], *args, bool(datums) and not idx)
+                for r, idx in enumerate(shares)]
+
+        replies = self.call(LEARNER, "train", issue, f"learner.{endpoint}")
+        return [(idx, reply) for idx, reply in zip(shares, replies) if idx or not datums]
 
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
-        return self.learner("forward_backward", lambda m: m.forward_backward.call_one(datums, loss_fn, loss_fn_config))
+        per_item = get_loss(loss_fn).datums_per_item
+        parts = [reply for _, reply in self._split_learners("forward_backward", datums, per_item, loss_fn,
+                                                           loss_fn_config)]
+        out = combine_metrics([(p["tokens"], p) for p in parts])
+        out.update(tokens=sum(p["tokens"] for p in parts), seconds=max(p["seconds"] for p in parts))
+        return out
 
     def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
-        return self.learner("forward", lambda m: m.forward.call_one(datums, reference))
+        out: list = [None] * len(datums)
+        for idx, logprobs in self._split_learners("forward", datums, 1, reference):
+            for i, lp in zip(idx, logprobs):
+                out[i] = lp
+        return out
 
     def scale_grads(self, factor: float) -> None:
-        self.learner("scale_grads", lambda m: m.scale_grads.call_one(factor))
+        self.on_learners("scale_grads", factor)
 
     def optim_step(self, adam: AdamParams) -> dict:
-        return self.learner("optim_step", lambda m: m.optim_step.call_one(adam))
+        return self.on_learners("optim_step", adam)
 
     # ---- weights ------------------------------------------------------------------------------
     def publish(self, version: int) -> dict:
         with self._sync_lock:
-            return self.learner("publish", lambda m: m.publish.call_one(version))
+            return self.on_learners("publish", version)
 
     def _pull(self, mesh: str, version: int) -> list[dict]:
         pulls = self.call(mesh, "sync", lambda m: [m.update_weights.call(version)], f"{mesh}.update_weights",

@@ -22,7 +22,7 @@ class Runtime:
         prepare_environment(cfg.meshes)
         from transformers import AutoTokenizer
 
-        from meshrl.actors.generator import Generator
+        from meshrl.actors.generator import POLICY_STORE, Generator
         from meshrl.actors.learner import Learner
         from meshrl.actors.rewarder import load_reward_fn
         from meshrl.channels.weight_store import silence_tcp_fallback_warning
@@ -32,7 +32,7 @@ class Runtime:
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.controller.supervisor import Supervisor
         from meshrl.envs.task_sets import make_task
-        from meshrl.meshes.local import local_host
+        from meshrl.meshes.local import free_port, local_host
         from meshrl.meshes.group import MeshGroup
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.models.provision import resolve_model
@@ -53,7 +53,9 @@ class Runtime:
         self.meshes = MeshGroup(cfg.meshes, local_host())
         try:
             path = str(self.model_path)
-            self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync)
+            dist_address = f"tcp://127.0.0.1:{free_port()}" if cfg.meshes.learner.procs > 1 else ""
+            self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE,
+                              dist_address)
             self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
             strategy.spawn(self.meshes, cfg)
             if cfg.sdpo.alpha > 0:
@@ -86,9 +88,10 @@ class Runtime:
         # the run's current version, even before the first update
         self.client.publish(0)
 
-    def learner_call(self, what: str, call, timeout_s: float | None = None):
-        """A learner call outside the loop's recovery (checkpoint save/load, export)."""
-        return self.client.unsupervised("learner", lambda m: [call(m)], f"learner.{what}", timeout_s)[0]
+    def learner_call(self, endpoint: str, *args, timeout_s: float | None = None):
+        """A call on every learner rank outside the loop's recovery (checkpoint save/load, export);
+        rank 0's reply."""
+        return self.client.on_learners(endpoint, *args, supervised=False, timeout_s=timeout_s)
 
     def restore_learner(self, checkpoint, respawn: bool = True) -> None:
         """Load ``checkpoint`` into the learner (None = start over from the initial weights),
@@ -100,13 +103,13 @@ class Runtime:
                 if name != "learner" and name in self.supervisor.resync:
                     self.supervisor.resync[name]()
         if checkpoint is not None:
-            self.learner_call("load_checkpoint", lambda m: m.load_checkpoint.call_one(str(checkpoint.learner_dir)))
+            self.learner_call("load_checkpoint", str(checkpoint.learner_dir))
             self.loop.load_state_dict(checkpoint.state["loop"])
         else:
             self.loop.load_state_dict({"version": 0, "step_index": 0,
                                        "counters": dataclasses.asdict(self.loop.counters)})
         version = self.loop.version
-        self.learner_call("publish", lambda m: m.publish.call_one(version))
+        self.learner_call("publish", version)
         self.client.sync_readers(version)
 
     def close(self) -> None:

@@ -97,8 +97,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
 
             def save(step: int) -> None:
                 tmp = checkpoints.begin(step)
-                rt.learner_call("save_checkpoint",
-                                lambda m: m.save_checkpoint.call_one(str(tmp / "learner")))
+                rt.learner_call("save_checkpoint", str(tmp / "learner"))
                 checkpoints.commit(tmp, step, {"loop": loop.state_dict()})
 
             step = start.step if start else 0
@@ -137,7 +136,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
             if tc.eval.every or tc.eval.at_start:
                 run_eval(tc.steps)
             if tc.checkpoint.export_final:
-                result["export"] = rt.learner_call("export", lambda m: m.export.call_one(str(run_dir / "final_model")))
+                result["export"] = rt.learner_call("export", str(run_dir / "final_model"))
     finally:
         metrics.close()
     records = read_metrics(metrics.path)

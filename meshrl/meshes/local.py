@@ -8,6 +8,7 @@ controller's environment, which is how per-run settings (vLLM CPU knobs, offline
 from __future__ import annotations
 
 import os
+import socket
 
 from meshrl.config.meshes import MeshesConfig
 
@@ -29,3 +30,10 @@ def local_host():
     from monarch.actor import this_host
 
     return this_host()
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now (the rendezvous of the learner's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -35,6 +35,9 @@ class ValueMesh:
     def values(self):
         return list(self._values)
 
+    def item(self, procs):
+        return self._values[procs]
+
 
 class Endpoint:
     def __init__(self, actors, name):
@@ -109,15 +112,16 @@ class FakeLearner:
     def __init__(self, train_s=0.0):
         self.calls, self.train_s = [], train_s
 
-    def forward_backward(self, datums, loss_fn, loss_config):
+    def forward_backward(self, datums, loss_fn, loss_config, padding=False):
         self.calls.append(("fb", datums, loss_fn, loss_config))
         time.sleep(self.train_s)
-        return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums))}
+        return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums)),
+                "seconds": self.train_s}
 
     def scale_grads(self, factor):
         self.calls.append(("scale", factor))
 
-    def forward(self, datums, reference):
+    def forward(self, datums, reference, padding=False):
         """Reference logprobs: -1 at every position."""
         self.calls.append(("forward", datums, reference))
         return [[-1.0] * d.length for d in datums]

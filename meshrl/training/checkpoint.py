@@ -1,5 +1,11 @@
 """Learner checkpoints: weights (or only the LoRA adapter), optimiser state and RNG states, so a
-resumed learner continues bit-for-bit; and export of the policy as a plain HF model directory."""
+resumed learner continues bit-for-bit; and export of the policy as a plain HF model directory.
+
+Weights and optimiser state are written with ``torch.distributed.checkpoint`` (DCP) under their
+fully qualified names, each rank writing its own shard, so a checkpoint written by N data-parallel
+learner processes (FSDP2 shards or DDP replicas) resumes with any other number of processes,
+including one. Rank 0 also writes the RNG state and ``learner.json``.
+"""
 
 from __future__ import annotations
 
@@ -8,68 +14,69 @@ import random
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
-WEIGHTS = "weights.safetensors"
-OPTIMIZER = "optimizer.pt"
+STATE = "state"  # the DCP directory (model + optimizer)
 RNG = "rng.pt"
 META = "learner.json"
 
 
-def _trainable_state(trainer) -> dict[str, torch.Tensor]:
-    """What must be saved to restore the model: all weights, or just the adapter under LoRA."""
+def _options(trainer, **kwargs) -> StateDictOptions:
+    # under LoRA only the adapter is trained: frozen base weights come from the model files
+    return StateDictOptions(ignore_frozen_params=trainer.cfg.lora.enabled, **kwargs)
+
+
+def _training_state(trainer) -> tuple[dict, dict]:
+    """Model and optimiser state dicts by fully qualified name (sharded under FSDP2). Under LoRA
+    only trainable tensors: the frozen base (a tied head included) comes from the model files."""
+    model_state, optim_state = get_state_dict(trainer.logits_module, trainer.optimizer, options=_options(trainer))
     if trainer.cfg.lora.enabled:
-        from peft import get_peft_model_state_dict
-
-        return get_peft_model_state_dict(trainer.model)
-    return trainer.model.state_dict()
-
-
-def _unique_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage (tied embeddings): keep the first name of each storage."""
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach().contiguous().cpu()
-    return out
+        trainable = {n for n, p in trainer.logits_module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
+    return model_state, optim_state
 
 
 def save_learner(trainer, directory: Path) -> None:
-    """Write the learner's full training state into ``directory`` (created if needed)."""
+    """Write the learner's full training state into ``directory`` (created if needed). Every
+    data-parallel rank calls this together."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_unique_contiguous(_trainable_state(trainer)), str(directory / WEIGHTS))
-    torch.save(trainer.optimizer.state_dict(), directory / OPTIMIZER)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / RNG)
-    meta = {"lora": trainer.cfg.lora.enabled, "steps_applied": trainer.steps_applied}
-    (directory / META).write_text(json.dumps(meta))
+    model_state, optim_state = _training_state(trainer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / STATE),
+             no_dist=trainer.dp.world == 1)
+    if trainer.dp.rank == 0:
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / RNG)
+        meta = {"lora": trainer.cfg.lora.enabled, "steps_applied": trainer.steps_applied,
+                "world": trainer.dp.world, "data_parallel": trainer.dp.mode}
+        (directory / META).write_text(json.dumps(meta))
 
 
 def load_learner(trainer, directory: Path) -> dict:
-    """Restore what `save_learner` wrote; errors name the file and what is wrong."""
+    """Restore what `save_learner` wrote, whatever number of processes wrote it; errors name the
+    file and what is wrong. Every data-parallel rank calls this together."""
     directory = Path(directory)
-    for name in (WEIGHTS, OPTIMIZER, RNG, META):
-        if not (directory / name).is_file():
+    for name in (STATE, RNG, META):
+        if not (directory / name).exists():
             raise FileNotFoundError(f"learner checkpoint {directory}: missing {name}")
     meta = json.loads((directory / META).read_text())
     if meta["lora"] != trainer.cfg.lora.enabled:
         raise ValueError(f"learner checkpoint {directory}: lora={meta['lora']} but the config says "
                          f"learner.lora.enabled={trainer.cfg.lora.enabled}")
-    weights = load_file(str(directory / WEIGHTS))
-    if trainer.cfg.lora.enabled:
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(trainer.model, weights)
-    else:
-        missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if k not in _tied_names(trainer.model)]
-        if missing or unexpected:
-            raise ValueError(f"learner checkpoint {directory}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    trainer.optimizer.load_state_dict(torch.load(directory / OPTIMIZER, weights_only=False))
+    model_state, optim_state = _training_state(trainer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(directory / STATE), no_dist=trainer.dp.world == 1)
+    except Exception as e:  # DCP reports a missing or mismatched key over many lines
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"learner checkpoint {directory / STATE}: {first.strip()}") from None
+    set_state_dict(trainer.logits_module, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_options(trainer, strict=not trainer.cfg.lora.enabled))
     rng = torch.load(directory / RNG, weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -77,24 +84,32 @@ def load_learner(trainer, directory: Path) -> dict:
     return meta
 
 
-def _tied_names(model) -> set[str]:
-    """Names that alias another parameter's storage (e.g. lm_head.weight with tied embeddings)."""
-    state = model.state_dict()
-    kept = _unique_contiguous(state)
-    return set(state) - set(kept)
+def saved_names(directory: Path) -> list[str]:
+    """Names of the model tensors a checkpoint holds (for inspection and tests)."""
+    metadata = dcp.FileSystemReader(str(Path(directory) / STATE)).read_metadata()
+    return sorted(k.removeprefix("model.model.") for k in metadata.state_dict_metadata if k.startswith("model."))
 
 
 def export_hf(trainer, directory: Path) -> Path:
-    """Save the policy as a standard HF model directory (LoRA merged) with its tokenizer."""
+    """Save the policy as a standard HF model directory (LoRA merged) with its tokenizer. Every
+    data-parallel rank calls this together (sharded weights are gathered); rank 0 writes."""
     from transformers import AutoTokenizer
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     model = trainer.model
+    if trainer.dp.sharded:
+        full = get_model_state_dict(trainer.logits_module, options=StateDictOptions(full_state_dict=True,
+                                                                                    cpu_offload=True))
+        state = {k.removeprefix("model."): v for k, v in full.items()}
+    else:
+        state = None
+    if trainer.dp.rank != 0:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
     if trainer.cfg.lora.enabled:
         import copy
 
         model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
     AutoTokenizer.from_pretrained(trainer.model_path).save_pretrained(directory)
     return directory

@@ -21,6 +21,7 @@ from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
+from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.types import AdamParams, Datum
 
 CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
@@ -84,7 +85,8 @@ class MicroBatchPass:
 class PolicyTrainer:
     """An HF causal LM (float32 master weights, optional LoRA) with AdamW."""
 
-    def __init__(self, model_path: Path, cfg: LearnerConfig, autocast_dtype: str = "bfloat16"):
+    def __init__(self, model_path: Path, cfg: LearnerConfig, autocast_dtype: str = "bfloat16",
+                 parallel: DataParallelSpec | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(cfg.seed)
@@ -109,6 +111,11 @@ class PolicyTrainer:
             )
         self.model = model.to(self.device)
         self.model.train()
+        self.dp = DataParallel(parallel, self.device)
+        if self.dp.sharded and cfg.lora.enabled:
+            raise ValueError("learner.lora.enabled with learner.data_parallel = 'fsdp2' is not supported: "
+                             "use learner.data_parallel = 'ddp' for LoRA")
+        self.logits_module = self.dp.wrap(ValidLogits(self.model))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.autocast_dtype = getattr(torch, autocast_dtype) if cfg.autocast_bf16 else None
@@ -126,15 +133,12 @@ class PolicyTrainer:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def valid_logits(self, mb: MicroBatch, valid: torch.Tensor, model=None) -> torch.Tensor:
-        """Logits [N, V] of ``model`` (default: the policy) at the N valid model_input positions
+        """Logits [N, V] of ``model`` (a :class:`ValidLogits`; default: the policy) at the N valid model_input positions
         (row-major over batch, position). The vocabulary projection runs only there, in the
         autocast dtype."""
-        model = self.model if model is None else model
+        module = self.logits_module if model is None else model
         with self._autocast():
-            hidden = model.get_decoder()(
-                input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device)
-            ).last_hidden_state
-            return model.get_output_embeddings()(hidden[valid])
+            return module(mb.input_ids.to(self.device), mb.attention_mask.to(self.device), valid)
 
     @contextlib.contextmanager
     def reference_model(self):
@@ -143,7 +147,7 @@ class PolicyTrainer:
         asks for it never pays for it."""
         if self.cfg.lora.enabled:
             with self.model.disable_adapter():
-                yield self.model
+                yield self.logits_module
             return
         if self._frozen_copy is None:
             from transformers import AutoModelForCausalLM
@@ -152,25 +156,38 @@ class PolicyTrainer:
             ref.eval()
             for p in ref.parameters():
                 p.requires_grad_(False)
-            self._frozen_copy = ref
+            self._frozen_copy = ValidLogits(ref)
         yield self._frozen_copy
 
-    def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1):
-        for group in split_micro_batches(datums, self.cfg.micro_batch_size, per_item):
-            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key)
+    def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1, padding: bool = False):
+        """``(group, pass, scale)`` per micro-batch; the caller multiplies the loss by ``scale`` and
+        drops the outputs of passes whose scale is 0. Those are ``padding`` datums (sent to a
+        data-parallel rank only to keep it in step) and, under FSDP2, repeats of a rank's last
+        micro-batch until it has run as many passes as the busiest rank (the collectives match)."""
+        groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item) if datums else []
+        extra = self.dp.padding_passes(len(groups))
+        if extra and not groups:
+            raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
+        real = 0 if padding else len(groups)
+        for i, group in enumerate(groups + [groups[-1]] * extra):
+            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key), float(i < real)
 
     # ---- Tinker-style API ----------------------------------------------------------------
-    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                         padding: bool = False) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
-        (micro-batched); returns its summed ``loss`` and combined metrics."""
+        (micro-batched); returns its summed ``loss`` and combined metrics. ``padding`` datums add
+        nothing (see :meth:`_passes`)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         started = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
         tokens = 0
-        for group, fp in self._passes(datums, spec.valid_key, spec.datums_per_item):
+        for group, fp, scale in self._passes(datums, spec.valid_key, spec.datums_per_item, padding):
             out = spec.fn(fp, **config)
-            out.loss.backward()
+            (out.loss * scale).backward()
+            if not scale:
+                continue
             n_valid = int(fp.valid.sum())
             metrics = {**out.metrics, "loss": float(out.loss.detach())}
             if fp.entropy is not None:
@@ -182,33 +199,33 @@ class PolicyTrainer:
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
         return result
 
-    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss) -> dict:
+    def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
         """Accumulate gradients of an arbitrary ``fn(datums, logprobs) -> (loss, metrics)`` over
         the whole batch: one pass without grad gives every datum's target logprobs, ``fn`` runs on
         them as leaf tensors, and a second, micro-batched pass backpropagates d loss / d logprobs
         through the model (the surrogate sum(grad * logprobs))."""
         started = time.perf_counter()
-        leaves = [lp.requires_grad_(True) for lp in self.forward(datums)]
+        leaves = [lp.requires_grad_(True) for lp in self.forward(datums, padding=padding)]
         loss, metrics = fn(datums, leaves)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         grad_of = {id(d): g if g is not None else torch.zeros_like(lp) for d, g, lp in zip(datums, grads, leaves)}
         tokens = 0
-        for group, fp in self._passes(datums, None):
+        for group, fp, scale in self._passes(datums, None, padding=padding):
             grad = torch.nn.utils.rnn.pad_sequence([grad_of[id(d)] for d in group], batch_first=True).to(self.device)
-            (fp.logprobs() * grad).sum().backward()
-            tokens += int(fp.valid.sum())
+            (fp.logprobs() * grad).sum().mul(scale).backward()
+            tokens += int(fp.valid.sum()) if scale else 0
         return {**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach()), "tokens": float(tokens),
                 "seconds": time.perf_counter() - started}
 
     @torch.no_grad()
-    def forward(self, datums: list[Datum], reference: bool = False) -> list[torch.Tensor]:
+    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False) -> list[torch.Tensor]:
         """Log-probability of every datum's target tokens ([length] float32 each, in datum order)
-        under the current weights, or under the frozen reference policy."""
+        under the current weights, or under the frozen reference policy (``padding``: zeros)."""
         out: dict[int, torch.Tensor] = {}
-        for group, fp in self._passes(datums, None):
+        for group, fp, scale in self._passes(datums, None, padding=padding):
             logp = fp.reference_logprobs() if reference else fp.logprobs()
             for row, d in enumerate(group):
-                out[id(d)] = logp[row, : d.length].float().cpu()
+                out.setdefault(id(d), logp[row, : d.length].float().cpu() * scale)
         return [out[id(d)] for d in datums]
 
     @torch.no_grad()
@@ -226,16 +243,16 @@ class PolicyTrainer:
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
             )
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.dp.sum_grads(params)
+        grads = [p.grad for p in params if p.grad is not None]
         if adam.grad_clip_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
         else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in params if p.grad is not None])
-            ) if any(p.grad is not None for p in params) else torch.tensor(0.0)
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += 1
-        return {"grad_norm": float(norm), "lr": adam.learning_rate}
+        return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate}
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
@@ -264,5 +281,6 @@ class PolicyTrainer:
             finally:
                 self.model.unmerge_adapter()
         else:
-            state = {k: v.to(dtype) for k, v in self.model.state_dict().items()}
-        return state
+            converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
+            state = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
+        return self.dp.full_tensors(state)

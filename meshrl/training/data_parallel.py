@@ -1,0 +1,155 @@
+"""Data parallelism for the learner: one policy trained by N processes of the learner mesh.
+
+Two modes, chosen by ``learner.data_parallel``:
+
+* ``fsdp2``: the policy is sharded with ``torch.distributed.fsdp.fully_shard`` (one unit per
+  decoder layer plus the root); every forward all-gathers a layer's parameters and every backward
+  reduce-scatters its gradients, so all ranks must run the same number of forward and backward
+  passes (:meth:`DataParallel.padding_passes` tells a rank how many extra, zero-weighted passes to
+  run).
+* ``ddp``: every rank holds the whole policy; gradients are summed across ranks once, just before
+  the optimiser step (:meth:`DataParallel.sum_grads`), so forward and backward passes need no
+  coordination.
+
+Both modes *sum* gradients over ranks: losses are sum-reduced with a step-wide normaliser applied
+by the caller, so an N-rank step equals the 1-rank step. The process group (gloo on CPU, NCCL on
+GPU) is set up inside the learner mesh; the controller hands every rank the rendezvous address.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_BUCKET_BYTES = 64 << 20  # gradients are summed in flat buckets of about this size
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """Where one learner process stands in its data-parallel group (picklable: it travels to the
+    learner actors)."""
+
+    rank: int = 0
+    world: int = 1
+    mode: str = "fsdp2"
+    """`fsdp2` or `ddp` (see the module docstring); unused when ``world`` is 1."""
+    address: str = ""
+    """Rendezvous of the process group, ``tcp://host:port`` (empty when ``world`` is 1)."""
+    timeout_s: float = 900.0
+    """Deadline of every collective: a rank that never joins raises instead of hanging."""
+
+
+class ValidLogits(torch.nn.Module):
+    """An HF causal LM whose forward returns logits only at the valid positions: the decoder runs
+    on the whole padded batch, the vocabulary projection only where a loss needs it. Being one
+    module, it is also the root that FSDP2 shards (its hooks then gather the embedding, the final
+    norm and the tied head around exactly this computation)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.model.get_output_embeddings()(hidden[valid])
+
+
+class DataParallel:
+    """The collectives one learner process takes part in (no-ops for a single process)."""
+
+    def __init__(self, spec: DataParallelSpec | None = None, device: torch.device | None = None):
+        self.spec = spec or DataParallelSpec()
+        self.rank, self.world = self.spec.rank, self.spec.world
+        self.mode = self.spec.mode if self.world > 1 else "single"
+        if self.mode not in ("single", "fsdp2", "ddp"):
+            raise ValueError(f"learner.data_parallel = {self.mode!r}: expected 'fsdp2' or 'ddp'")
+        if self.world > 1 and not dist.is_initialized():
+            device = device or torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo", init_method=self.spec.address, rank=self.rank,
+                world_size=self.world, timeout=datetime.timedelta(seconds=self.spec.timeout_s),
+            )
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "fsdp2"
+
+    def wrap(self, module: ValidLogits) -> ValidLogits:
+        """Shard ``module`` with FSDP2 (each decoder layer, then the root); other modes return it
+        unchanged. Gradients are summed over ranks, not averaged."""
+        if not self.sharded:
+            return module
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in module.model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(module)
+        for unit in [module, *module.model.get_decoder().layers]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        return module
+
+    def padding_passes(self, local_passes: int) -> int:
+        """How many extra passes this rank must run so that every rank runs as many as the busiest
+        one (FSDP2's collectives are matched pass by pass); 0 outside FSDP2."""
+        if not self.sharded:
+            return 0
+        count = torch.tensor([local_passes], dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item()) - local_passes
+
+    @torch.no_grad()
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """DDP: replace every gradient by its sum over ranks (a rank that saw no data contributes
+        zeros). Other modes: nothing to do (FSDP2 reduced them in backward)."""
+        if self.mode != "ddp":
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= _BUCKET_BYTES:
+                _all_reduce_flat(bucket)
+                bucket, size = [], 0
+        if bucket:
+            _all_reduce_flat(bucket)
+
+    def full_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors of a (possibly sharded) state dict; names that share one tensor (tied
+        weights) keep sharing one result. Under FSDP2 every rank must call this together."""
+        if not self.sharded:
+            return state
+        gathered: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, t in state.items():
+            if id(t) not in gathered:
+                gathered[id(t)] = t.full_tensor() if hasattr(t, "full_tensor") else t
+            out[name] = gathered[id(t)]
+        return out
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor]) -> None:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a result that may be a replicated DTensor (e.g. a gradient norm)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
