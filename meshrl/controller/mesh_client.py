@@ -12,11 +12,12 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
+from meshrl.config.meshes import ENV
 from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
 from meshrl.types import AdamParams, Datum
 
-GENERATOR, LEARNER, REWARDER, ENV = "generator", "learner", "rewarder", "env"
+GENERATOR, LEARNER, REWARDER = "generator", "learner", "rewarder"
 
 
 class StepError(RuntimeError):
