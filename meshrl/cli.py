@@ -1,4 +1,4 @@
-"""The `meshrl` command line: train, models, config reference."""
+"""The `meshrl` command line: train, plan, models, config reference."""
 
 from __future__ import annotations
 
@@ -25,21 +25,52 @@ def _fail(message: str) -> int:
     return 2
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace):
+    """(config path, resolved config, its placement, a header describing the host) for the
+    arguments of `train` and `plan`; raises ConfigError."""
     from meshrl.config.run import RunConfig
+    from meshrl.meshes.placement import plan_run
 
     path = args.config or default_config_path()
+    cfg = load_config(RunConfig, path, args.overrides)
+    if args.host_gpus is None:
+        placement = plan_run(cfg)
+        host = f"this host ({len(placement.gpu_ids)} GPUs found)"
+    else:
+        placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))
+        host = f"a host with {args.host_gpus} GPUs (--host-gpus)"
+    return path, cfg, placement, f"placement on {host}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.host_gpus is not None and not args.dry_run:
+        return _fail("--host-gpus plans for another host: it needs --dry-run")
     try:
-        cfg = load_config(RunConfig, path, args.overrides)
+        path, cfg, placement, header = _plan(args)
     except ConfigError as e:
         return _fail(str(e))
     if args.dry_run:
         print(f"# resolved from {path or 'built-in defaults'}")
         print(to_yaml(cfg), end="")
+        print(f"# {header}")
+        print("".join(f"# {line}\n" for line in placement.table().splitlines()), end="")
         return 0
     from meshrl.controller.train import train_main
 
-    return train_main(cfg, resume=args.resume, overwrite=args.overwrite)
+    try:
+        return train_main(cfg, resume=args.resume, overwrite=args.overwrite)
+    except ConfigError as e:  # a resumed run's saved placement that does not fit this host
+        return _fail(str(e))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        _, _, placement, header = _plan(args)
+    except ConfigError as e:
+        return _fail(str(e))
+    print(header)
+    print(placement.table(), end="")
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -107,6 +138,16 @@ def config_reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpu_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a GPU count >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description="RL post-training on Monarch actor meshes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,10 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a training job (default: configs/default.yaml)")
     train.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides such as learner.lr=2e-5")
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement and exit")
+    train.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="with --dry-run: plan for a host with N GPUs "
+                       "(default: the GPUs of this host)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from its last checkpoint")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     train.set_defaults(func=cmd_train)
+
+    plan = sub.add_parser("plan", help="print which GPUs each mesh process gets, without spawning anything")
+    plan.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides such as meshes.learner.procs=4")
+    plan.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="plan for a host with N GPUs (default: the GPUs of this host)")
+    plan.set_defaults(func=cmd_plan)
 
     models = sub.add_parser("models", help="prepare or list cached models")
     models.add_argument("action", choices=["prepare", "list"])
@@ -143,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow flags (`train --overwrite learner.lr=1e-5`): argparse leaves those over
-    if extra and (args.command != "train" or any(e.startswith("-") for e in extra)):
+    if extra and (args.command not in ("train", "plan") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra

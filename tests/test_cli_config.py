@@ -35,6 +35,13 @@ def test_dry_run_prints_resolved_config_with_overrides():
         (["meshes.rewarder.colocate_with=nowhere"], "rewarder.colocate_with = 'nowhere'"),
         (["-c", "configs/does-not-exist.yaml"], "config file not found: configs/does-not-exist.yaml"),
         (["learner"], "override 'learner': expected key.path=value"),
+        (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[0]"],
+         "meshes.generator.devices = [0] (list): expected procs * gpus_per_proc = 2 * 1 = 2 GPU indices, got 1"),
+        (["--host-gpus", "2", "meshes.learner.gpus_per_proc=1", "meshes.learner.devices=[1]",
+          "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[1]"],
+         "meshes.generator.devices = [1]: GPU 1 is already meshes.learner's"),
+        (["--host-gpus", "2", "meshes.learner.procs=3", "meshes.learner.gpus_per_proc=1"],
+         "meshes.learner.gpus_per_proc = 1: 3 process(es) need 3 GPU(s) but only 2 of the host's 2 are free"),
     ],
 )
 def test_config_errors_exit_2_with_one_line_naming_the_key(args, needle):
@@ -43,6 +50,26 @@ def test_config_errors_exit_2_with_one_line_naming_the_key(args, needle):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
     assert needle in lines[0]
+
+
+def test_dry_run_and_plan_print_the_placement_of_the_multi_gpu_example():
+    res = run_cli("train", "--dry-run", "-c", "configs/multi-gpu.yaml", "--host-gpus", "8")
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load(res.stdout)["meshes"]["learner"]["procs"] == 4  # the table is comments: still YAML
+    table = [line.split() for line in res.stdout.splitlines() if line.startswith("# ")]
+    assert table[1] == ["#", "placement", "on", "a", "host", "with", "8", "GPUs", "(--host-gpus)"]
+    assert table[2] == ["#", "mesh", "proc", "host", "devices", "shares"]
+    rows = [(mesh, int(proc), devices, shares) for _, mesh, proc, _host, devices, shares in table[3:]]
+    assert rows == ([("learner", r, str(r), "-") for r in range(4)] + [("generator", r, str(4 + r), "-") for r in range(4)]
+                    + [("rewarder", 0, "cpu", "-")])
+
+    plan = run_cli("plan", "-c", "configs/multi-gpu.yaml", "--host-gpus", "8", "meshes.generator.devices=[7,6,5,4]")
+    assert plan.returncode == 0, plan.stderr
+    assert [line.split()[3] for line in plan.stdout.splitlines()[2:]] == ["0", "1", "2", "3", "7", "6", "5", "4", "cpu"]
+    short = run_cli("plan", "-c", "configs/multi-gpu.yaml", "--host-gpus", "7")
+    assert short.returncode == 2 and short.stderr.strip() == (
+        "meshrl: meshes.generator.gpus_per_proc = 1: 4 process(es) need 4 GPU(s) but only 3 of the host's 7 are free")
+    assert run_cli("train", "--host-gpus", "8").returncode == 2  # plans only: never trains on a host it pretends
 
 
 def test_invalid_yaml_and_wrong_types_in_file(tmp_path):

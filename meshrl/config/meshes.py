@@ -1,12 +1,17 @@
-"""Where each actor mesh runs: process counts, co-location, supervision timing."""
+"""Where each actor mesh runs: process counts, co-location, GPUs, supervision timing."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Annotated
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshrl.config.base import Section
 
 MESH_NAMES = ("generator", "learner", "rewarder")
+ENV, SDPO_TEACHER, TEACHER_REPLAY = "env", "sdpo_teacher", "teacher_replay"
+"""Meshes a run adds beside MESH_NAMES: the code task's env mesh (in the rewarder's place), the SDPO
+teacher and the teacher replay pool."""
 
 
 class MeshSpec(Section):
@@ -17,6 +22,38 @@ class MeshSpec(Section):
 
     colocate_with: str | None = None
     """Name of another mesh whose processes this mesh's actors share (None = own processes)."""
+
+    gpus_per_proc: int = Field(0, ge=0)
+    """GPUs each process of this mesh sees (0 = CPU-only: on a host with GPUs its processes see
+    none). A co-located mesh uses the GPUs of the processes it shares and sets none itself."""
+
+    devices: list[Annotated[int, Field(ge=0)]] | None = None
+    """Host GPU indices for this mesh (`nvidia-smi` numbering, or positions in the controller's
+    CUDA_VISIBLE_DEVICES when that is set): `procs * gpus_per_proc` of them, process r gets the
+    r-th slice of `gpus_per_proc`. None = the lowest free indices, assigned in the order learner,
+    generator, rewarder, then channel meshes."""
+
+    @field_validator("gpus_per_proc", "devices")
+    @classmethod
+    def _own_gpus(cls, value, info: ValidationInfo):
+        shared = info.data.get("colocate_with")
+        if shared is not None and value:
+            raise ValueError(f"no GPUs of its own: it shares {shared}'s processes and their GPUs")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_fit(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None or "gpus_per_proc" not in info.data:
+            return value
+        procs, per_proc = info.data.get("procs", 1), info.data["gpus_per_proc"]
+        if len(value) != procs * per_proc:
+            raise ValueError(f"procs * gpus_per_proc = {procs} * {per_proc} = {procs * per_proc} "
+                             f"GPU indices, got {len(value)}")
+        repeated = sorted({d for d in value if value.count(d) > 1})
+        if repeated:
+            raise ValueError(f"distinct GPU indices, {repeated[0]} appears more than once")
+        return value
 
 
 class MeshesConfig(Section):
@@ -29,7 +66,7 @@ class MeshesConfig(Section):
     """Learner processes: more than one train the policy data-parallel (`learner.data_parallel`)."""
 
     rewarder: MeshSpec = MeshSpec()
-    """Rewarder processes (verifiers)."""
+    """Rewarder processes (verifiers); the code task's env mesh takes this placement."""
 
     supervision_poll_s: float = Field(0.5, gt=0)
     """How often Monarch polls child processes for failure (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY)."""
@@ -46,19 +83,22 @@ class MeshesConfig(Section):
                 continue
             if target not in MESH_NAMES or target == name:
                 raise ValueError(f"{name}.colocate_with = {target!r}: expected one of the other meshes {MESH_NAMES}")
-            host: MeshSpec = getattr(self, target)
-            if host.colocate_with is not None:
-                raise ValueError(f"{name}.colocate_with = {target!r}: {target} is itself co-located")
-            if host.procs != spec.procs:
-                raise ValueError(f"{name}.procs = {spec.procs}: must equal {target}.procs = {host.procs} to co-locate")
+            check_colocation(name, spec, target, getattr(self, target))
         return self
 
 
-class ChannelMesh(Section):
-    """Placement of a channel's actor mesh."""
+def check_colocation(key: str, spec: MeshSpec, target_key: str, target: MeshSpec) -> None:
+    """Raise a ValueError naming ``key`` unless the mesh ``spec`` (at config key ``key``) can share
+    the processes of ``target`` (at ``target_key``): a mesh with processes of its own, as many."""
+    if target.colocate_with is not None:
+        raise ValueError(f"{key}.colocate_with = {spec.colocate_with!r}: {target_key} is itself co-located "
+                         f"(with {target.colocate_with})")
+    if target.procs != spec.procs:
+        raise ValueError(f"{key}.procs = {spec.procs}: must equal {target_key}.procs = {target.procs} to co-locate")
 
-    procs: int = Field(1, ge=1)
-    """Processes (one actor each)."""
+
+class ChannelMesh(MeshSpec):
+    """Placement of a channel's actor mesh."""
 
     colocate_with: str | None = None
     """Share the processes of this main mesh (`generator`, `learner` or `rewarder`) instead of

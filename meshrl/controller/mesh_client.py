@@ -12,13 +12,14 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
+from meshrl.config.meshes import ENV
 from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
 from meshrl.losses import get_loss
 from meshrl.training.policy import combine_metrics
 from meshrl.types import AdamParams, Datum
 
-GENERATOR, LEARNER, REWARDER, ENV = "generator", "learner", "rewarder", "env"
+GENERATOR, LEARNER, REWARDER = "generator", "learner", "rewarder"
 
 
 class StepError(RuntimeError):

@@ -34,6 +34,7 @@ class Runtime:
         from meshrl.envs.task_sets import make_task
         from meshrl.meshes.local import free_port, local_host
         from meshrl.meshes.group import MeshGroup
+        from meshrl.meshes.placement import plan_run
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.models.provision import resolve_model
         from meshrl.renderers import renderer_for_tokenizer
@@ -50,7 +51,7 @@ class Runtime:
         self.renderer = renderer_for_tokenizer(self.tokenizer)
         self.task = make_task(cfg.task, cfg.trainer.seed)
         strategy = strategy_for(self.task)
-        self.meshes = MeshGroup(cfg.meshes, local_host())
+        self.meshes = MeshGroup(cfg.meshes, local_host(), plan_run(cfg))
         try:
             path = str(self.model_path)
             dist_address = f"tcp://127.0.0.1:{free_port()}" if cfg.meshes.learner.procs > 1 else ""

@@ -1,6 +1,7 @@
-"""MeshGroup: spawns one proc mesh per mesh name (or shares one when co-located) and the actor
-meshes on them, waits for their setup with a deadline, replaces a damaged proc mesh together with
-every actor mesh on it, and stops everything on exit."""
+"""MeshGroup: spawns one proc mesh per mesh name (or shares one when co-located), each process
+seeing only the GPUs its placement gives it, and the actor meshes on them; waits for their setup
+with a deadline, replaces a damaged proc mesh (on the same GPUs) together with every actor mesh on
+it, and stops everything on exit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import psutil
 
 from meshrl.config.meshes import MeshesConfig, MeshSpec
+from meshrl.meshes.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +33,14 @@ class _ActorSpec:
 
 
 class MeshGroup:
-    """The run's proc meshes and actor meshes, by name."""
+    """The run's proc meshes and actor meshes, by name. With a ``placement`` every proc mesh is
+    spawned with its bootstrap (CUDA_VISIBLE_DEVICES per process); without one, processes inherit
+    the controller's CUDA environment."""
 
-    def __init__(self, cfg: MeshesConfig, host: Any):
+    def __init__(self, cfg: MeshesConfig, host: Any, placement: Placement | None = None):
         self.cfg = cfg
         self.host = host
+        self.placement = placement
         self.proc_meshes: dict[str, Any] = {}
         self.actor_meshes: dict[str, Any] = {}
         self.pids: dict[str, list[int]] = {}
@@ -65,8 +70,9 @@ class MeshGroup:
         if owner not in self.proc_meshes:
             count = self._mesh_spec(owner).procs
             self.generation[owner] = self.generation.get(owner, -1) + 1
+            bootstrap = self.placement.bootstrap(owner, count) if self.placement is not None else None
             self.proc_meshes[owner] = self.host.spawn_procs(
-                per_host={"procs": count}, name=f"{owner}-g{self.generation[owner]}"
+                per_host={"procs": count}, name=f"{owner}-g{self.generation[owner]}", bootstrap=bootstrap
             )
         return self.proc_meshes[owner]
 

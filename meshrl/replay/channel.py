@@ -16,12 +16,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from meshrl.config.meshes import TEACHER_REPLAY as POOL
 from meshrl.config.replay import ReplayChannelConfig
 from meshrl.controller.mesh_client import MeshClient
 from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
-POOL = "teacher_replay"
 
 
 @dataclass

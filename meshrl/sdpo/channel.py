@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from meshrl.config.meshes import SDPO_TEACHER
 from meshrl.config.sdpo import SDPOConfig
 from meshrl.controller.mesh_client import MeshClient, split_evenly
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.types import Datum
-
-SDPO_TEACHER = "sdpo_teacher"
 
 
 def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Tensor) -> Datum:

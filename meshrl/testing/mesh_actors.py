@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from monarch.actor import endpoint
@@ -15,3 +16,11 @@ class Sleeper(MeshrlActor):
     @endpoint
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+class EnvProbe(MeshrlActor):
+    """Reports its process's environment, e.g. what a proc mesh's bootstrap set there."""
+
+    @endpoint
+    def getenv(self, key: str) -> str | None:
+        return os.environ.get(key)

@@ -1,0 +1,187 @@
+"""GPU placement: which host GPUs each process of each mesh sees.
+
+`plan_run` turns a run's config and the host's GPUs into a `Placement` (one row per mesh process)
+and rejects what cannot work (overlapping devices between meshes that do not share processes, more
+GPUs than the host has) with a one-line `PlacementError` naming the config key. `MeshGroup` spawns
+each proc mesh with the placement's `VisibleDevices` bootstrap, which sets CUDA_VISIBLE_DEVICES in
+every process before anything there initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+from meshrl.config.base import ConfigError
+from meshrl.config.meshes import ENV, MESH_NAMES, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec, check_colocation
+from meshrl.config.run import RunConfig
+
+
+class PlacementError(ConfigError):
+    """A placement that cannot work on this host, in one line naming the config key."""
+
+
+def host_gpu_ids() -> tuple[str, ...]:
+    """The GPUs this controller may hand out, as CUDA_VISIBLE_DEVICES entries, found without
+    initialising CUDA here: the controller's own CUDA_VISIBLE_DEVICES when set (up to its first
+    invalid entry, as CUDA reads it), else one index per GPU `nvidia-smi -L` lists (none when
+    there is no nvidia-smi)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = []
+        for entry in (e.strip() for e in visible.split(",")):
+            if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+                break
+            ids.append(entry)
+        return tuple(ids)
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(str(i) for i in range(sum(line.startswith("GPU ") for line in listing.splitlines())))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A mesh to place: the name `MeshGroup` spawns it under, the config key that describes it
+    (for error messages) and that key's value."""
+
+    name: str
+    key: str
+    spec: MeshSpec
+
+
+@dataclass(frozen=True)
+class PlacementRow:
+    """One process: mesh, rank in its mesh, host, host GPU indices it sees, and the mesh whose
+    processes it shares (None = its own)."""
+
+    mesh: str
+    rank: int
+    host: str
+    devices: tuple[int, ...]
+    shares: str | None = None
+
+
+@dataclass(frozen=True)
+class VisibleDevices:
+    """A proc mesh's bootstrap: sets CUDA_VISIBLE_DEVICES to ``per_rank[r]`` in process r (an empty
+    string hides every GPU) and the PCI bus device order `nvidia-smi` numbers by, unless set."""
+
+    per_rank: tuple[str, ...]
+
+    def __call__(self) -> None:
+        from monarch.actor import current_rank
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = self.per_rank[current_rank().rank]
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Every mesh process of a run and the GPUs it sees; ``gpu_ids[i]`` is what host GPU index i
+    means in CUDA_VISIBLE_DEVICES."""
+
+    gpu_ids: tuple[str, ...]
+    rows: tuple[PlacementRow, ...]
+
+    def devices(self, mesh: str) -> list[tuple[int, ...]]:
+        """Host GPU indices of each process of ``mesh``, by rank."""
+        return [row.devices for row in self.rows if row.mesh == mesh]
+
+    def bootstrap(self, mesh: str, procs: int) -> VisibleDevices | None:
+        """The bootstrap for ``mesh``'s ``procs`` processes; None when the host has no GPUs (the
+        processes have nothing to hide or pick, and skipping the bootstrap saves its start)."""
+        if not self.gpu_ids:
+            return None
+        per_rank = self.devices(mesh)
+        if len(per_rank) != procs:
+            raise ValueError(f"mesh '{mesh}' spawns {procs} process(es) but its placement has {len(per_rank)}")
+        return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank))
+
+    def table(self) -> str:
+        """The plan as an aligned text table (mesh, process, host, devices, shared processes)."""
+        head = ("mesh", "proc", "host", "devices", "shares")
+        body = [(r.mesh, str(r.rank), r.host, ",".join(map(str, r.devices)) or "cpu", r.shares or "-")
+                for r in self.rows]
+        widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]) + "\n"
+
+
+def run_slots(cfg: RunConfig) -> list[Slot]:
+    """Every mesh a run spawns, in placement order: learner, generator, the rewarder's slot (the
+    env mesh for the code task), then the SDPO teacher and the teacher replay pool when enabled."""
+    m = cfg.meshes
+    slots = [Slot("learner", "meshes.learner", m.learner), Slot("generator", "meshes.generator", m.generator),
+             Slot(ENV if cfg.task.kind == "code" else "rewarder", "meshes.rewarder", m.rewarder)]
+    if cfg.sdpo.alpha > 0:
+        slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
+    if cfg.replay.beta > 0:
+        slots.append(Slot(TEACHER_REPLAY, "replay.channel", MeshSpec(procs=cfg.replay.channel.procs)))
+    return slots
+
+
+def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str | None = None) -> Placement:
+    """The placement of every mesh of ``cfg`` on ``host`` (default: this machine) with ``gpu_ids``
+    (default: `host_gpu_ids()`)."""
+    return plan(run_slots(cfg), host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
+
+
+def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
+    """Place ``slots`` (in order) on a host with ``gpu_ids``: explicit `devices` first, then each
+    mesh without them takes the lowest free indices; co-located meshes see their host mesh's."""
+    by_name = {s.name: s for s in slots}
+    owners = [s for s in slots if s.spec.colocate_with is None]
+    for s in slots:
+        _check_colocation(s, by_name)
+    taken: dict[int, str] = {}
+    assigned: dict[str, list[int]] = {}
+    for s in owners:
+        if s.spec.devices is not None:
+            for d in s.spec.devices:
+                if d >= len(gpu_ids):
+                    raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is not on the host "
+                                         f"({_has(gpu_ids)})")
+                if d in taken:
+                    raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is already {taken[d]}'s "
+                                         "(only co-located meshes share GPUs)")
+                taken[d] = s.key
+            assigned[s.name] = list(s.spec.devices)
+    for s in owners:
+        if s.spec.devices is None:
+            need = s.spec.procs * s.spec.gpus_per_proc
+            free = [d for d in range(len(gpu_ids)) if d not in taken]
+            if need > len(free):
+                left = f"only {len(free)} of the host's {len(gpu_ids)} are free" if gpu_ids else "the host has none"
+                raise PlacementError(f"{s.key}.gpus_per_proc = {s.spec.gpus_per_proc}: {s.spec.procs} process(es) "
+                                     f"need {need} GPU(s) but {left}")
+            assigned[s.name] = free[:need]
+            taken.update((d, s.key) for d in free[:need])
+    rows = []
+    for s in slots:
+        owner = by_name[s.spec.colocate_with] if s.spec.colocate_with else s
+        devs, per = assigned[owner.name], owner.spec.gpus_per_proc
+        rows += [PlacementRow(s.name, r, host, tuple(devs[r * per:(r + 1) * per]), s.spec.colocate_with)
+                 for r in range(owner.spec.procs)]
+    return Placement(tuple(gpu_ids), tuple(rows))
+
+
+def _check_colocation(slot: Slot, by_name: dict[str, Slot]) -> None:
+    """A co-located mesh must name a planned mesh with processes of its own, as many as it has."""
+    target = slot.spec.colocate_with
+    if target is None:
+        return
+    if target not in by_name:
+        raise PlacementError(f"{slot.key}.colocate_with = {target!r}: this run spawns no {target} mesh (the code "
+                             f"task's env mesh takes the rewarder's place); choose one of "
+                             f"{[n for n in MESH_NAMES if n in by_name]}")
+    try:
+        check_colocation(slot.key, slot.spec, by_name[target].key, by_name[target].spec)
+    except ValueError as e:
+        raise PlacementError(str(e)) from None
+
+
+def _has(gpu_ids: tuple[str, ...]) -> str:
+    return f"it has GPUs 0-{len(gpu_ids) - 1}" if gpu_ids else "it has none"
