@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from meshrl.config.channels import WeightSyncConfig
 from meshrl.config.base import Section
@@ -82,3 +82,10 @@ class RunConfig(Section):
 
     output: OutputConfig = OutputConfig()
     """Results."""
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> "RunConfig":
+        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2" and self.learner.lora.enabled:
+            raise ValueError("learner.data_parallel = 'fsdp2' with learner.lora.enabled is not supported: use "
+                             "learner.data_parallel = 'ddp' for a data-parallel LoRA learner")
+        return self
