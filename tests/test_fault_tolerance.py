@@ -84,6 +84,20 @@ def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_co
         assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
 
 
+def test_killed_rank_of_a_two_process_learner_resumes(tiny_run_config):
+    """A data-parallel learner (2 processes, FSDP2) loses rank 1: both are replaced, the process
+    group forms again, and training resumes from the checkpoint (DCP, written by both ranks)."""
+    cfg = tiny_run_config(
+        "output.name=dp-learner-kill", "meshes.learner.procs=2", "trainer.steps=3", "trainer.eval.every=0",
+        "trainer.eval.at_start=false", "trainer.checkpoint.every=1", "trainer.checkpoint.export_final=false",
+        "faults.inject=[{mesh: learner, rank: 1, at_step: 2, action: kill, during: train, seconds: 0}]")
+    _, records = _run(cfg)
+    faults = _faults(records)
+    assert len(faults) == 1 and faults[0]["mesh"] == "learner"
+    assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (2, 1)
+    assert [r["step"] for r in _train(records)] == [1, 2, 3]
+
+
 def test_ctrl_c_stops_every_mesh_and_leaves_no_orphans(tmp_path):
     from tests.conftest import TINY_RUN
 
