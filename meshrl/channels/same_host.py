@@ -115,7 +115,10 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, owner_pid: int) -> None:
+    """Unlink ``path`` from the process that created it (not from a forked child exiting)."""
+    if os.getpid() != owner_pid:
+        return
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -149,7 +152,7 @@ class SharedArena:
 
     def __init__(self, nbytes: int, device: str, share: bool) -> None:
         self.ref: LocalRef | None = None
-        self._unlink: weakref.finalize | None = None
+        self._finalizer: weakref.finalize | None = None
         if share and torch.device(device).type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
@@ -167,10 +170,13 @@ class SharedArena:
     def _create_segment(self, nbytes: int) -> tuple[torch.Tensor, SegmentRef]:
         remove_stale_segments()
         pid = os.getpid()
-        name = f"{PREFIX}.{_pid_namespace()}.{pid}.{_process_start(pid)}.{uuid.uuid4().hex[:16]}"
+        start = _process_start(pid)
+        if start is None:
+            raise OSError(f"/proc/{pid}/stat is unreadable: a segment could not be told stale")
+        name = f"{PREFIX}.{_pid_namespace()}.{pid}.{start}.{uuid.uuid4().hex[:16]}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._unlink = weakref.finalize(self, _unlink, path)
+        self._finalizer = weakref.finalize(self, _unlink, path, pid)
         try:
             os.posix_fallocate(fd, 0, nbytes)  # a full /dev/shm fails here, not as SIGBUS on a later write
             return _map(fd, nbytes), SegmentRef(name, nbytes)
@@ -182,8 +188,8 @@ class SharedArena:
 
     def close(self) -> None:
         """Unlink the segment (idempotent)."""
-        if self._unlink is not None:
-            self._unlink()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 class SameHostReader:

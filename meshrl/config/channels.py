@@ -20,8 +20,8 @@ class WeightSyncConfig(Section):
     arena in shared memory under /dev/shm, its CUDA arena over CUDA IPC), RDMA otherwise or when the
     local arena cannot be opened. `rdma`: always RDMA (the publisher then shares no memory; for
     comparison). `shm`: the local copy only; a pull from a publisher elsewhere fails with a one-line
-    error. On one 2-core CPU host the local copy ran at ~0.5-1x memcpy, RDMA (TCP fallback) at ~0.1x
-    (benchmarks/weight_transports.py)."""
+    error. On one 2-core CPU host a warm pull by local copy ran at 0.9-1.3x a memcpy of the same bytes,
+    by RDMA (TCP fallback) at 0.06-0.13x (benchmarks/weight_transports.py)."""
 
     num_chunks: int = Field(32, ge=1, le=1024)
     """RDMA buffers each published arena is split into; RDMA readers fetch them concurrently. On one
