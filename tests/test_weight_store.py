@@ -1,5 +1,7 @@
 """Weight store with real Monarch processes: a publisher actor and two readers (one sync, one async
-actor) on separate proc meshes, the index singleton in this (controller) process."""
+actor) on separate proc meshes, the index singleton in this (controller) process. Everything runs on
+one host, so readers under transport auto copy from the publisher's shared memory; the sync reader
+also pulls each store with transport rdma."""
 
 import os
 
@@ -7,13 +9,24 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import asyncio  # noqa: E402
 import hashlib  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import monarch.actor  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from monarch.actor import Actor, ActorError, endpoint, this_host  # noqa: E402
 
+from meshrl.actors.follower import PolicyFollower  # noqa: E402
+from meshrl.channels.arena import views  # noqa: E402
+from meshrl.channels.same_host import (  # noqa: E402
+    PREFIX,
+    SHM_DIR,
+    SameHostReader,
+    host_identity,
+    remove_stale_segments,
+)
 from meshrl.config.channels import WeightSyncConfig  # noqa: E402
 from meshrl.channels.weight_store import (  # noqa: E402
     WeightPublisher,
@@ -26,6 +39,8 @@ from meshrl.channels.weight_store import (  # noqa: E402
 pytestmark = pytest.mark.monarch
 
 CFG = WeightSyncConfig(num_chunks=4, transfer_timeout_s=3, rpc_timeout_s=10, max_arenas=2)
+PULLS = [(0, {}), (1, {}), (0, {"transport": "rdma"})]  # (reader, config overrides) of pull_all
+EXPECTED_TRANSPORTS = ["shm", "shm", "rdma"]
 
 
 def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -40,9 +55,21 @@ def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {
-        name: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        name: hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
         for name, t in tensors.items()
     }
+
+
+def segments_of(pid: int) -> set[str]:
+    """Shared-memory segments created by process ``pid`` (their names carry it)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX + ".") and n.split(".")[2] == str(pid)}
+
+
+def local_checksums(handle) -> dict[str, str]:
+    """Checksums of a published version read by this (controller) process from shared memory."""
+    dst = torch.empty(handle.layout.total_bytes, dtype=torch.uint8)
+    SameHostReader().copy(handle.local, dst, handle.layout.total_bytes)
+    return checksums(views(dst, handle.layout))
 
 
 class Publisher(Actor):
@@ -63,12 +90,32 @@ class Publisher(Actor):
         return self.publisher.versions
 
     @endpoint
+    def close(self) -> None:
+        self.publisher.close()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
     def crash(self) -> None:
         os._exit(1)
 
 
 def _pull_summary(result):
-    return {"version": result.version, "checksums": checksums(result.tensors), "nbytes": result.stats.nbytes}
+    return {
+        "version": result.version,
+        "checksums": checksums(result.tensors),
+        "nbytes": result.stats.nbytes,
+        "transport": result.stats.transport,
+    }
+
+
+def _puller(pullers: dict, cfg: WeightSyncConfig, store: str, overrides: dict | None) -> WeightPuller:
+    key = (store, tuple(sorted((overrides or {}).items())))
+    if key not in pullers:
+        pullers[key] = WeightPuller(store, cfg.model_copy(update=overrides or {}))
+    return pullers[key]
 
 
 def _read_first_chunk(handle) -> str:
@@ -81,22 +128,43 @@ def _read_first_chunk(handle) -> str:
     return "ok"
 
 
+class RecordingEngine:
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, items) -> None:
+        self.loaded = {name: t.clone() for name, t in items}
+
+
 class SyncReader(Actor):
     """Uses the sync API (sync actor endpoints)."""
 
     def __init__(self, cfg: WeightSyncConfig):
         silence_tcp_fallback_warning()
         self.cfg = cfg
-        self.pullers: dict[str, WeightPuller] = {}
+        self.pullers: dict[tuple, WeightPuller] = {}
 
     @endpoint
-    def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None):
-        puller = self.pullers.setdefault(store, WeightPuller(store, self.cfg))
-        return _pull_summary(puller.pull(min_version, timeout_s))
+    def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None):
+        return _pull_summary(_puller(self.pullers, self.cfg, store, overrides).pull(min_version, timeout_s))
 
     @endpoint
     def read_first_chunk(self, handle) -> str:
         return _read_first_chunk(handle)
+
+    @endpoint
+    def follow(self, store: str, min_version: int) -> tuple[dict, dict[str, str]]:
+        """A PolicyFollower's update into an engine that records what it loads."""
+        engine = RecordingEngine()
+        stats = PolicyFollower(store, self.cfg, Path(".")).update(engine, min_version)
+        return stats, checksums(engine.loaded)
+
+    @endpoint
+    def mapped_segments(self) -> set[str]:
+        """Shared-memory segments this process has mapped (deleted files included)."""
+        with open("/proc/self/maps") as f:
+            paths = [line.split(None, 5)[-1] for line in f if f"{SHM_DIR}/{PREFIX}." in line]
+        return {p.strip().removesuffix(" (deleted)").rsplit("/", 1)[1] for p in paths}
 
 
 class AsyncReader(Actor):
@@ -105,12 +173,13 @@ class AsyncReader(Actor):
     def __init__(self, cfg: WeightSyncConfig):
         silence_tcp_fallback_warning()
         self.cfg = cfg
-        self.pullers: dict[str, WeightPuller] = {}
+        self.pullers: dict[tuple, WeightPuller] = {}
 
     @endpoint
-    async def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None):
-        puller = self.pullers.setdefault(store, WeightPuller(store, self.cfg))
-        return _pull_summary(await puller.apull(min_version, timeout_s))
+    async def pull(
+        self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None
+    ):
+        return _pull_summary(await _puller(self.pullers, self.cfg, store, overrides).apull(min_version, timeout_s))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +204,7 @@ def cluster(monkeypatch_module):
             pm.stop().get(timeout=30)
         except Exception:
             pass
+    remove_stale_segments()  # stopped publishers could not unlink theirs
     monarch.actor.unhandled_fault_hook = default_hook
 
 
@@ -145,7 +215,8 @@ def monkeypatch_module():
 
 
 def pull_all(cluster, store="policy", min_version=0, timeout_s=None):
-    futures = [r.pull.call_one(store, min_version, timeout_s) for r in cluster.readers]
+    """Pull ``store`` with every reader under transport auto and with the sync reader under rdma."""
+    futures = [cluster.readers[r].pull.call_one(store, min_version, timeout_s, o) for r, o in PULLS]
     return [f.get(timeout=60) for f in futures]
 
 
@@ -157,7 +228,9 @@ def test_readers_get_bitwise_copies_and_versions_advance(cluster):
     for version in (1, 2):
         stats, published = cluster.pub.publish.call_one(version).get(timeout=60)
         assert stats.version == version and stats.nbytes > 4_000_000
-        for got in pull_all(cluster):
+        got_all = pull_all(cluster)
+        assert [got["transport"] for got in got_all] == EXPECTED_TRANSPORTS
+        for got in got_all:
             assert got["version"] == version
             assert got["checksums"] == published
             assert got["nbytes"] == stats.nbytes
@@ -169,7 +242,135 @@ def test_readers_get_bitwise_copies_and_versions_advance(cluster):
 def test_reader_with_latest_version_gets_no_transfer(cluster):
     latest = describe(cluster)["latest"]
     for got in pull_all(cluster):
-        assert got["version"] == latest and got["nbytes"] == 0
+        assert got["version"] == latest and got["nbytes"] == 0 and got["transport"] == "none"
+
+
+def test_shared_memory_pulls_stay_bitwise_across_versions_and_reuse_the_arenas(cluster):
+    pid = cluster.pub.pid.call_one().get(timeout=10)
+    segments = []
+    for _ in range(3):
+        version = describe(cluster)["latest"] + 1
+        _, published = cluster.pub.publish.call_one(version).get(timeout=60)
+        got_all = pull_all(cluster)
+        assert [got["transport"] for got in got_all] == EXPECTED_TRANSPORTS
+        assert all(got["version"] == version and got["checksums"] == published for got in got_all)
+        segments.append(segments_of(pid))
+    assert len(segments[0]) == 2 and segments[0] == segments[1] == segments[2]  # the pool of 2, reused
+    assert cluster.readers[0].mapped_segments.call_one().get(timeout=10) <= segments[-1]
+
+
+def test_the_policy_followers_stats_name_the_transport(cluster):
+    version = describe(cluster)["latest"]
+    stats, loaded = cluster.readers[0].follow.call_one("policy", version).get(timeout=60)
+    assert stats["transport"] == "shm" and stats["version"] == version and stats["bytes"] > 0
+    assert loaded == checksums(make_state_dict(version))
+
+
+def test_reclaim_keeps_a_leased_shared_arena_until_release_then_reuses_it(cluster):
+    version = describe(cluster)["latest"]
+    handle, lease = cluster.index.acquire.call_one("policy", version, None, 1.0, 60.0).get(timeout=10)
+    assert handle.host == host_identity() and handle.local is not None
+    stats, published = cluster.pub.publish.call_one(version + 1).get(timeout=60)
+    assert version not in stats.reclaimed
+    assert all(got["checksums"] == published for got in pull_all(cluster))
+    assert local_checksums(handle) == checksums(make_state_dict(version))  # the leased bytes are intact
+
+    cluster.index.release.call_one("policy", version, lease).get(timeout=10)
+    stats, published = cluster.pub.publish.call_one(version + 2).get(timeout=60)
+    assert stats.reclaimed == (version, version + 1)  # v+1 once superseded, unread
+    newest, lease = cluster.index.acquire.call_one("policy", version + 2, None, 1.0, 60.0).get(timeout=10)
+    cluster.index.release.call_one("policy", version + 2, lease).get(timeout=10)
+    assert newest.local.name == handle.local.name  # the released version's arena holds the new one
+    assert all(got["checksums"] == published for got in pull_all(cluster))
+
+
+def test_transport_rdma_publisher_shares_no_memory_and_shm_readers_refuse_it(cluster):
+    pid = cluster.pub.pid.call_one().get(timeout=10)
+    before = segments_of(pid)
+    rdma = CFG.model_copy(update={"transport": "rdma"})
+    owner = cluster.meshes["pub"].spawn("rdma_owner", Publisher, "rdma-only", rdma)
+    _, published = owner.publish.call_one(1).get(timeout=60)
+    assert segments_of(pid) == before
+    for got in pull_all(cluster, "rdma-only"):
+        assert got["transport"] == "rdma" and got["checksums"] == published
+    with pytest.raises(ActorError) as info:
+        cluster.readers[0].pull.call_one("rdma-only", 0, None, {"transport": "shm"}).get(timeout=30)
+    assert str(info.value.exception) == (
+        "weight pull of 'rdma-only' v1 failed: transport 'shm' but the publisher shares no arena "
+        "(its transport is 'rdma', or /dev/shm was unusable)"
+    )
+
+
+def test_auto_falls_back_to_rdma_when_the_segment_cannot_be_opened(cluster):
+    owner = cluster.meshes["pub"].spawn("hidden_owner", Publisher, "hidden", CFG)
+    pid = owner.pid.call_one().get(timeout=10)
+    before = segments_of(pid)
+    _, published = owner.publish.call_one(1).get(timeout=60)
+    (segment,) = segments_of(pid) - before
+    os.unlink(os.path.join(SHM_DIR, segment))  # the publisher still maps it; no reader can open it
+    got_all = pull_all(cluster, "hidden")
+    assert [got["transport"] for got in got_all] == ["rdma"] * 3
+    assert all(got["checksums"] == published for got in got_all)
+    with pytest.raises(ActorError) as info:
+        cluster.readers[0].pull.call_one("hidden", 0, None, {"transport": "shm"}).get(timeout=30)
+    msg = str(info.value.exception)
+    assert msg.startswith(f"weight pull of 'hidden' v1 failed: shared-memory segment {segment} could not be opened")
+    assert "\n" not in msg
+
+
+def test_segments_of_a_killed_publisher_are_refused_then_removed(cluster):
+    pm = this_host().spawn_procs(per_host={"procs": 1})
+    owner = pm.spawn("publisher", Publisher, "stale", CFG)
+    owner.publish.call_one(1).get(timeout=60)
+    pid = owner.pid.call_one().get(timeout=10)
+    stale = segments_of(pid)
+    assert len(stale) == 1
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert segments_of(pid) == stale  # SIGKILL: nobody unlinked it
+    start = time.monotonic()
+    with pytest.raises(ActorError) as info:
+        cluster.readers[0].pull.call_one("stale").get(timeout=30)
+    assert time.monotonic() - start < 2
+    assert str(info.value.exception) == (
+        f"weight pull of 'stale' v1 failed: the publisher process of shared-memory segment {min(stale)} is gone"
+    )
+    try:
+        pm.stop().get(timeout=10)
+    except Exception:
+        pass
+    # the next segment created on this host sweeps it; a restarted owner serves its own bytes
+    restarted = cluster.meshes["pub"].spawn("stale_owner", Publisher, "stale", CFG)
+    _, published = restarted.publish.call_one(1).get(timeout=60)
+    assert segments_of(pid) == set()
+    assert all(got["checksums"] == published for got in pull_all(cluster, "stale"))
+
+
+def test_close_unlinks_the_segments_and_readers_unmap_them(cluster):
+    owner = cluster.meshes["pub"].spawn("closing_owner", Publisher, "closing", CFG)
+    pid = owner.pid.call_one().get(timeout=10)
+    before = segments_of(pid)
+    for version in (1, 2):
+        _, published = owner.publish.call_one(version).get(timeout=60)
+        assert all(got["checksums"] == published for got in pull_all(cluster, "closing"))
+    created = segments_of(pid) - before
+    assert len(created) == 2 and created <= cluster.readers[0].mapped_segments.call_one().get(timeout=10)
+    owner.close.call_one().get(timeout=30)
+    assert not segments_of(pid) & created
+    with pytest.raises(ActorError):  # the versions were withdrawn; the pull still drops stale mappings
+        cluster.readers[0].pull.call_one("closing", 3, 0.2).get(timeout=30)
+    assert not cluster.readers[0].mapped_segments.call_one().get(timeout=10) & created
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_arenas_are_copied_over_cuda_ipc_on_one_host(cluster):
+    cuda = CFG.model_copy(update={"arena_device": "cuda"})
+    owner = cluster.meshes["pub"].spawn("cuda_owner", Publisher, "cuda", cuda)
+    _, published = owner.publish.call_one(1).get(timeout=60)
+    got = cluster.readers[0].pull.call_one("cuda", 0, None, {"arena_device": "cuda"}).get(timeout=60)
+    assert got["transport"] == "cuda_ipc" and got["checksums"] == published
 
 
 def test_leased_version_stays_readable_and_is_dropped_after_release(cluster):
@@ -237,14 +438,18 @@ def test_pull_from_a_dead_owner_raises_within_the_timeout(cluster):
     crashy.crash.broadcast()
     time.sleep(0.5)
     start = time.monotonic()
-    pulls = [reader.pull.call_one("crashy") for reader in cluster.readers]
-    for pull in pulls:
+    pulls = [cluster.readers[r].pull.call_one("crashy", 0, None, o) for r, o in PULLS]
+    for pull, transport in zip(pulls, EXPECTED_TRANSPORTS):
         with pytest.raises(ActorError) as info:
             pull.get(timeout=30)
         assert isinstance(info.value.exception, WeightSyncError)
         msg = str(info.value.exception)
-        assert msg.startswith("weight pull of 'crashy' v1 chunk ") and "\n" not in msg, msg
-        assert "timed out" in msg or "failed" in msg
+        assert "\n" not in msg, msg
+        if transport == "shm":  # the dead owner's shared memory is refused at once
+            assert msg.startswith("weight pull of 'crashy' v1 failed: the publisher process of "), msg
+        else:
+            assert msg.startswith("weight pull of 'crashy' v1 chunk "), msg
+            assert "timed out" in msg or "failed" in msg
     assert time.monotonic() - start < CFG.transfer_timeout_s + 3
     try:
         crash_pm.stop().get(timeout=10)

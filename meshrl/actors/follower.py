@@ -36,4 +36,5 @@ class PolicyFollower:
             load_s = time.perf_counter() - started
         self.version = result.version
         return {"version": result.version, "pull_s": result.stats.seconds,
-                "transfer_s": result.stats.transfer_seconds, "bytes": result.stats.nbytes, "load_s": load_s}
+                "transfer_s": result.stats.transfer_seconds, "bytes": result.stats.nbytes, "load_s": load_s,
+                "transport": result.stats.transport}

@@ -1,15 +1,15 @@
 """A small cooperative step driver: code that waits on Monarch futures is written once as a step
-generator that yields what it waits for (``_Await`` one future, ``_AwaitAll`` several, ``_Sleep``)
-and receives the result (or the exception); ``_drive`` runs it from synchronous code with
-``Future.get``, ``_adrive`` from a coroutine with ``await``. The weight store uses it so that its
-sync and ``a``-prefixed async methods share one implementation."""
+generator that yields what it waits for (``_Await`` one future, ``_AwaitAll`` several, ``_Sleep``,
+``_Run`` a blocking local function) and receives the result (or the exception); ``_drive`` runs it
+from synchronous code with ``Future.get``, ``_adrive`` from a coroutine with ``await``. The weight
+store uses it so that its sync and ``a``-prefixed async methods share one implementation."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 
 @dataclass
@@ -33,6 +33,14 @@ class _AwaitAll:
 @dataclass
 class _Sleep:
     seconds: float
+
+
+@dataclass
+class _Run:
+    """Call a blocking local function (a memory copy): inline from sync code, in a worker thread from
+    a coroutine so the event loop keeps serving; the generator receives its result or exception."""
+
+    fn: Callable[[], Any]
 
 
 Steps = Generator[Any, Any, Any]
@@ -59,6 +67,8 @@ def _drive(steps: Steps) -> Any:
             elif isinstance(request, _AwaitAll):
                 deadline = time.monotonic() + request.timeout_s
                 value = [_settle(f, max(deadline - time.monotonic(), 0.001)) for f in request.futures]
+            elif isinstance(request, _Run):
+                value = request.fn()
             else:
                 time.sleep(request.seconds)
         except Exception as e:
@@ -88,6 +98,8 @@ async def _adrive(steps: Steps) -> Any:
                 value = await asyncio.gather(
                     *(_await_with_timeout(f, request.timeout_s) for f in request.futures), return_exceptions=True
                 )
+            elif isinstance(request, _Run):
+                value = await asyncio.to_thread(request.fn)
             else:
                 await asyncio.sleep(request.seconds)
         except Exception as e:

@@ -1,5 +1,7 @@
-"""Versioned weight store: the learner publishes state dicts, generators pull them over
-``monarch.rdma.RDMABuffer`` (ibverbs on GPU hosts, the TCP fallback on CPU).
+"""Versioned weight store: the learner publishes state dicts, generators pull them by a path chosen
+by locality: a copy out of the publisher's shared memory (CPU) or CUDA IPC handle (GPU) when they
+run on its host (``meshrl.channels.same_host``), ``monarch.rdma.RDMABuffer`` reads otherwise
+(ibverbs on GPU hosts, the TCP fallback on CPU).
 
 The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 0.7:
 
@@ -7,11 +9,13 @@ The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 
   (``get_or_spawn_controller("meshrl.weight_index", WeightIndex)``). Per store it keeps the
   published ``WeightHandle``s (layout + chunk RDMA buffers), the read leases and the latest version.
 * ``WeightPublisher`` - a plain object inside the data owner (the learner's process). Each version is
-  packed into a flat arena from a small pool, registered as ``num_chunks`` RDMA buffers and announced
-  to the index. Versions that are superseded and unleased are reclaimed: their buffers are dropped
-  (stale handles then fail instead of reading other bytes) and the arena is reused.
-* ``WeightPuller`` - a plain object inside each reader. A pull leases the newest version, reads all
-  chunks concurrently into the reader's own arena, releases the lease and returns zero-copy views.
+  packed into a flat arena from a small pool (CPU arenas in named shared memory, CUDA arenas exported
+  for CUDA IPC), registered as ``num_chunks`` RDMA buffers and announced to the index with the
+  owner's host identity. Versions that are superseded and unleased are reclaimed: their buffers are
+  dropped (stale handles then fail instead of reading other bytes) and the arena is reused.
+* ``WeightPuller`` - a plain object inside each reader. A pull leases the newest version, fills the
+  reader's own arena (one local copy on the publisher's host under ``transport`` auto or shm, else
+  all chunks read concurrently over RDMA), releases the lease and returns zero-copy views.
 
 Both objects offer a sync method (for sync actor endpoints and plain scripts) and an ``a``-prefixed
 coroutine (for async actors; ``.get()`` would block their event loop). Both variants run the same
@@ -49,7 +53,9 @@ Usage (sync actors shown; async actors ``await`` ``apublish`` / ``apull`` instea
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -62,12 +68,23 @@ from monarch.actor import Actor, ActorError, concurrent_endpoint, endpoint, get_
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
 from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
-from meshrl.channels.steps import Steps, _adrive, _Await, _AwaitAll, _drive, _one_line, _Sleep
+from meshrl.channels.same_host import (
+    LocalRef,
+    OwnerGone,
+    SameHostReader,
+    SameHostUnavailable,
+    SharedArena,
+    host_identity,
+    local_transport,
+)
+from meshrl.channels.steps import Steps, _adrive, _Await, _AwaitAll, _drive, _one_line, _Run, _Sleep
 from meshrl.config.channels import WeightSyncConfig
 
 INDEX_NAME = "meshrl.weight_index"
 _POLL_S = 0.05  # publisher re-checks for a free arena this often while all are leased
 _DRIVER_SLACK_S = 5.0  # extra wait beyond the RDMA layer's own timeout before giving up on a read
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -95,6 +112,11 @@ class WeightHandle:
     owner_id: str
     publish_id: str
     """Unique per publish: a restarted owner may publish a version number again with other bytes."""
+    host: str
+    """The owner's ``same_host.host_identity()``: readers with the same identity may use ``local``."""
+    local: LocalRef | None
+    """How a reader on the owner's host reaches the arena (shared-memory segment or CUDA IPC handle);
+    None when the owner shares nothing (transport rdma, or /dev/shm unusable)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,8 @@ class PullStats:
     transfer_seconds: float
     nbytes: int
     """Bytes transferred (0 when the reader already had the latest version)."""
+    transport: str
+    """How they moved: "shm", "cuda_ipc", "rdma", or "none" when nothing moved."""
 
     @property
     def gbps(self) -> float:
@@ -273,7 +297,7 @@ def _call(what: str, future: Any, timeout_s: float) -> Steps:
 
 @dataclass
 class _Arena:
-    memory: torch.Tensor
+    shared: SharedArena
     version: int | None = None
     buffers: tuple[RDMABuffer, ...] = ()
 
@@ -309,7 +333,8 @@ class WeightPublisher:
         return await _adrive(self._reclaim_steps())
 
     def close(self) -> None:
-        """Withdraw every version from the index and drop all buffers."""
+        """Withdraw every version from the index, drop all buffers and unlink the shared-memory
+        segments."""
         _drive(self._close_steps())
 
     async def aclose(self) -> None:
@@ -352,16 +377,19 @@ class WeightPublisher:
             arena = self._free_arena(layout.total_bytes)
 
         packed_at = time.perf_counter()
-        pack_into(arena.memory, state_dict, layout)
-        if arena.memory.is_cuda:
-            torch.cuda.synchronize(arena.memory.device)
+        memory = arena.shared.memory
+        pack_into(memory, state_dict, layout)
+        if memory.is_cuda:
+            torch.cuda.synchronize(memory.device)
         registered_at = time.perf_counter()
         ranges = chunk_ranges(layout.total_bytes, cfg.num_chunks, cfg.alignment)
-        arena.buffers = tuple(RDMABuffer(arena.memory[o : o + n]) for o, n in ranges)
+        arena.buffers = tuple(RDMABuffer(memory[o : o + n]) for o, n in ranges)
         arena.version = version
         done_at = time.perf_counter()
         chunks = tuple(ChunkHandle(o, n, b) for (o, n), b in zip(ranges, arena.buffers))
-        handle = WeightHandle(self.store, version, layout, chunks, self.owner_id, uuid.uuid4().hex)
+        handle = WeightHandle(
+            self.store, version, layout, chunks, self.owner_id, uuid.uuid4().hex, host_identity(), arena.shared.ref
+        )
         try:
             yield from _call(what, index.publish.call_one(handle), cfg.rpc_timeout_s)
         except WeightSyncError:
@@ -381,16 +409,19 @@ class WeightPublisher:
 
     def _free_arena(self, nbytes: int) -> _Arena | None:
         """A pooled arena holding no version and big enough, else a new one if the pool has room
-        (replacing a free arena that is too small), else None."""
+        (replacing a free arena that is too small), else None. New arenas are shared with same-host
+        readers unless the transport is rdma."""
         free = [a for a in self._arenas if a.version is None]
-        fitting = [a for a in free if a.memory.numel() >= nbytes]
+        fitting = [a for a in free if a.shared.memory.numel() >= nbytes]
         if fitting:
-            return min(fitting, key=lambda a: a.memory.numel())
+            return min(fitting, key=lambda a: a.shared.memory.numel())
         if free:
             self._arenas.remove(free[0])
+            free[0].shared.close()
         elif len(self._arenas) >= self.config.max_arenas:
             return None
-        arena = _Arena(allocate_arena(nbytes, self.config.arena_device))
+        share = self.config.transport != "rdma"
+        arena = _Arena(SharedArena(nbytes, self.config.arena_device, share))
         self._arenas.append(arena)
         return arena
 
@@ -417,11 +448,15 @@ class WeightPublisher:
             a.buffers, a.version = (), None
 
     def _close_steps(self) -> Steps:
-        if self._index is not None:
-            what = f"weight publisher '{self.store}' close"
-            yield from _call(what, self._index.reset_owner.call_one(self.owner_id), self.config.rpc_timeout_s)
-        yield from self._drop_steps(self._arenas)
-        self._arenas.clear()
+        try:
+            if self._index is not None:
+                what = f"weight publisher '{self.store}' close"
+                yield from _call(what, self._index.reset_owner.call_one(self.owner_id), self.config.rpc_timeout_s)
+            yield from self._drop_steps(self._arenas)
+        finally:  # segments are unlinked even when the index is unreachable
+            for a in self._arenas:
+                a.shared.close()
+            self._arenas.clear()
 
 
 # ---------------------------------------------------------------------------------------- puller
@@ -432,7 +467,8 @@ class WeightPuller:
 
     ``pull(min_version, timeout_s)`` from sync code, ``await apull(...)`` from async actors. A pull
     waits up to ``timeout_s`` (default ``transfer_timeout_s``) for a version >= ``min_version``;
-    when the newest version is the one already held it returns at once without transferring.
+    when the newest version is the one already held it returns at once without transferring. The
+    transport follows ``config.transport`` and the publisher's host; each change is logged.
     """
 
     def __init__(self, store: str, config: WeightSyncConfig | None = None) -> None:
@@ -445,6 +481,8 @@ class WeightPuller:
         self._views_layout: ArenaLayout | None = None
         self._stranded: list[torch.Tensor] = []  # arenas a read may still write into: never reused
         self._index: Any = None
+        self._same_host = SameHostReader()
+        self._transport: str | None = None  # of the last transfer, to log changes
 
     def pull(self, min_version: int = 0, timeout_s: float | None = None) -> PullResult:
         return _drive(self._pull_steps(min_version, timeout_s))
@@ -456,6 +494,7 @@ class WeightPuller:
         cfg = self.config
         start = time.perf_counter()
         what = f"weight pull of '{self.store}'"
+        self._same_host.drop_unlinked()
         if self._index is None:
             self._index = yield from _call(what, weight_index(), cfg.rpc_timeout_s)
         wait_s = cfg.transfer_timeout_s if timeout_s is None else timeout_s
@@ -464,13 +503,13 @@ class WeightPuller:
         acquire = self._index.acquire.call_one(self.store, min_version, self._publish_id, wait_s, lease_s)
         got = yield from _call(what, acquire, wait_s + cfg.rpc_timeout_s)
         if got is None:
-            stats = PullStats(time.perf_counter() - start, 0.0, 0)
+            stats = PullStats(time.perf_counter() - start, 0.0, 0, "none")
             return PullResult(self.version, self._views, stats)  # type: ignore[arg-type]
         handle, lease = got
         what = f"weight pull of '{self.store}' v{handle.version}"
         release = (self.store, handle.version, lease)
         try:
-            transfer_s = yield from self._transfer_steps(handle, read_timeout, what)
+            transport, transfer_s = yield from self._transfer_steps(handle, read_timeout, what)
         except BaseException:
             try:  # best effort: the lease also expires on its own
                 yield from _call(what, self._index.release.call_one(*release), cfg.rpc_timeout_s)
@@ -483,15 +522,46 @@ class WeightPuller:
         self.version, self._publish_id = handle.version, handle.publish_id
         if self._views_layout != handle.layout:
             self._views, self._views_layout = views(self._arena, handle.layout), handle.layout
-        stats = PullStats(time.perf_counter() - start, transfer_s, handle.layout.total_bytes)
+        stats = PullStats(time.perf_counter() - start, transfer_s, handle.layout.total_bytes, transport)
         return PullResult(handle.version, self._views, stats)
 
     def _transfer_steps(self, handle: WeightHandle, read_timeout: int, what: str) -> Steps:
+        """Fill this reader's arena with the version's bytes: one local copy when the transport
+        config and the publisher's host allow it, else concurrent RDMA chunk reads (also when the
+        local arena cannot be opened under transport auto). Returns (transport, seconds)."""
         nbytes = handle.layout.total_bytes
         if self._arena is None or self._arena.numel() < nbytes:
             self._arena, self._views_layout = allocate_arena(nbytes, self.config.arena_device), None
         arena = self._arena
         self.version = self._publish_id = None  # arena being overwritten: invalid until this pull succeeds
+        began = time.perf_counter()
+        fallback = None
+        try:
+            transport = local_transport(self.config.transport, handle.host, handle.local)
+            if transport is not None:
+                yield _Run(functools.partial(self._same_host.copy, handle.local, arena, nbytes))
+                self._log_transport(transport, None)
+                return transport, time.perf_counter() - began
+        except OwnerGone as e:
+            raise WeightSyncError(f"{what} failed: {e}") from None
+        except SameHostUnavailable as e:
+            if self.config.transport == "shm":
+                raise WeightSyncError(f"{what} failed: {e}") from None
+            fallback = e
+        yield from self._rdma_steps(handle, arena, read_timeout, what)
+        self._log_transport("rdma", fallback)
+        return "rdma", time.perf_counter() - began
+
+    def _log_transport(self, transport: str, fallback: BaseException | None) -> None:
+        if transport == self._transport:
+            return
+        self._transport = transport
+        if fallback is None:
+            logger.info("weight pulls of '%s' now use %s", self.store, transport)
+        else:
+            logger.warning("weight pulls of '%s' now use rdma: %s", self.store, _one_line(fallback))
+
+    def _rdma_steps(self, handle: WeightHandle, arena: torch.Tensor, read_timeout: int, what: str) -> Steps:
         began = time.perf_counter()
         reads = [c.buffer.read_into(arena[c.offset : c.offset + c.nbytes], timeout=read_timeout) for c in handle.chunks]
         outcomes = yield _AwaitAll(reads, read_timeout + _DRIVER_SLACK_S)
@@ -506,4 +576,3 @@ class WeightPuller:
             if isinstance(outcome, TimeoutError) or "timed out" in str(outcome):
                 raise WeightSyncError(f"{what} {chunk} timed out after {elapsed:.1f}s: owner gone?") from None
             raise WeightSyncError(f"{what} {chunk} failed: {_one_line(outcome)}") from None
-        return elapsed

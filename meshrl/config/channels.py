@@ -1,4 +1,4 @@
-"""Transport configuration: the RDMA weight store (``meshrl.channels.weight_store``) and the
+"""Transport configuration: the weight store (``meshrl.channels.weight_store``) and the
 delayed-result channel with its pool of teacher replay actors (``meshrl.channels.delayed``)."""
 
 from __future__ import annotations
@@ -11,17 +11,27 @@ from meshrl.config.base import Section
 
 
 class WeightSyncConfig(Section):
-    """Learner -> generator weight transfer: a versioned arena per published state dict, read by
-    every generator as concurrent chunked RDMA reads."""
+    """Learner -> generator weight transfer: a versioned arena per published state dict, copied out
+    of the learner's memory by generators on its host and read as concurrent chunked RDMA reads by
+    the others."""
+
+    transport: Literal["auto", "rdma", "shm"] = "auto"
+    """How a pull moves the bytes. `auto`: a local copy when the publisher runs on this host (its CPU
+    arena in shared memory under /dev/shm, its CUDA arena over CUDA IPC), RDMA otherwise or when the
+    local arena cannot be opened. `rdma`: always RDMA (the publisher then shares no memory; for
+    comparison). `shm`: the local copy only; a pull from a publisher elsewhere fails with a one-line
+    error. On one 2-core CPU host a warm pull by local copy ran at 0.9-1.3x a memcpy of the same bytes,
+    by RDMA (TCP fallback) at 0.06-0.13x (benchmarks/weight_transports.py)."""
 
     num_chunks: int = Field(32, ge=1, le=1024)
-    """RDMA buffers each published arena is split into; readers fetch them concurrently. On one
+    """RDMA buffers each published arena is split into; RDMA readers fetch them concurrently. On one
     2-core CPU host (TCP fallback) the chunk count is what matters: a 269 MB pull ran at a median
     0.6-0.8 GB/s with 4-8 chunks and 1.0-1.6 GB/s with 32-64 (benchmarks/weight_sync.py)."""
 
     transfer_timeout_s: float = Field(60.0, gt=0)
-    """Deadline for one pull's chunk reads (rounded up to whole seconds for the RDMA layer) and for
-    a publisher waiting for a free arena; a dead owner surfaces as a WeightSyncError after this."""
+    """Deadline for one pull's RDMA chunk reads (rounded up to whole seconds for the RDMA layer) and
+    for a publisher waiting for a free arena; a dead owner surfaces as a WeightSyncError after this
+    (at once for a local copy: a dead owner's shared memory is refused)."""
 
     rpc_timeout_s: float = Field(30.0, gt=0)
     """Deadline for each small control call to the weight index (publish, acquire, release)."""

@@ -87,7 +87,7 @@ class FakeGenerator:
 
     def update_weights(self, version):
         self.version = version
-        return {"version": version, "pull_s": 0.1, "transfer_s": 0.1, "bytes": 100, "load_s": 0.01}
+        return {"version": version, "pull_s": 0.1, "transfer_s": 0.1, "bytes": 100, "load_s": 0.01, "transport": "shm"}
 
 
 class FakeRewarder:
