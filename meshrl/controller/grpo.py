@@ -100,8 +100,12 @@ class GRPOLoop:
         """Every weight reader pulls ``version``; the generators' pull statistics."""
         t0 = time.perf_counter()
         pulls = self.client.sync_readers(version)
-        return {"sync/pull_s": max(p["pull_s"] for p in pulls), "sync/load_s": max(p["load_s"] for p in pulls),
-                "timing/sync_s": time.perf_counter() - t0}
+        metrics = {"sync/pull_s": max(p["pull_s"] for p in pulls), "sync/load_s": max(p["load_s"] for p in pulls),
+                   "timing/sync_s": time.perf_counter() - t0}
+        for p in pulls:  # how many generators pulled over each transport (shm, cuda_ipc, rdma)
+            key = f"sync/transport/{p['transport']}"
+            metrics[key] = metrics.get(key, 0) + 1
+        return metrics
 
     def produce_unit(self, st: ProductionState, version: int) -> Unit:
         """Roll out the next `unit_size` tasks of step ``st.step`` with the latest published weights
