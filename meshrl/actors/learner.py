@@ -89,7 +89,7 @@ class Learner(MeshrlActor):
     @endpoint
     def publish(self, version: int) -> dict:
         """Publish the current weights (LoRA merged, or the adapter only) as ``version``. Every rank
-        takes part (FSDP2 gathers its shards); rank 0 holds a full copy and publishes it."""
+        takes part (under FSDP2 rank 0 gathers the others' shards); rank 0 publishes."""
         if self.publisher is None and not self.trainer.dp.sharded:
             return {}
         state = self.trainer.sync_state_dict()

@@ -123,18 +123,34 @@ class DataParallel:
         if bucket:
             _all_reduce_flat(bucket)
 
-    def full_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors of a (possibly sharded) state dict; names that share one tensor (tied
+    def gather_to_first(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors of a (possibly FSDP2-sharded) state dict on rank 0, and an empty dict on
+        the other ranks, which never hold more than their shards. Names that share one tensor (tied
         weights) keep sharing one result. Under FSDP2 every rank must call this together."""
         if not self.sharded:
             return state
-        gathered: dict[int, torch.Tensor] = {}
-        out = {}
-        for name, t in state.items():
+        gathered: dict[int, torch.Tensor | None] = {}
+        for t in state.values():
             if id(t) not in gathered:
-                gathered[id(t)] = t.full_tensor() if hasattr(t, "full_tensor") else t
-            out[name] = gathered[id(t)]
-        return out
+                gathered[id(t)] = self._gather_rows(t)
+        return {} if self.rank else {name: gathered[id(t)] for name, t in state.items()}
+
+    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor | None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(t, DTensor):
+            return t
+        if tuple(t.placements) != (Shard(0),):
+            full = t.full_tensor()  # a layout FSDP2 does not use by default: gather it whole
+            return full if self.rank == 0 else None
+        # dim-0 shards in torch.chunk order: rank r holds rows [r*c, (r+1)*c) of c = ceil(rows / N)
+        local, rows = t.to_local(), t.shape[0]
+        chunk = -(-rows // self.world)
+        padded = local.new_zeros((chunk, *t.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(padded, parts, dst=0)
+        return torch.cat(parts)[:rows] if self.rank == 0 else None
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():

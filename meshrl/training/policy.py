@@ -268,7 +268,8 @@ class PolicyTrainer:
     def inference_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """HF-named weights as the generators load them: LoRA merged. A tied lm_head stays in (as
         an alias of the embedding: the arena stores it once), since vLLM's in-place reload only
-        refreshes its head from an explicit `lm_head.weight`."""
+        refreshes its head from an explicit `lm_head.weight`. Under FSDP2 every rank calls this
+        and the shards are gathered on rank 0 only (the other ranks get an empty dict)."""
         if self.cfg.lora.enabled:
             self.model.merge_adapter()
             try:
@@ -283,4 +284,4 @@ class PolicyTrainer:
         else:
             converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
             state = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
-        return self.dp.full_tensors(state)
+        return self.dp.gather_to_first(state)
