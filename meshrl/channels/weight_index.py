@@ -1,0 +1,164 @@
+"""The weight store's index: the handles readers need to fetch a published version, and the
+``WeightIndex`` actor that keeps them per store with their read leases (see ``weight_store.py``
+for the publisher and puller around it). Holds only small handles; bytes stay with the owners."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
+from monarch.rdma import RDMABuffer
+
+from meshrl.channels.arena import ArenaLayout
+from meshrl.channels.same_host import LocalRef
+
+INDEX_NAME = "meshrl.weight_index"
+
+
+class WeightSyncError(RuntimeError):
+    """A weight publish or pull failed or timed out; the message is one line naming store,
+    version and chunk."""
+
+
+@dataclass(frozen=True)
+class ChunkHandle:
+    """One registered byte range ``[offset, offset + nbytes)`` of a published arena."""
+
+    offset: int
+    nbytes: int
+    buffer: RDMABuffer
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    """Everything a reader needs to fetch one published version (small and picklable)."""
+
+    store: str
+    version: int
+    layout: ArenaLayout
+    chunks: tuple[ChunkHandle, ...]
+    owner_id: str
+    publish_id: str
+    """Unique per publish: a restarted owner may publish a version number again with other bytes."""
+    host: str
+    """The owner's ``same_host.host_identity()``: readers with the same identity may use ``local``."""
+    local: LocalRef | None
+    """How a reader on the owner's host reaches the arena (shared-memory segment or CUDA IPC handle);
+    None when the owner shares nothing (transport rdma, or /dev/shm unusable)."""
+
+
+@dataclass
+class _Lease:
+    store: str
+    version: int
+    deadline: float
+
+
+class WeightIndex(Actor):
+    """Published versions per store, their read leases, and the latest version. Holds only small
+    handles; bytes stay with the owners."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, dict[int, WeightHandle]] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._published = asyncio.Condition()
+
+    def _latest(self, store: str) -> int | None:
+        return max(self._handles.get(store) or (), default=None)
+
+    def _newest(self, store: str, min_version: int) -> WeightHandle | None:
+        latest = self._latest(store)
+        return self._handles[store][latest] if latest is not None and latest >= min_version else None
+
+    @endpoint
+    async def publish(self, handle: WeightHandle) -> None:
+        versions = self._handles.setdefault(handle.store, {})
+        if versions and handle.version <= max(versions):
+            raise WeightSyncError(
+                f"publish of '{handle.store}' v{handle.version}: versions must increase (latest is v{max(versions)})"
+            )
+        versions[handle.version] = handle
+        async with self._published:
+            self._published.notify_all()
+
+    @endpoint
+    async def latest(self, store: str) -> int | None:
+        return self._latest(store)
+
+    @concurrent_endpoint
+    async def acquire(
+        self, store: str, min_version: int, have_id: str | None, wait_s: float, lease_s: float
+    ) -> tuple[WeightHandle, int] | None:
+        """Lease the newest version >= ``min_version``, waiting up to ``wait_s`` for one to be
+        published. Returns None (and takes no lease) if it is the publish ``have_id``."""
+        if self._newest(store, min_version) is None:
+            try:
+                async with self._published:
+                    await asyncio.wait_for(
+                        self._published.wait_for(lambda: self._newest(store, min_version) is not None), wait_s
+                    )
+            except asyncio.TimeoutError:
+                latest = self._latest(store)
+                have = f"v{latest}" if latest is not None else "no version"
+                raise WeightSyncError(
+                    f"weight pull of '{store}': no version >= v{min_version} within {wait_s:g}s (index has {have})"
+                ) from None
+        handle = self._newest(store, min_version)
+        assert handle is not None
+        if handle.publish_id == have_id:
+            return None
+        lease = next(self._lease_ids)
+        self._leases[lease] = _Lease(store, handle.version, time.monotonic() + lease_s)
+        return handle, lease
+
+    @endpoint
+    async def release(self, store: str, version: int, lease: int) -> bool:
+        """End a lease. True if the version was never reclaimed meanwhile (the bytes read are intact)."""
+        self._leases.pop(lease, None)
+        return version in self._handles.get(store, {})
+
+    @endpoint
+    async def reclaim(self, owner_id: str, held: list[int]) -> list[int]:
+        """Forget the owner's versions that are superseded and have no live lease. Returns which of
+        ``held`` (versions the owner still keeps buffers for) it may now drop."""
+        now = time.monotonic()
+        self._leases = {k: lease for k, lease in self._leases.items() if lease.deadline > now}
+        leased = {(lease.store, lease.version) for lease in self._leases.values()}
+        for store, versions in self._handles.items():
+            latest = max(versions, default=None)
+            for v in [v for v, h in versions.items() if h.owner_id == owner_id]:
+                if v != latest and (store, v) not in leased:
+                    del versions[v]
+        live = {v for versions in self._handles.values() for v, h in versions.items() if h.owner_id == owner_id}
+        return [v for v in held if v not in live]
+
+    @endpoint
+    async def reset_owner(self, owner_id: str) -> list[int]:
+        """Forget every version of ``owner_id`` (it restarted or closed); returns them."""
+        gone = []
+        for versions in self._handles.values():
+            for v in [v for v, h in versions.items() if h.owner_id == owner_id]:
+                del versions[v]
+                gone.append(v)
+        return sorted(gone)
+
+    @endpoint
+    async def describe(self, store: str) -> dict[str, Any]:
+        """Versions, latest and live lease counts per version of ``store`` (for tests and debugging)."""
+        versions = self._handles.get(store, {})
+        now = time.monotonic()
+        leases: dict[int, int] = {}
+        for lease in self._leases.values():
+            if lease.store == store and lease.deadline > now:
+                leases[lease.version] = leases.get(lease.version, 0) + 1
+        return {"versions": sorted(versions), "latest": max(versions, default=None), "leases": leases}
+
+
+def weight_index():
+    """Future of the ``WeightIndex`` singleton (spawned in the controller process on first use)."""
+    return get_or_spawn_controller(INDEX_NAME, WeightIndex)
