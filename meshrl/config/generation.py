@@ -33,6 +33,11 @@ class GeneratorConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts (evaluation is always greedy)."""
 
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM engine (one generator replica) shards its model over; > 1 needs the vllm
+    backend on a CUDA host, with that many GPUs visible to each generator process. Replicas are
+    `meshes.generator.procs`."""
+
     seed: int = 0
     """Base seed of the engine's sampler; replica r uses seed + r."""
 

@@ -61,7 +61,12 @@ class Engine(Protocol):
 
 
 def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int) -> Engine:
-    """The engine selected by `generator.backend`."""
+    """The engine selected by `generator.backend`. Tensor parallelism is checked here, in the
+    process that runs the engine (the controller's host may have no GPU)."""
+    if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
+        where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
+        raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
+                         f"vllm backend on a CUDA host, not {where}")
     if cfg.backend == "vllm":
         from meshrl.engines.vllm_engine import VLLMEngine
 

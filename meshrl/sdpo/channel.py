@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from meshrl.config.sdpo import SDPOConfig
-from meshrl.controller.mesh_client import MeshClient, split_evenly
+from meshrl.controller.dispatch import split_evenly
+from meshrl.controller.mesh_client import MeshClient
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.types import Datum
 
