@@ -184,7 +184,8 @@ class MeshClient:
 
     def sync_readers(self, version: int) -> list[dict]:
         """Every weight reader pulls the newest published version, at least ``version``, all the
-        same one (nothing is published meanwhile); the generators' pull statistics."""
+        same one (nothing is published meanwhile); the generators' pull statistics. A replica busy
+        with a late duplicate pulls when it has finished it, before serving anything else."""
         with self._sync_lock:
             stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
             held = {p["version"] for pulls in stats.values() for p in pulls}
