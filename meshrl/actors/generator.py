@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from monarch.actor import current_rank, endpoint
+from monarch.actor import current_rank, current_size, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.follower import PolicyFollower
@@ -50,7 +50,8 @@ class Generator(MeshrlActor):
         self.rank = current_rank().rank
         self.cfg = gen_cfg
         self.engine = make_engine(
-            Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank
+            Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
+            replica=(current_rank().get("procs", 0), current_size().get("procs", 1)),  # on this host
         )
         self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0

@@ -60,9 +60,11 @@ class Engine(Protocol):
         """Release the engine."""
 
 
-def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int) -> Engine:
-    """The engine selected by `generator.backend`. Tensor parallelism is checked here, in the
-    process that runs the engine (the controller's host may have no GPU)."""
+def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
+                replica: tuple[int, int] = (0, 1)) -> Engine:
+    """The engine selected by `generator.backend`; ``replica`` = (index, count) of the replicas on
+    this host (they share its CPU cores). Tensor parallelism is checked here, in the process that
+    runs the engine (the controller's host may have no GPU)."""
     if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
         where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
         raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
@@ -70,7 +72,7 @@ def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_le
     if cfg.backend == "vllm":
         from meshrl.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed)
+        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed, replica)
     from meshrl.engines.hf_engine import HFEngine
 
     return HFEngine(model_path, cfg, dtype, max_model_len, seed)

@@ -1,0 +1,147 @@
+"""Generation throughput with 1 and 2 generator replicas, side by side in one run, through the
+generator actors and the MeshClient's dynamic dispatch (the default job's backend, model and
+sampling shapes: configs/default.yaml, 8 prompts x 8 samples x up to 32 tokens per round).
+
+On a 2-core machine two replicas share the same two cores, so the rows say how the cores are used:
+
+- `1 replica`: the default layout (vLLM binds its threads to every core).
+- `2 replicas, one core each`: the default settings with `meshes.generator.procs=2` (with
+  `generator.omp_threads_bind=auto` the replicas on a host split its cores).
+- `2 replicas, both on both cores`: what vLLM's own `auto` binding did (every engine's threads on
+  the same cores); one timed round only, it is slow.
+- `1 replica, one core`: the per-core baseline of the row above it.
+- `2 replicas, one core each, 1 chunk per replica`: `meshes.chunks_per_replica=1` (bigger batches,
+  no balancing inside a call).
+- `2 replicas, one core each, one stalled`: the default 2-replica mesh with replica 1 made to sleep
+  `--stall-s` in its next generate call (fault injection); hedging serves its chunk elsewhere.
+
+The machine is shared with other work: its load average is recorded before and after.
+Every row samples the same seeded requests; `same_samples` says whether a row produced exactly the
+tokens of the first (prompt i is sampled with seed + i whichever replica serves it).
+
+    python benchmarks/generation_replicas.py [--model smollm2-135m-instruct] [--rounds 3]
+
+Prints a table and writes benchmarks/results/generation_replicas.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUTS = [  # (row, replicas, generator.omp_threads_bind, meshes.chunks_per_replica, timed rounds or None = --rounds)
+    ("1 replica", 1, "auto", 4, None),
+    ("2 replicas, one core each", 2, "auto", 4, None),
+    ("2 replicas, both on both cores", 2, "0-1", 4, 1),
+    ("1 replica, one core", 1, "0", 4, None),
+    ("2 replicas, one core each, 1 chunk per replica", 2, "auto", 1, None),
+]
+STALLED = 1  # the layout whose mesh also runs the stalled round
+
+
+def _rounds(client, prompts, request, rounds: int) -> tuple[list[float], list, dict[int, int]]:
+    """Seconds of each round, the last round's completions and the prompts each replica served."""
+    seconds, served = [], {}
+    for _ in range(rounds):
+        started = time.perf_counter()
+        groups = client.generate(prompts, request)
+        seconds.append(time.perf_counter() - started)
+        for g in groups:
+            served[g[0].meta["replica"]] = served.get(g[0].meta["replica"], 0) + 1
+    return seconds, groups, served
+
+
+def _row(name: str, seconds: list[float], groups: list, served: dict, reference: list | None) -> dict:
+    tokens = sum(len(c.tokens) for g in groups for c in g)
+    s = statistics.median(seconds)
+    row = {"layout": name, "round_s": seconds, "median_round_s": s, "tokens_per_round": tokens,
+           "tokens_per_s": tokens / s, "prompts_by_replica": {str(r): n for r, n in sorted(served.items())},
+           "same_samples": reference is None or [[c.tokens for c in g] for g in groups] == reference}
+    print(f"{name:52s} {row['tokens_per_s']:7.1f} tokens/s  round {s:5.2f}s  served {row['prompts_by_replica']}  "
+          f"same samples: {row['same_samples']}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model.name_or_path (default: configs/default.yaml's)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per layout (after a warm-up round)")
+    parser.add_argument("--stall-s", type=float, default=30.0, help="how long the stalled replica sleeps")
+    args = parser.parse_args()
+
+    from meshrl.cli import default_config_path
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.meshes.local import prepare_environment
+
+    overrides = [f"model.name_or_path={args.model}"] if args.model else []
+    base = load_config(RunConfig, default_config_path(), overrides)
+    prepare_environment(base.meshes)
+    from transformers import AutoTokenizer
+
+    from meshrl.actors.generator import Generator
+    from meshrl.controller.mesh_client import GENERATOR, MeshClient
+    from meshrl.controller.supervisor import Supervisor
+    from meshrl.engines import SampleRequest
+    from meshrl.envs.task_sets import make_task
+    from meshrl.meshes.group import MeshGroup
+    from meshrl.meshes.local import local_host
+    from meshrl.models.provision import resolve_model
+    from meshrl.renderers import renderer_for_tokenizer
+
+    path = resolve_model(base.model.name_or_path)
+    renderer = renderer_for_tokenizer(AutoTokenizer.from_pretrained(path))
+    prompts = [renderer.build_generation_prompt(list(p.messages))
+               for p in make_task(base.task).train_batch(0, base.trainer.prompts_per_step)]
+    s = base.generator.sampling
+    request = SampleRequest(n=base.trainer.group_size, max_tokens=s.max_new_tokens, temperature=s.temperature,
+                            top_p=s.top_p, stop_token_ids=tuple(renderer.get_stop_sequences()), seed=1234)
+    rows, reference, load = [], None, [os.getloadavg()]
+    for i, (name, replicas, bind, chunks, rounds) in enumerate(LAYOUTS):
+        cfg = load_config(RunConfig, default_config_path(), overrides + [
+            f"meshes.generator.procs={replicas}", f"generator.omp_threads_bind='{bind}'", f"meshes.chunks_per_replica={chunks}"])
+        meshes = MeshGroup(cfg.meshes, local_host())
+        try:
+            started = time.perf_counter()
+            meshes.spawn(GENERATOR, Generator, str(path), cfg.model, cfg.generator, cfg.weight_sync)
+            meshes.wait_ready()
+            spawn_s = time.perf_counter() - started
+            client = MeshClient(meshes, Supervisor(meshes, cfg.faults),
+                                {GENERATOR: cfg.generator.generate_timeout_s, "sync": cfg.learner.call_timeout_s},
+                                cfg.meshes.chunks_per_replica)
+            client.generate(prompts, request)  # warm-up
+            seconds, groups, served = _rounds(client, prompts, request, rounds or args.rounds)
+            rows.append({**_row(name, seconds, groups, served, reference), "replicas": replicas,
+                         "omp_threads_bind": bind, "chunks_per_replica": chunks, "spawn_s": spawn_s})
+            reference = reference or [[c.tokens for c in g] for g in groups]
+            if i == STALLED:
+                meshes[GENERATOR].slice(procs=1).inject_fault.call_one("generate", "delay", args.stall_s).get(timeout=60)
+                seconds, groups, served = _rounds(client, prompts, request, 1)
+                stalled = _row(f"{name}, one stalled {args.stall_s:g}s", seconds, groups, served, reference)
+                rows.append({**stalled, "replicas": replicas, "omp_threads_bind": bind, "chunks_per_replica": chunks,
+                             "stall_s": args.stall_s})
+                meshes[GENERATOR].info.call().get(timeout=args.stall_s + 60)  # let the stalled one finish
+        finally:
+            meshes.stop()
+    load.append(os.getloadavg())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"kind": "generation_replicas", "model": base.model.name_or_path, "backend": base.generator.backend,
+              "prompts": len(prompts), "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens,
+              "rounds": args.rounds, "rows": rows, "loadavg_before_after": load,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+              "commit": commit}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "generation_replicas.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
