@@ -2,20 +2,19 @@
 generator actors and the MeshClient's dynamic dispatch (the default job's backend, model and
 sampling shapes: configs/default.yaml, 8 prompts x 8 samples x up to 32 tokens per round).
 
-On a 2-core machine two replicas share the same two cores, so the rows say how the cores are used:
+On a 2-core machine two replicas share the same two cores (each replica's engine uses its share of
+them, one thread; one replica uses both):
 
-- `1 replica`: the default layout (vLLM binds its threads to every core).
-- `2 replicas, one core each`: the default settings with `meshes.generator.procs=2` (with
-  `generator.omp_threads_bind=auto` the replicas on a host split its cores).
-- `2 replicas, both on both cores`: what vLLM's own `auto` binding did (every engine's threads on
-  the same cores); one timed round only, it is slow.
-- `1 replica, one core`: the per-core baseline of the row above it.
-- `2 replicas, one core each, 1 chunk per replica`: `meshes.chunks_per_replica=1` (bigger batches,
-  no balancing inside a call).
-- `2 replicas, one core each, one stalled`: the default 2-replica mesh with replica 1 made to sleep
-  `--stall-s` in its next generate call (fault injection); hedging serves its chunk elsewhere.
+- `1 replica`: the default layout.
+- `2 replicas`: the default settings with `meshes.generator.procs=2`.
+- `2 replicas, 1 chunk per replica`: `meshes.chunks_per_replica=1` (bigger batches, no balancing
+  inside a call).
+- `2 replicas, one stalled`: the `2 replicas` mesh with replica 1 made to sleep `--stall-s` in its
+  next generate call (fault injection); hedging serves its chunk elsewhere.
 
-The machine is shared with other work: its load average is recorded before and after.
+Before the replicas capped their threads, each used both cores: 2 replicas x 2 spinning OpenMP
+threads on 2 cores generated 35 tokens/s against 377 for 1 replica (this file's result at commit
+410da03). The machine is shared with other work: its load average is recorded before and after.
 Every row samples the same seeded requests; `same_samples` says whether a row produced exactly the
 tokens of the first (prompt i is sampled with seed + i whichever replica serves it).
 
@@ -36,13 +35,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUTS = [  # (row, replicas, generator.omp_threads_bind, meshes.chunks_per_replica, timed rounds or None = --rounds)
-    ("1 replica", 1, "auto", 4, None),
-    ("2 replicas, one core each", 2, "auto", 4, None),
-    ("2 replicas, both on both cores", 2, "0-1", 4, 1),
-    ("1 replica, one core", 1, "0", 4, None),
-    ("2 replicas, one core each, 1 chunk per replica", 2, "auto", 1, None),
-]
+LAYOUTS = [("1 replica", 1, 4), ("2 replicas", 2, 4), ("2 replicas, 1 chunk per replica", 2, 1)]
+"""(row, meshes.generator.procs, meshes.chunks_per_replica)"""
 STALLED = 1  # the layout whose mesh also runs the stalled round
 
 
@@ -64,7 +58,7 @@ def _row(name: str, seconds: list[float], groups: list, served: dict, reference:
     row = {"layout": name, "round_s": seconds, "median_round_s": s, "tokens_per_round": tokens,
            "tokens_per_s": tokens / s, "prompts_by_replica": {str(r): n for r, n in sorted(served.items())},
            "same_samples": reference is None or [[c.tokens for c in g] for g in groups] == reference}
-    print(f"{name:52s} {row['tokens_per_s']:7.1f} tokens/s  round {s:5.2f}s  served {row['prompts_by_replica']}  "
+    print(f"{name:40s} {row['tokens_per_s']:7.1f} tokens/s  round {s:5.2f}s  served {row['prompts_by_replica']}  "
           f"same samples: {row['same_samples']}")
     return row
 
@@ -104,9 +98,9 @@ def main() -> None:
     request = SampleRequest(n=base.trainer.group_size, max_tokens=s.max_new_tokens, temperature=s.temperature,
                             top_p=s.top_p, stop_token_ids=tuple(renderer.get_stop_sequences()), seed=1234)
     rows, reference, load = [], None, [os.getloadavg()]
-    for i, (name, replicas, bind, chunks, rounds) in enumerate(LAYOUTS):
+    for i, (name, replicas, chunks) in enumerate(LAYOUTS):
         cfg = load_config(RunConfig, default_config_path(), overrides + [
-            f"meshes.generator.procs={replicas}", f"generator.omp_threads_bind='{bind}'", f"meshes.chunks_per_replica={chunks}"])
+            f"meshes.generator.procs={replicas}", f"meshes.chunks_per_replica={chunks}"])
         meshes = MeshGroup(cfg.meshes, local_host())
         try:
             started = time.perf_counter()
@@ -117,16 +111,15 @@ def main() -> None:
                                 {GENERATOR: cfg.generator.generate_timeout_s, "sync": cfg.learner.call_timeout_s},
                                 cfg.meshes.chunks_per_replica)
             client.generate(prompts, request)  # warm-up
-            seconds, groups, served = _rounds(client, prompts, request, rounds or args.rounds)
+            seconds, groups, served = _rounds(client, prompts, request, args.rounds)
             rows.append({**_row(name, seconds, groups, served, reference), "replicas": replicas,
-                         "omp_threads_bind": bind, "chunks_per_replica": chunks, "spawn_s": spawn_s})
+                         "chunks_per_replica": chunks, "spawn_s": spawn_s})
             reference = reference or [[c.tokens for c in g] for g in groups]
             if i == STALLED:
                 meshes[GENERATOR].slice(procs=1).inject_fault.call_one("generate", "delay", args.stall_s).get(timeout=60)
                 seconds, groups, served = _rounds(client, prompts, request, 1)
                 stalled = _row(f"{name}, one stalled {args.stall_s:g}s", seconds, groups, served, reference)
-                rows.append({**stalled, "replicas": replicas, "omp_threads_bind": bind, "chunks_per_replica": chunks,
-                             "stall_s": args.stall_s})
+                rows.append({**stalled, "replicas": replicas, "chunks_per_replica": chunks, "stall_s": args.stall_s})
                 meshes[GENERATOR].info.call().get(timeout=args.stall_s + 60)  # let the stalled one finish
         finally:
             meshes.stop()

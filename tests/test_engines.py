@@ -33,18 +33,14 @@ def test_tensor_parallel_size_is_passed_to_vllm_on_a_cuda_host(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm, "LLM", LLM)
-    monkeypatch.setattr(vllm_engine, "configure_vllm_environment", lambda cfg, replica: None)  # keep this process's env
+    monkeypatch.setattr(vllm_engine, "configure_vllm_environment", lambda cfg: None)  # keep this process's env
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     make_engine(Path("model"), GeneratorConfig(tensor_parallel_size=2), "bfloat16", 256, 0)
     assert seen["tensor_parallel_size"] == 2 and seen["model"] == "model"
 
 
-def test_replicas_on_a_host_split_its_cores_under_auto_binding(monkeypatch):
-    from meshrl.engines.vllm_engine import cpu_binding
+def test_replicas_on_a_host_share_its_cores(monkeypatch):
+    from meshrl.engines.base import cpu_share
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    auto = GeneratorConfig()
-    assert cpu_binding(auto, (0, 1)) == "auto"  # a lone engine keeps vLLM's choice
-    assert [cpu_binding(auto, (r, 2)) for r in range(2)] == ["0,1", "2,3"]
-    assert [cpu_binding(auto, (r, 3)) for r in range(3)] == ["0", "1", "2,3"]
-    assert [cpu_binding(auto, (r, 8)) for r in range(5)] == ["0", "1", "2", "3", "0"]  # more replicas than cores
-    assert cpu_binding(GeneratorConfig(omp_threads_bind="0-1"), (1, 2)) == "0-1"  # an explicit list is kept
+    assert [cpu_share(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]

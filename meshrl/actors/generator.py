@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from monarch.actor import current_rank, current_size, endpoint
+from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.follower import PolicyFollower
@@ -47,11 +47,12 @@ class Generator(MeshrlActor):
     ):
         silence_tcp_fallback_warning()
         started = time.perf_counter()
-        self.rank = current_rank().rank
+        here = current_rank()
+        self.rank = here.rank
         self.cfg = gen_cfg
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
-            replica=(current_rank().get("procs", 0), current_size().get("procs", 1)),  # on this host
+            replicas=here.size("procs"),  # the replicas on this host share its cores
         )
         self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0

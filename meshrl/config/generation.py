@@ -51,11 +51,11 @@ class GeneratorConfig(Section):
     """Disable graph capture / compilation in vLLM (faster start, fine for small models)."""
 
     omp_threads_bind: str = "auto"
-    """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `nobind` or a core list like `0-1`. With
-    `auto`, several generator replicas on a host split its cores between them."""
+    """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all` or a core list like `0-1`."""
 
     torch_threads: int = Field(2, ge=1)
-    """torch intra-op threads in a generator process (HF backend and weight loading)."""
+    """torch intra-op threads in a generator process (HF backend and weight loading); at most the
+    replica's share of its host's cores."""
 
     generate_timeout_s: float = Field(600.0, gt=0)
     """Deadline for one generate call to a generator replica; past it the call raises."""

@@ -17,35 +17,19 @@ from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, SampleRequest
 
 
-def cpu_binding(cfg: GeneratorConfig, replica: tuple[int, int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for ``replica`` = (index, count) of the replicas on this host. With
-    `auto`, several replicas split this process's cores between them: vLLM's own `auto` binds every
-    engine's threads to the same cores (2 replicas on 2 cores ran 10x slower than 1 replica,
-    benchmarks/generation_replicas.py)."""
-    index, count = replica
-    if cfg.omp_threads_bind != "auto" or count == 1:
-        return cfg.omp_threads_bind
-    cores = sorted(os.sched_getaffinity(0))
-    if count >= len(cores):  # one core each, taken in turn
-        return str(cores[index % len(cores)])
-    return ",".join(map(str, cores[len(cores) * index // count : len(cores) * (index + 1) // count]))
-
-
-def configure_vllm_environment(cfg: GeneratorConfig, replica: tuple[int, int] = (0, 1)) -> None:
-    """Environment vLLM reads at import/engine start: in-process engine, small CPU KV cache, the
-    replica's CPU cores."""
+def configure_vllm_environment(cfg: GeneratorConfig) -> None:
+    """Environment vLLM reads at import/engine start: in-process engine, small CPU KV cache."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(cfg, replica))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.omp_threads_bind)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 class VLLMEngine:
     """An in-process `vllm.LLM` returning token ids and the sampled-distribution logprobs."""
 
-    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
-                 replica: tuple[int, int] = (0, 1)):
-        configure_vllm_environment(cfg, replica)
+    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int):
+        configure_vllm_environment(cfg)
         from vllm import LLM
 
         kwargs = dict(
