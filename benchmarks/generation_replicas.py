@@ -2,23 +2,25 @@
 generator actors and the MeshClient's dynamic dispatch (the default job's backend, model and
 sampling shapes: configs/default.yaml, 8 prompts x 8 samples x up to 32 tokens per round).
 
-On a 2-core machine two replicas share the same two cores (each replica's engine uses its share of
-them, one thread; one replica uses both):
+On a 2-core machine two replicas share the same two cores: each replica's engine uses its share of
+them (one thread), one replica uses both. Rows:
 
 - `1 replica`: the default layout.
 - `2 replicas`: the default settings with `meshes.generator.procs=2`.
-- `2 replicas, 1 chunk per replica`: `meshes.chunks_per_replica=1` (bigger batches, no balancing
-  inside a call).
-- `2 replicas, one stalled`: the `2 replicas` mesh with replica 1 made to sleep `--stall-s` in its
-  next generate call (fault injection); hedging serves its chunk elsewhere.
+- `2 replicas, 1 chunk per replica`: the same mesh with `meshes.chunks_per_replica=1` (bigger
+  batches, no balancing inside a call).
+- `2 replicas, one stalled`: the same mesh with replica 1 made to sleep `--stall-s` in its next
+  generate call (fault injection); hedging serves its chunk elsewhere.
 
-Before the replicas capped their threads, each used both cores: 2 replicas x 2 spinning OpenMP
-threads on 2 cores generated 35 tokens/s against 377 for 1 replica (this file's result at commit
-410da03). The machine is shared with other work: its load average is recorded before and after.
+Both meshes are up at once and the rows take turns round by round, so load from other work on a
+shared machine falls on every row alike (the load average is recorded per round). Before the
+replicas capped their threads, each used both cores: 2 replicas x 2 spinning OpenMP threads on 2
+cores generated 35 tokens/s against 377 for 1 replica (this file's result at commit 410da03).
+
 Every row samples the same seeded requests; `same_samples` says whether a row produced exactly the
 tokens of the first (prompt i is sampled with seed + i whichever replica serves it).
 
-    python benchmarks/generation_replicas.py [--model smollm2-135m-instruct] [--rounds 3]
+    python benchmarks/generation_replicas.py [--model smollm2-135m-instruct] [--rounds 4]
 
 Prints a table and writes benchmarks/results/generation_replicas.json.
 """
@@ -35,38 +37,39 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUTS = [("1 replica", 1, 4), ("2 replicas", 2, 4), ("2 replicas, 1 chunk per replica", 2, 1)]
+ROWS = [("1 replica", 1, 4), ("2 replicas", 2, 4), ("2 replicas, 1 chunk per replica", 2, 1)]
 """(row, meshes.generator.procs, meshes.chunks_per_replica)"""
-STALLED = 1  # the layout whose mesh also runs the stalled round
 
 
-def _rounds(client, prompts, request, rounds: int) -> tuple[list[float], list, dict[int, int]]:
-    """Seconds of each round, the last round's completions and the prompts each replica served."""
-    seconds, served = [], {}
-    for _ in range(rounds):
-        started = time.perf_counter()
-        groups = client.generate(prompts, request)
-        seconds.append(time.perf_counter() - started)
-        for g in groups:
-            served[g[0].meta["replica"]] = served.get(g[0].meta["replica"], 0) + 1
-    return seconds, groups, served
+def _tokens(groups) -> list[list[list[int]]]:
+    return [[c.tokens for c in g] for g in groups]
 
 
-def _row(name: str, seconds: list[float], groups: list, served: dict, reference: list | None) -> dict:
+def _row(name: str, seconds: list[float], groups: list, served: dict, reference: list) -> dict:
     tokens = sum(len(c.tokens) for g in groups for c in g)
     s = statistics.median(seconds)
     row = {"layout": name, "round_s": seconds, "median_round_s": s, "tokens_per_round": tokens,
            "tokens_per_s": tokens / s, "prompts_by_replica": {str(r): n for r, n in sorted(served.items())},
-           "same_samples": reference is None or [[c.tokens for c in g] for g in groups] == reference}
-    print(f"{name:40s} {row['tokens_per_s']:7.1f} tokens/s  round {s:5.2f}s  served {row['prompts_by_replica']}  "
-          f"same samples: {row['same_samples']}")
+           "same_samples": _tokens(groups) == reference}
+    print(f"{name:40s} {row['tokens_per_s']:7.1f} tokens/s  median round {s:5.2f}s  served "
+          f"{row['prompts_by_replica']}  same samples: {row['same_samples']}")
     return row
+
+
+def _timed(client, prompts, request, served: dict) -> tuple[float, list]:
+    """One round: its seconds and completions; counts the prompts each replica served."""
+    started = time.perf_counter()
+    groups = client.generate(prompts, request)
+    seconds = time.perf_counter() - started
+    for g in groups:
+        served[g[0].meta["replica"]] = served.get(g[0].meta["replica"], 0) + 1
+    return seconds, groups
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model.name_or_path (default: configs/default.yaml's)")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per layout (after a warm-up round)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per row (after a warm-up round)")
     parser.add_argument("--stall-s", type=float, default=30.0, help="how long the stalled replica sleeps")
     args = parser.parse_args()
 
@@ -97,39 +100,49 @@ def main() -> None:
     s = base.generator.sampling
     request = SampleRequest(n=base.trainer.group_size, max_tokens=s.max_new_tokens, temperature=s.temperature,
                             top_p=s.top_p, stop_token_ids=tuple(renderer.get_stop_sequences()), seed=1234)
-    rows, reference, load = [], None, [os.getloadavg()]
-    for i, (name, replicas, chunks) in enumerate(LAYOUTS):
-        cfg = load_config(RunConfig, default_config_path(), overrides + [
-            f"meshes.generator.procs={replicas}", f"meshes.chunks_per_replica={chunks}"])
-        meshes = MeshGroup(cfg.meshes, local_host())
-        try:
+    groups_by_procs, clients, spawn_s = {}, [], {}
+    try:
+        for procs in sorted({procs for _, procs, _ in ROWS}):
+            cfg = load_config(RunConfig, default_config_path(), overrides + [f"meshes.generator.procs={procs}"])
             started = time.perf_counter()
+            meshes = groups_by_procs[procs] = MeshGroup(cfg.meshes, local_host())
             meshes.spawn(GENERATOR, Generator, str(path), cfg.model, cfg.generator, cfg.weight_sync)
             meshes.wait_ready()
-            spawn_s = time.perf_counter() - started
-            client = MeshClient(meshes, Supervisor(meshes, cfg.faults),
-                                {GENERATOR: cfg.generator.generate_timeout_s, "sync": cfg.learner.call_timeout_s},
-                                cfg.meshes.chunks_per_replica)
-            client.generate(prompts, request)  # warm-up
-            seconds, groups, served = _rounds(client, prompts, request, args.rounds)
-            rows.append({**_row(name, seconds, groups, served, reference), "replicas": replicas,
-                         "chunks_per_replica": chunks, "spawn_s": spawn_s})
-            reference = reference or [[c.tokens for c in g] for g in groups]
-            if i == STALLED:
-                meshes[GENERATOR].slice(procs=1).inject_fault.call_one("generate", "delay", args.stall_s).get(timeout=60)
-                seconds, groups, served = _rounds(client, prompts, request, 1)
-                stalled = _row(f"{name}, one stalled {args.stall_s:g}s", seconds, groups, served, reference)
-                rows.append({**stalled, "replicas": replicas, "chunks_per_replica": chunks, "stall_s": args.stall_s})
-                meshes[GENERATOR].info.call().get(timeout=args.stall_s + 60)  # let the stalled one finish
-        finally:
+            spawn_s[procs] = time.perf_counter() - started
+        for name, procs, chunks in ROWS:
+            meshes = groups_by_procs[procs]
+            clients.append(MeshClient(meshes, Supervisor(meshes, base.faults),
+                                      {GENERATOR: base.generator.generate_timeout_s, "sync": base.learner.call_timeout_s},
+                                      chunks))
+            clients[-1].generate(prompts, request)  # warm-up
+        seconds = [[] for _ in ROWS]
+        served = [{} for _ in ROWS]
+        last = [None for _ in ROWS]
+        load = []
+        for _ in range(args.rounds):
+            for i, client in enumerate(clients):
+                took, last[i] = _timed(client, prompts, request, served[i])
+                seconds[i].append(took)
+            load.append(os.getloadavg()[0])
+        reference = _tokens(last[0])
+        rows = [{**_row(name, seconds[i], last[i], served[i], reference), "replicas": procs,
+                 "chunks_per_replica": chunks, "spawn_s": spawn_s[procs]} for i, (name, procs, chunks) in enumerate(ROWS)]
+        stalled = groups_by_procs[2][GENERATOR]
+        stalled.slice(procs=1).inject_fault.call_one("generate", "delay", args.stall_s).get(timeout=60)
+        stalled_served: dict[int, int] = {}
+        took, groups = _timed(clients[1], prompts, request, stalled_served)
+        rows.append({**_row(f"2 replicas, one stalled {args.stall_s:g}s", [took], groups, stalled_served, reference),
+                     "replicas": 2, "chunks_per_replica": ROWS[1][2], "stall_s": args.stall_s})
+        stalled.info.call().get(timeout=args.stall_s + 60)  # let the stalled one finish
+    finally:
+        for meshes in groups_by_procs.values():
             meshes.stop()
-    load.append(os.getloadavg())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"kind": "generation_replicas", "model": base.model.name_or_path, "backend": base.generator.backend,
               "prompts": len(prompts), "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens,
-              "rounds": args.rounds, "rows": rows, "loadavg_before_after": load,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-              "commit": commit}
+              "rounds": args.rounds, "rows": rows, "loadavg_1min_per_round": load,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work)",
+              "date": time.strftime("%Y-%m-%d"), "commit": commit}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "generation_replicas.json"
     out.write_text(json.dumps(result, indent=1))
