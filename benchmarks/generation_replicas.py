@@ -111,9 +111,8 @@ def main() -> None:
             spawn_s[procs] = time.perf_counter() - started
         for name, procs, chunks in ROWS:
             meshes = groups_by_procs[procs]
-            clients.append(MeshClient(meshes, Supervisor(meshes, base.faults),
-                                      {GENERATOR: base.generator.generate_timeout_s, "sync": base.learner.call_timeout_s},
-                                      chunks))
+            timeouts = {GENERATOR: base.generator.generate_timeout_s, "sync": base.learner.call_timeout_s}
+            clients.append(MeshClient(meshes, Supervisor(meshes, base.faults), timeouts, chunks))
             clients[-1].generate(prompts, request)  # warm-up
         seconds = [[] for _ in ROWS]
         served = [{} for _ in ROWS]
@@ -126,7 +125,8 @@ def main() -> None:
             load.append(os.getloadavg()[0])
         reference = _tokens(last[0])
         rows = [{**_row(name, seconds[i], last[i], served[i], reference), "replicas": procs,
-                 "chunks_per_replica": chunks, "spawn_s": spawn_s[procs]} for i, (name, procs, chunks) in enumerate(ROWS)]
+                 "chunks_per_replica": chunks, "spawn_s": spawn_s[procs]}
+                for i, (name, procs, chunks) in enumerate(ROWS)]
         stalled = groups_by_procs[2][GENERATOR]
         stalled.slice(procs=1).inject_fault.call_one("generate", "delay", args.stall_s).get(timeout=60)
         stalled_served: dict[int, int] = {}

@@ -26,8 +26,9 @@ class SeedEcho(FakeGenerator):
     def generate(self, prompts, request):
         self.seen.append(len(prompts))
         time.sleep(self.delay)
-        groups = [[Completion([request.seed + j, k], [0.0, 0.0], "stop", "", {"replica": self.replica, "version": self.version})
-                   for k in range(request.n)] for j in range(len(prompts))]
+        meta = {"replica": self.replica, "version": self.version}
+        groups = [[Completion([request.seed + j, k], [0.0, 0.0], "stop", "", dict(meta)) for k in range(request.n)]
+                  for j in range(len(prompts))]
         return GenerationBatch(groups, self.version, self.delay, 0)
 
 

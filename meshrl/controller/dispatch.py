@@ -7,13 +7,13 @@ another still works, the oldest unfinished chunk is issued again to the free one
 first reply wins, the other copy is a late duplicate and its reply is ignored.
 
 A replica is a sync actor that serves one message at a time, so a late duplicate keeps it busy after
-the call has returned. The dispatcher remembers such work ("leftovers", with the deadline of the call
-that sent them) and gives the replica nothing new before it has finished. A message sent to a busy
-replica (a weight pull) waits behind its earlier work: Monarch delivers one sender's messages in
-order, so the replica loads the new weights before it serves anything else; its reply is checked
-when it arrives. A slow replica thus holds neither the call nor the weight sync after it. A leftover
-past its deadline means a hung replica: the next call raises `CallTimeout` and the supervisor
-replaces the mesh, as for any call. Leftovers of a replaced mesh are forgotten.
+the call has returned. The dispatcher remembers such work ("leftovers", each with its call's
+deadline counted from when it was issued) and gives the replica nothing new before it has finished.
+A message sent to a busy replica (a weight pull) waits behind its earlier work: Monarch delivers one
+sender's messages in order, so the replica loads the new weights before it serves anything else;
+its reply is checked when it arrives. A slow replica thus holds neither the call nor the weight sync
+after it. A leftover past its deadline means a hung replica: the next call raises `CallTimeout` and
+the supervisor replaces the mesh, as for any call. Leftovers of a replaced mesh are forgotten.
 
 Monarch's Future has no done() or callback, and ``get(timeout=...)`` never consumes it (a later get
 still returns the result): "the first of these futures to finish" is a sweep of zero-timeout gets,
@@ -88,6 +88,7 @@ class _Work:
     replica: int
     future: Any
     deadline: float
+    """When it was issued plus its call's deadline (a leftover past it is a hung replica)."""
     timeout_s: float
     what: str
     chunk: int = -1
@@ -143,7 +144,8 @@ class Dispatcher:
                 chunk = todo.popleft() if todo else _oldest_least_copied(running, replies)
                 if chunk is None:
                     break
-                running.append(_Work(r, issue(actors.slice(procs=r), *bounds[chunk]), deadline, timeout_s, what, chunk))
+                future = issue(actors.slice(procs=r), *bounds[chunk])
+                running.append(_Work(r, future, time.monotonic() + timeout_s, timeout_s, what, chunk))
             with self._lock:
                 waiting = running + self._leftovers
             i = first_finished([w.future for w in waiting], min(WATCH_INTERVAL_S, max(deadline - time.monotonic(), 0)))

@@ -142,7 +142,8 @@ class MeshClient:
         if not items:
             return []
         scored = self.dispatch(REWARDER, "score", len(items),
-                               lambda rewarder, start, stop: rewarder.score.call_one(items[start:stop]), "rewarder.score")
+                               lambda rewarder, start, stop: rewarder.score.call_one(items[start:stop]),
+                               "rewarder.score")
         return [s for part in scored for s in part]
 
     # ---- the learner --------------------------------------------------------------------------
