@@ -56,7 +56,8 @@ def run_arm(name: str, procs: int, mode: str, threads: int, args, model_path, cf
         group.spawn("learner", Learner, str(model_path), cfg.model, learner_cfg, cfg.weight_sync, f"bench-{name}",
                     address)
         group.wait_ready(timeout_s=600)
-        client = MeshClient(group, Supervisor(group, cfg.faults), {"learner": 1800.0, "sync": 600.0})
+        client = MeshClient(group, Supervisor(group, cfg.faults), {"learner": 1800.0, "sync": 600.0},
+                            cfg.meshes.chunks_per_replica)
         times, tokens = [], 0.0
         for step in range(args.steps + 1):
             batch = _batch(step, args.seqs, args.len, args.vocab)

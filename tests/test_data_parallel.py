@@ -91,7 +91,8 @@ def test_two_learner_processes_equal_one(tmp_path):
             groups[name] = group
         for name, group in groups.items():
             group.wait_ready(timeout_s=300)
-            clients[name] = MeshClient(group, Supervisor(group, cfg.faults), {"learner": 120.0, "sync": 120.0})
+            clients[name] = MeshClient(group, Supervisor(group, cfg.faults), {"learner": 120.0, "sync": 120.0},
+                                       cfg.meshes.chunks_per_replica)
 
         def step(client, seed):
             datums = _datums(seed)

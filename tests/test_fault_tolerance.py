@@ -1,6 +1,7 @@
 """Fault tolerance with real processes: SIGKILLed and hung actors are replaced and the run
-finishes every step; a killed learner resumes from its checkpoint and reproduces an
-uninterrupted run; Ctrl-C leaves no orphan processes."""
+finishes every step (with one and two generator replicas); a slowed generator replica holds
+neither the steps nor the weight sync, and follows every version once it is back; a killed learner
+resumes from its checkpoint and reproduces an uninterrupted run; Ctrl-C leaves no orphan processes."""
 
 import json
 import os
@@ -33,10 +34,11 @@ def _faults(records):
     return [r for r in records if r["kind"] == "fault"]
 
 
-def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config, replicas):
     cfg = tiny_run_config(
         "output.name=gen-kill", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
-        "trainer.checkpoint.export_final=false",
+        "trainer.checkpoint.export_final=false", f"meshes.generator.procs={replicas}",
         'faults.inject=[{mesh: generator, at_step: 2, action: kill, during: generate, seconds: 0.3}]',
     )
     result, records = _run(cfg)
@@ -65,6 +67,28 @@ def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config):
     assert set(by_mesh) == {"rewarder", "generator"}
     assert "timed out" in by_mesh["generator"]["cause"]
     assert train[-1]["faults/restarts/rewarder"] == 1 and train[-1]["faults/restarts/generator"] == 1
+
+
+def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_run_config):
+    from meshrl.controller.runtime import Runtime
+
+    delay = 15.0
+    cfg = tiny_run_config(
+        "trainer.steps=2", "trainer.eval.every=0", "meshes.generator.procs=2", "generator.generate_timeout_s=60",
+        f"faults.inject=[{{mesh: generator, at_step: 1, action: delay, endpoint: generate, rank: 1, seconds: {delay}}}]")
+    with Runtime(cfg) as rt:
+        started = time.monotonic()
+        steps = [rt.loop.step()[0] for _ in range(2)]
+        took = time.monotonic() - started
+        # replica 1 sleeps through both steps: replica 0 served every prompt (replica 1's chunk hedged)
+        assert took < delay / 2, took  # ~2.5 s here; without hedging step 1 alone takes the delay
+        assert [m["version"] for m in steps] == [1, 2]
+        assert all(m["batch/groups"] == cfg.trainer.prompts_per_step for m in steps)
+        assert [m["gen/replica_max_share"] for m in steps] == [1.0, 1.0]
+        assert rt.supervisor.events == []  # nothing was replaced
+        # once back, replica 1 has loaded the latest version before anything else (its pulls were queued)
+        infos = rt.meshes["generator"].info.call().get(timeout=2 * delay)
+        assert [i["version"] for i in infos.values()] == [2, 2]
 
 
 def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config):

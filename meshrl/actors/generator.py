@@ -47,10 +47,12 @@ class Generator(MeshrlActor):
     ):
         silence_tcp_fallback_warning()
         started = time.perf_counter()
-        self.rank = current_rank().rank
+        here = current_rank()
+        self.rank = here.rank
         self.cfg = gen_cfg
         self.engine = make_engine(
-            Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank
+            Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
+            replicas=here.size("procs"),  # the replicas on this host share its cores
         )
         self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0

@@ -33,6 +33,11 @@ class GeneratorConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
     """Sampling settings for training rollouts (evaluation is always greedy)."""
 
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM engine (one generator replica) shards its model over; > 1 needs the vllm
+    backend on a CUDA host, with that many GPUs visible to each generator process. Replicas are
+    `meshes.generator.procs`."""
+
     seed: int = 0
     """Base seed of the engine's sampler; replica r uses seed + r."""
 
@@ -49,7 +54,8 @@ class GeneratorConfig(Section):
     """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all` or a core list like `0-1`."""
 
     torch_threads: int = Field(2, ge=1)
-    """torch intra-op threads in a generator process (HF backend and weight loading)."""
+    """torch intra-op threads in a generator process (HF backend and weight loading); at most the
+    replica's share of its host's cores."""
 
     generate_timeout_s: float = Field(600.0, gt=0)
     """Deadline for one generate call to a generator replica; past it the call raises."""

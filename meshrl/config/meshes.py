@@ -68,6 +68,11 @@ class MeshesConfig(Section):
     rewarder: MeshSpec = MeshSpec()
     """Rewarder processes (verifiers); the code task's env mesh takes this placement."""
 
+    chunks_per_replica: int = Field(4, ge=1)
+    """A batch that a mesh's replicas share (generation, scoring) goes out in about this many chunks
+    per replica, each to whichever replica is free; the last ones are hedged on idle replicas. More
+    chunks balance better, fewer batch better; a mesh of one process gets the batch in one call."""
+
     supervision_poll_s: float = Field(0.5, gt=0)
     """How often Monarch polls child processes for failure (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY)."""
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
-from meshrl.controller.mesh_client import ENV, MeshClient
+from meshrl.controller.mesh_client import ENV, MeshClient, prompts_by_replica
 from meshrl.controller.rollout import Counters
 from meshrl.engines import SampleRequest
 from meshrl.training.trajectories import Trajectory
@@ -69,13 +70,14 @@ class EpisodeRollout:
     def collect(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], dict]:
         t0 = time.perf_counter()
         request = dataclasses.replace(request, n=1)
-        trajectories, records = self.client.supervised(
+        trajectories, records, served = self.client.supervised(
             ENV, lambda: self._play(tasks, group_size, request, tag), f"{ENV} episodes")
         self.episode_records.extend(records)
         n = max(len(trajectories), 1)
         return trajectories, {"timing/generate_s": time.perf_counter() - t0,
                               "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
-                              "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n}
+                              "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n,
+                              **served}
 
     def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]]) -> list:
         """``endpoint`` on each env rank with its episodes' arguments; results in episode order."""
@@ -86,7 +88,10 @@ class EpisodeRollout:
         out = {ep.id: value for r, items in by_rank.items() for (ep, _), value in zip(items, replies[r])}
         return [out[ep.id] for ep, _ in per_episode]
 
-    def _play(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], list[dict]]:
+    def _play(self, tasks: list, group_size: int, request: SampleRequest,
+              tag: str) -> tuple[list[Trajectory], list[dict], dict[str, int]]:
+        """Play the episodes; their trajectories, the env's records and the prompts each generator
+        replica served (over all turns)."""
         ranks = self.client.procs(ENV)
         episodes = [_Episode(f"{tag}-{g}-{k}", g, task, (g * group_size + k) % ranks)
                     for g, task in enumerate(tasks) for k in range(group_size)]
@@ -100,11 +105,12 @@ class EpisodeRollout:
                 ep.termination = "prompt_too_long"
                 continue
             active.append(ep)
-        turn = 0
+        turn, served = 0, Counter()
         while active:
             prompts = [ep.prompt + ep.tokens for ep in active]
             turn_request = request if request.seed is None else dataclasses.replace(request, seed=request.seed + 7919 * turn)
             completions = self.client.generate(prompts, turn_request)
+            served.update(prompts_by_replica(completions))
             actions = []
             for ep, group in zip(active, completions):
                 c = group[0]
@@ -133,7 +139,8 @@ class EpisodeRollout:
             active = still
             turn += 1
         records = self._env("finish", [(ep, ep.id) for ep in episodes])
-        return [_trajectory(ep) for ep in episodes if ep.prompt and ep.termination != "prompt_too_long"], records
+        return ([_trajectory(ep) for ep in episodes if ep.prompt and ep.termination != "prompt_too_long"], records,
+                dict(served))
 
 
 def _trajectory(ep: _Episode) -> Trajectory:

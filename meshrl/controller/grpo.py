@@ -312,6 +312,9 @@ class GRPOLoop:
             "batch/trajectories": len(trajectories),
             "batch/missing_groups": self.cfg.trainer.prompts_per_step - metrics.get("batch/groups", 0),
         })
+        served = [v for k, v in metrics.items() if k.startswith("gen/prompts/replica")]
+        if served:  # 1/N when the generator replicas shared the step's prompts evenly
+            metrics["gen/replica_max_share"] = max(served) / sum(served)
         metrics.update(self.counters.as_metrics())
         metrics.update(self.client.sup.metrics())
 

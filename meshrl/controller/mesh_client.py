@@ -4,15 +4,19 @@ Each call is issued on the mesh's current actors, waited for with a deadline whi
 processes are watched, and recovered through the supervisor (replace the mesh, re-sync it, issue
 the call again). Work is split over a mesh's replicas here, so the loop, the rollout strategies and
 the channels only say what they want (generate, score, step environments, train, publish, pull).
+Generation and scoring go out in chunks to whichever replica is free, with hedging
+(meshrl.controller.dispatch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 from typing import Any, Callable
 
 from meshrl.config.meshes import ENV
+from meshrl.controller.dispatch import Dispatcher
 from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
 from meshrl.losses import get_loss
@@ -41,11 +45,11 @@ def split_by_tokens(datums: list[Datum], parts: int, per_item: int = 1) -> list[
     return [sorted(share) for share in shares]
 
 
-def split_evenly(items: list, parts: int) -> list[list]:
-    """``parts`` contiguous slices whose sizes differ by at most one (empty slices dropped)."""
-    n = len(items)
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [items[bounds[i] : bounds[i + 1]] for i in range(parts) if bounds[i] < bounds[i + 1]]
+def prompts_by_replica(completions: list[list[Completion]]) -> dict[str, int]:
+    """`gen/prompts/replica<r>`: how many prompts each generator replica served (a step sums its
+    calls'; the loop reports the largest share as `gen/replica_max_share`)."""
+    counts = Counter(group[0].meta["replica"] for group in completions if group)
+    return {f"gen/prompts/replica{r}": n for r, n in sorted(counts.items())}
 
 
 class MeshClient:
@@ -53,11 +57,14 @@ class MeshClient:
     side at once. ``step`` (per thread) is what fault injection keys on; ``readers`` are the meshes
     that pull every published weight version."""
 
-    def __init__(self, meshes, supervisor: Supervisor, timeouts: dict[str, float], faults=None):
+    def __init__(self, meshes, supervisor: Supervisor, timeouts: dict[str, float], chunks_per_replica: int,
+                 faults=None):
         self.meshes = meshes
         self.sup = supervisor
         self.timeouts = timeouts  # the deadline of one call, per mesh, and "sync" for weight pulls
+        self.chunks_per_replica = chunks_per_replica  # meshes.chunks_per_replica
         self.faults = faults
+        self._dispatchers: dict[str, Dispatcher] = {}  # per mesh: what each replica still works on
         self._local = threading.local()  # the producer and the learner side each work on their own step
         self.version = 0  # the latest weight version every reader holds
         # publishing and pulling never interleave, so all readers always pull one version together;
@@ -89,13 +96,20 @@ class MeshClient:
              timeout_s: float | None = None) -> list:
         """``issue(actor_mesh)`` returns futures; wait for all with one deadline; on failure the
         supervisor replaces the mesh and the call is issued again."""
+        return self._attempts(mesh, phase, what, lambda: self.unsupervised(mesh, issue, what, timeout_s))
+
+    def _attempts(self, mesh: str, phase: str, what: str, fn: Callable[[], Any]):
+        """``fn()`` under the supervisor, fault injection armed before each attempt."""
 
         def attempt():
             if self.faults is not None:
                 self.faults.before_call(self.step, mesh, phase)
-            return self.unsupervised(mesh, issue, what, timeout_s)
+            return fn()
 
         return self.sup.run(mesh, attempt, what)
+
+    def _dispatcher(self, mesh: str) -> Dispatcher:
+        return self._dispatchers.setdefault(mesh, Dispatcher())
 
     def unsupervised(self, mesh: str, issue: Callable[[Any], list], what: str, timeout_s: float | None = None) -> list:
         """Issue and wait with the deadline while watching the serving processes, without recovery:
@@ -117,31 +131,37 @@ class MeshClient:
         return dict(zip(ranks, replies))
 
     # ---- generation and rewards -------------------------------------------------------------
+    def dispatch(self, mesh: str, phase: str, n: int, issue: Callable[[Any, int, int], Any], what: str) -> list:
+        """Items ``[0, n)`` over ``mesh``'s replicas in chunks, to whichever replica is free, the
+        last ones hedged (meshrl.controller.dispatch); ``issue(replica_actor, start, stop)`` returns
+        a chunk's future. Supervised like :meth:`call`; each chunk's reply, in order."""
+        dispatcher = self._dispatcher(mesh)
+        return self._attempts(mesh, phase, what, lambda: dispatcher.run(
+            self.meshes[mesh], self.procs(mesh), n, self.chunks_per_replica, issue, self.timeouts[mesh], what,
+            watch=lambda: self.meshes.dead_process(mesh)))
+
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
-        """Spread prompts over the generator replicas; completions per prompt, in order. Prompt i
-        of the batch is sampled with seed + i, whichever replica serves it."""
+        """Completions per prompt, in order, from the generator replicas. Prompt i of the batch is
+        sampled with seed + i whichever replica serves it: a chunk from prompt i gets seed + i, and
+        the vLLM engine adds each prompt's index in the chunk (the HF engine seeds the chunk once;
+        chunks are cut the same way in every run, see `chunk_bounds`)."""
         if not prompts:
             return []
-        parts = split_evenly(list(range(len(prompts))), self.procs(GENERATOR))
 
-        def issue(generators):
-            futures = []
-            for r, idx in enumerate(parts):
-                part = request if request.seed is None else dataclasses.replace(request, seed=request.seed + idx[0])
-                futures.append(generators.slice(procs=r).generate.call_one([prompts[i] for i in idx], part))
-            return futures
+        def chunk(generator, start: int, stop: int):
+            part = request if request.seed is None else dataclasses.replace(request, seed=request.seed + start)
+            return generator.generate.call_one(prompts[start:stop], part)
 
-        batches = self.call(GENERATOR, "generate", issue, "generator.generate")
+        batches = self.dispatch(GENERATOR, "generate", len(prompts), chunk, "generator.generate")
         return [group for batch in batches for group in batch.completions]
 
     def score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
-        """(reward, info) per (problem, response text), spread over the rewarder replicas."""
+        """(reward, info) per (problem, response text), from the rewarder replicas."""
         if not items:
             return []
-        parts = split_evenly(items, self.procs(REWARDER))
-        scored = self.call(REWARDER, "score",
-                           lambda rewarders: [rewarders.slice(procs=r).score.call_one(p) for r, p in enumerate(parts)],
-                           "rewarder.score")
+        scored = self.dispatch(REWARDER, "score", len(items),
+                               lambda rewarder, start, stop: rewarder.score.call_one(items[start:stop]),
+                               "rewarder.score")
         return [s for part in scored for s in part]
 
     # ---- the learner ------------------------------------------------------------------------
@@ -199,13 +219,24 @@ class MeshClient:
             return self.on_learners("publish", version)
 
     def _pull(self, mesh: str, version: int) -> list[dict]:
-        pulls = self.call(mesh, "sync", lambda m: [m.update_weights.call(version)], f"{mesh}.update_weights",
-                          self.timeouts["sync"])[0]
-        return list(pulls.values())
+        """Every replica of ``mesh`` pulls ``version``; the free ones' statistics. A replica still busy
+        with a late duplicate loads the version before it serves anything else (its reply is checked
+        when it arrives), so a slow replica does not hold the sync."""
+        what = f"{mesh}.update_weights"
+
+        def check(pull: dict) -> None:
+            if pull["version"] < version:
+                raise StepError(f"{what}: a replica holds version {pull['version']} after a pull of {version}")
+
+        dispatcher = self._dispatcher(mesh)
+        return self.call(mesh, "sync", lambda m: dispatcher.send_all(
+            m, self.procs(mesh), lambda replica: replica.update_weights.call_one(version), check,
+            self.timeouts["sync"], what), what, self.timeouts["sync"])
 
     def sync_readers(self, version: int) -> list[dict]:
         """Every weight reader pulls the newest published version, at least ``version``, all the
-        same one (nothing is published meanwhile); the generators' pull statistics."""
+        same one (nothing is published meanwhile); the generators' pull statistics. A replica busy
+        with a late duplicate pulls when it has finished it, before serving anything else."""
         with self._sync_lock:
             stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
             held = {p["version"] for pulls in stats.values() for p in pulls}

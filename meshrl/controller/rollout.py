@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshrl.controller.mesh_client import REWARDER, MeshClient
+from meshrl.controller.mesh_client import REWARDER, MeshClient, prompts_by_replica
 from meshrl.engines import SampleRequest
 from meshrl.training.trajectories import Trajectory
 
@@ -99,7 +99,8 @@ class SingleTurnRollout:
             if "error" in info:
                 self.counters.reward_errors += 1
                 log.warning("reward for %s failed: %s", t.id, info["error"])
-        return trajectories, {"timing/generate_s": t1 - t0, "timing/reward_s": time.perf_counter() - t1}
+        return trajectories, {"timing/generate_s": t1 - t0, "timing/reward_s": time.perf_counter() - t1,
+                              **prompts_by_replica(completions)}
 
 
 def strategy_for(task) -> type:

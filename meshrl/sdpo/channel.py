@@ -14,7 +14,8 @@ import torch
 
 from meshrl.config.meshes import SDPO_TEACHER
 from meshrl.config.sdpo import SDPOConfig
-from meshrl.controller.mesh_client import MeshClient, split_evenly
+from meshrl.controller.dispatch import split_evenly
+from meshrl.controller.mesh_client import MeshClient
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.types import Datum
 

@@ -1,11 +1,13 @@
 """Fake Monarch endpoints for the GRPO loop: in-process generator, rewarder and learner "meshes"
-with optional delays, used by the loop's unit tests and by the simulated-latency mode of
-`benchmarks/pipeline.py`. The loop, the MeshClient, the producer and the rollout strategy run for
-real; only the actors behind the endpoints are stand-ins."""
+with optional delays, used by the loop's and the dispatcher's unit tests and by the simulated-latency
+mode of `benchmarks/pipeline.py`. The loop, the MeshClient, the producer and the rollout strategy run
+for real; only the actors behind the endpoints are stand-ins. As with Monarch, a call returns a future
+at once and each fake actor serves its calls one at a time, in order, on a thread of its own."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from meshrl.actors.rewarder import safe_grade
 from meshrl.config.base import load_config
@@ -28,12 +30,15 @@ class Future:
         return self.value
 
 
-class ValueMesh:
-    def __init__(self, values):
-        self._values = values
+class Reply:
+    """The future of a call running on its fake actor's thread: ``get(timeout)`` raises TimeoutError
+    until the call has finished, then returns its value or raises its error, as often as asked."""
 
-    def values(self):
-        return list(self._values)
+    def __init__(self, future):
+        self.future = future
+
+    def get(self, timeout=None):
+        return self.future.result(timeout)
 
     def item(self, procs):
         return self._values[procs]
@@ -45,10 +50,10 @@ class Endpoint:
 
     def call_one(self, *args):
         assert len(self.actors) == 1
-        return Future(getattr(self.actors[0], self.name)(*args))
-
-    def call(self, *args):
-        return Future(ValueMesh([getattr(a, self.name)(*args) for a in self.actors]))
+        actor = self.actors[0]
+        if "_lane" not in actor.__dict__:  # the actor's own thread: one message at a time, in order
+            actor._lane = ThreadPoolExecutor(1, thread_name_prefix=type(actor).__name__)
+        return Reply(actor._lane.submit(getattr(actor, self.name), *args))
 
 
 class Mesh:
@@ -78,10 +83,11 @@ class FakeGenerator:
             group = []
             for k in range(request.n):
                 if k == 0 and len(p) % 2 == 0:
-                    group.append(Completion([], [], "stop", ""))  # an empty generation
+                    group.append(Completion([], [], "stop", "", {"replica": self.replica}))  # an empty generation
                     continue
                 text = f"{p[-1] + k}"
-                group.append(Completion([p[-1], k], [-0.5, -1.5], "stop", text, {"version": self.version}))
+                group.append(Completion([p[-1], k], [-0.5, -1.5], "stop", text,
+                                        {"version": self.version, "replica": self.replica}))
             groups.append(group)
         return GenerationBatch(groups, self.version, 0.01, 0)
 
@@ -152,6 +158,9 @@ class FakeMeshGroup(dict):
     def cohabitants(self, name):
         return [name]
 
+    def dead_process(self, name):
+        return None  # fake actors live in this process
+
 
 def make_loop(n_generators=2, rewarder=FakeRewarder, learner=None, **overrides):
     """A GRPOLoop over fake meshes; ``overrides`` are dotted config keys. Returns (loop, generator
@@ -160,7 +169,8 @@ def make_loop(n_generators=2, rewarder=FakeRewarder, learner=None, **overrides):
     gens = [FakeGenerator(r) for r in range(n_generators)]
     learner = learner or FakeLearner()
     meshes = FakeMeshGroup(generator=Mesh(gens), rewarder=Mesh([rewarder()]), learner=Mesh([learner]))
-    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")})
+    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")},
+                        cfg.meshes.chunks_per_replica)
     counters = Counters()
     strategy = SingleTurnRollout(client, FakeRenderer(), cfg.model.max_model_len, counters)
     loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, (2,))
