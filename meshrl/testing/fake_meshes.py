@@ -40,8 +40,26 @@ class Reply:
     def get(self, timeout=None):
         return self.future.result(timeout)
 
+
+class ValueMesh:
+    def __init__(self, values):
+        self._values = values
+
+    def values(self):
+        return list(self._values)
+
     def item(self, procs):
         return self._values[procs]
+
+
+class Gathered:
+    """The future of a call on every actor of a fake mesh: a ValueMesh of their replies."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def get(self, timeout=None):
+        return ValueMesh([r.get(timeout) for r in self.replies])
 
 
 class Endpoint:
@@ -54,6 +72,9 @@ class Endpoint:
         if "_lane" not in actor.__dict__:  # the actor's own thread: one message at a time, in order
             actor._lane = ThreadPoolExecutor(1, thread_name_prefix=type(actor).__name__)
         return Reply(actor._lane.submit(getattr(actor, self.name), *args))
+
+    def call(self, *args):
+        return Gathered([Endpoint([a], self.name).call_one(*args) for a in self.actors])
 
 
 class Mesh:
