@@ -68,8 +68,8 @@ class DataParallel:
             raise ValueError(f"learner.data_parallel = {self.mode!r}: expected 'fsdp2' or 'ddp'")
         if self.world > 1 and not dist.is_initialized():
             device = device or torch.device("cpu")
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if device.type == "cuda":  # placement shows each process only its own GPUs
+                torch.cuda.set_device(device.index or 0)
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo", init_method=self.spec.address, rank=self.rank,
                 world_size=self.world, timeout=datetime.timedelta(seconds=self.spec.timeout_s),
