@@ -136,6 +136,16 @@ def test_two_learner_processes_equal_one(tmp_path):
         expected = {k: v.to(torch.bfloat16) for k, v in _load_params(tmp_path / "fsdp2-2", path, cfg.learner).items()}
         assert pulled.keys() == expected.keys()
         assert all(torch.equal(pulled[k], expected[k]) for k in expected)
+
+        # a custom loss (a sum over datums) gives the same loss and gradient on 1 and 2 processes
+        from meshrl.testing.custom_losses import importance_sampling_custom
+
+        custom = {}
+        for name in ("single", "fsdp2"):
+            out = clients[name].forward_backward_custom(_datums(4), importance_sampling_custom)
+            custom[name] = {**out, **clients[name].optim_step(cfg.learner.adam_params())}
+        assert custom["fsdp2"]["loss"] == pytest.approx(custom["single"]["loss"], rel=1e-5, abs=1e-7)
+        assert custom["fsdp2"]["grad_norm"] == pytest.approx(custom["single"]["grad_norm"], rel=1e-5)
     finally:
         for group in groups.values():
             group.stop()

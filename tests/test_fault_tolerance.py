@@ -47,7 +47,11 @@ def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_r
     assert sum(r["batch/groups"] for r in train) == 4 * cfg.trainer.prompts_per_step
     assert [r["version"] for r in train] == [1, 2, 3, 4]
     faults = _faults(records)
-    assert len(faults) == 1 and faults[0]["mesh"] == "generator" and faults[0]["step"] == 2
+    assert len(faults) == 1 and faults[0]["mesh"] == "generator"
+    # one replica: the killed call fails and is recovered within step 2. Two: the survivor may take
+    # over the dead replica's chunks (hedging) and finish step 2, and the dead one is then replaced
+    # at its next call, the weight pull that ends step 2 or starts step 3
+    assert faults[0]["step"] == 2 if replicas == 1 else faults[0]["step"] in (2, 3)
     assert train[-1]["faults/restarts/generator"] == 1
     assert result["steps"] == 4
 

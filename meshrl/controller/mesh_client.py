@@ -45,6 +45,15 @@ def split_by_tokens(datums: list[Datum], parts: int, per_item: int = 1) -> list[
     return [sorted(share) for share in shares]
 
 
+def _combine(replies: list[tuple[list[int], dict]]) -> dict:
+    """One forward_backward result from the ranks' replies: summed loss and tokens, token-weighted
+    means of the other metrics, the slowest rank's seconds."""
+    parts = [reply for _, reply in replies]
+    out = combine_metrics([(p["tokens"], p) for p in parts])
+    out.update(tokens=sum(p["tokens"] for p in parts), seconds=max(p["seconds"] for p in parts))
+    return out
+
+
 def prompts_by_replica(completions: list[list[Completion]]) -> dict[str, int]:
     """`gen/prompts/replica<r>`: how many prompts each generator replica served (a step sums its
     calls'; the loop reports the largest share as `gen/replica_max_share`)."""
@@ -194,11 +203,12 @@ class MeshClient:
 
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
         per_item = get_loss(loss_fn).datums_per_item
-        parts = [reply for _, reply in self._split_learners("forward_backward", datums, per_item, loss_fn,
-                                                           loss_fn_config)]
-        out = combine_metrics([(p["tokens"], p) for p in parts])
-        out.update(tokens=sum(p["tokens"] for p in parts), seconds=max(p["seconds"] for p in parts))
-        return out
+        return _combine(self._split_learners("forward_backward", datums, per_item, loss_fn, loss_fn_config))
+
+    def forward_backward_custom(self, datums: list[Datum], fn) -> dict:
+        """A picklable ``fn(datums, logprobs) -> (loss, metrics)`` on each rank's share: with more
+        than one learner process it must be a sum over datums to equal the 1-process result."""
+        return _combine(self._split_learners("forward_backward_custom", datums, 1, fn))
 
     def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
         out: list = [None] * len(datums)
