@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from monarch.actor import current_rank, current_size, endpoint
@@ -33,7 +34,7 @@ class Learner(MeshrlActor):
         dist_address: str = "",
     ):
         silence_tcp_fallback_warning()
-        parallel = DataParallelSpec(rank=current_rank().rank, world=current_size().get("procs", 1),
+        parallel = DataParallelSpec(rank=current_rank().rank, world=math.prod(current_size().values()),
                                     mode=learner_cfg.data_parallel, address=dist_address,
                                     timeout_s=learner_cfg.call_timeout_s)
         self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype, parallel)

@@ -51,8 +51,13 @@ class OwnerGone(RuntimeError):
     """The process that published the segment no longer runs: its version is not served."""
 
 
+SIMULATED_HOSTS_ENV = "MESHRL_SIMULATED_HOSTS"
+"""Set (to 1) by launchers whose hosts are worker processes on one machine: each worker is then a
+host of its own, so nothing is shared between them through this machine's memory."""
+
+
 @functools.cache
-def host_identity() -> str:
+def machine_identity() -> str:
     """This machine as ``hostname/boot id``: equal on two processes only if they share one running
     kernel (a reused hostname on another machine, or after a reboot, does not match)."""
     try:
@@ -61,6 +66,17 @@ def host_identity() -> str:
     except OSError:
         boot = "no-boot-id"
     return f"{socket.gethostname()}/{boot}"
+
+
+@functools.cache
+def host_identity() -> str:
+    """The host this process runs on: `machine_identity()`, followed by ``@worker`` when the
+    launcher simulates hosts as worker processes of one machine (Monarch names each process
+    ``<proc> @ <host worker>`` in HYPERACTOR_PROCESS_NAME)."""
+    worker = os.environ.get("HYPERACTOR_PROCESS_NAME", "").rpartition(" @ ")[2]
+    if os.environ.get(SIMULATED_HOSTS_ENV) == "1" and worker:
+        return f"{machine_identity()}@{worker}"
+    return machine_identity()
 
 
 def _pid_namespace() -> str:

@@ -10,6 +10,7 @@ from meshrl.config.replay import ReplayChannelConfig
 from meshrl.config.sdpo import SDPOConfig
 from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
+from meshrl.config.launch import LaunchConfig
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.meshes import MeshesConfig
 from meshrl.config.model import ModelConfig
@@ -82,6 +83,9 @@ class RunConfig(Section):
 
     output: OutputConfig = OutputConfig()
     """Results."""
+
+    launch: LaunchConfig = LaunchConfig()
+    """Where the hosts come from (this machine, host workers, SLURM, Kubernetes)."""
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "RunConfig":

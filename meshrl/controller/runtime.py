@@ -16,10 +16,13 @@ log = logging.getLogger("meshrl")
 class Runtime:
     """Spawns the meshes described by a RunConfig; `close()` (or `with`) stops them."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, hosts=None, actors: dict[str, type] | None = None):
+        """``hosts`` (a `meshrl.meshes.hosts.Hosts`) come from a launcher; None = this machine for
+        every host mesh. ``actors`` replaces the actor class of a standard mesh (e.g. a rewarder of
+        your own with the Rewarder's endpoints)."""
         from meshrl.meshes.local import prepare_environment
 
-        prepare_environment(cfg.meshes)
+        prepare_environment(cfg.meshes, cfg.launch)
         from transformers import AutoTokenizer
 
         from meshrl.actors.generator import POLICY_STORE, Generator
@@ -32,9 +35,10 @@ class Runtime:
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.controller.supervisor import Supervisor
         from meshrl.envs.task_sets import make_task
-        from meshrl.meshes.local import free_port, local_host
         from meshrl.meshes.group import MeshGroup
+        from meshrl.meshes.hosts import Hosts
         from meshrl.meshes.placement import plan_run
+        from meshrl.meshes.rendezvous import Rendezvous
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.models.provision import resolve_model
         from meshrl.renderers import renderer_for_tokenizer
@@ -51,12 +55,12 @@ class Runtime:
         self.renderer = renderer_for_tokenizer(self.tokenizer)
         self.task = make_task(cfg.task, cfg.trainer.seed)
         strategy = strategy_for(self.task)
-        self.meshes = MeshGroup(cfg.meshes, local_host(), plan_run(cfg))
+        self.hosts = hosts if hosts is not None else Hosts.local(cfg.launch)
+        self.meshes = MeshGroup(cfg.meshes, self.hosts, plan_run(cfg), actors)
         try:
             path = str(self.model_path)
-            dist_address = f"tcp://127.0.0.1:{free_port()}" if cfg.meshes.learner.procs > 1 else ""
             self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE,
-                              dist_address)
+                              Rendezvous())
             self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
             strategy.spawn(self.meshes, cfg)
             if cfg.sdpo.alpha > 0:

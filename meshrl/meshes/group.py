@@ -1,7 +1,8 @@
-"""MeshGroup: spawns one proc mesh per mesh name (or shares one when co-located), each process
-seeing only the GPUs its placement gives it, and the actor meshes on them; waits for their setup
-with a deadline, replaces a damaged proc mesh (on the same GPUs) together with every actor mesh on
-it, and stops everything on exit."""
+"""MeshGroup: spawns one proc mesh per mesh name (or shares one when co-located) on the host mesh
+the launch config places it on, each process seeing only the GPUs its placement gives it, and the
+actor meshes on them; waits for their setup with a deadline, replaces a damaged proc mesh (on the
+same GPUs, and on the surviving hosts after a host loss) together with every actor mesh on it, and
+stops everything on exit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import psutil
 
 from meshrl.config.meshes import MeshesConfig, MeshSpec
+from meshrl.meshes.hosts import Hosts
 from meshrl.meshes.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -32,15 +34,56 @@ class _ActorSpec:
     kwargs: dict = field(default_factory=dict)
 
 
-class MeshGroup:
-    """The run's proc meshes and actor meshes, by name. With a ``placement`` every proc mesh is
-    spawned with its bootstrap (CUDA_VISIBLE_DEVICES per process); without one, processes inherit
-    the controller's CUDA environment."""
+@dataclass(frozen=True)
+class MeshDecl:
+    """A mesh of your own actors: ``procs`` processes of ``actor(*args, **kwargs)`` on every host of
+    ``host_mesh`` (None = the host mesh `launch.place` gives ``name``, else the first), each
+    process seeing ``gpus_per_proc`` GPUs and with ``env`` set before the actor starts."""
 
-    def __init__(self, cfg: MeshesConfig, host: Any, placement: Placement | None = None):
+    name: str
+    actor: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    procs: int = 1
+    host_mesh: str | None = None
+    gpus_per_proc: int = 0
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcSetup:
+    """A proc mesh's bootstrap: its GPU visibility (None = inherit), extra environment, and (with
+    ``label``) log records prefixed ``[label rN]`` so that forwarded lines name their mesh."""
+
+    devices: Any = None
+    env: tuple[tuple[str, str], ...] = ()
+    label: str | None = None
+
+    def __call__(self) -> None:
+        os.environ.update(dict(self.env))
+        if self.devices is not None:
+            self.devices()
+        if self.label is not None:
+            from monarch.actor import current_rank
+
+            logging.basicConfig(level=logging.WARNING, force=True,
+                                format=f"[{self.label} r{current_rank().rank}] %(levelname)s %(name)s: %(message)s")
+
+
+class MeshGroup:
+    """The run's proc meshes and actor meshes, by name. Each mesh runs `procs` processes on every
+    usable host of its host mesh (``hosts``). With a ``placement`` every proc mesh is spawned with
+    its bootstrap (CUDA_VISIBLE_DEVICES per process); without one, processes inherit the
+    controller's CUDA environment."""
+
+    def __init__(self, cfg: MeshesConfig, hosts: Hosts, placement: Placement | None = None,
+                 actors: dict[str, type] | None = None):
         self.cfg = cfg
-        self.host = host
+        self.hosts = hosts
         self.placement = placement
+        self.overrides = dict(actors or {})  # mesh name -> actor class spawned instead of the standard one
+        self._env: dict[str, dict] = {}
+        self._host_mesh: dict[str, str] = {}
         self.proc_meshes: dict[str, Any] = {}
         self.actor_meshes: dict[str, Any] = {}
         self.pids: dict[str, list[int]] = {}
@@ -49,10 +92,13 @@ class MeshGroup:
         self._extra_meshes: dict[str, MeshSpec] = {}
         self._stopping: list[tuple[str, Any]] = []  # (name, stop future) of replaced proc meshes
         self.generation: dict[str, int] = {}
+        self._host_count: dict[str, int] = {}  # hosts each live proc mesh spans
 
     def procs_of(self, name: str) -> int:
-        """Number of processes (= actors) of mesh ``name``."""
-        return self._mesh_spec(self._owner(name)).procs
+        """Number of processes (= actors) of mesh ``name``: its processes per host times the hosts
+        its proc mesh was spawned on."""
+        owner = self._owner(name)
+        return self._mesh_spec(owner).procs * self._host_count.get(owner, self.hosts.count(self._group(owner)))
 
     def _mesh_spec(self, name: str) -> MeshSpec:
         if name in self._extra_meshes:
@@ -63,6 +109,25 @@ class MeshGroup:
         """Declare a mesh that is not part of MeshesConfig (e.g. an optional channel's actors)."""
         self._extra_meshes[name] = MeshSpec(procs=procs, colocate_with=colocate_with)
 
+    def declare(self, decl: MeshDecl):
+        """Spawn a mesh of your own actors (see `MeshDecl`); call `wait_ready` before use."""
+        if decl.name in self._specs or decl.name in self._extra_meshes:
+            raise ValueError(f"mesh '{decl.name}' already exists")
+        if decl.host_mesh is not None and decl.host_mesh not in self.hosts.cfg.hosts:
+            raise ValueError(f"mesh '{decl.name}': host_mesh {decl.host_mesh!r} is not in launch.hosts "
+                             f"{sorted(self.hosts.cfg.hosts)}")
+        spec = MeshSpec(procs=decl.procs, gpus_per_proc=decl.gpus_per_proc)
+        if self.placement is not None:
+            self.placement = self.placement.with_mesh(decl.name, spec)
+        self._extra_meshes[decl.name] = spec
+        self._env[decl.name] = dict(decl.env)
+        if decl.host_mesh is not None:
+            self._host_mesh[decl.name] = decl.host_mesh
+        return self.spawn(decl.name, decl.actor, *decl.args, **decl.kwargs)
+
+    def _group(self, owner: str) -> str:
+        return self._host_mesh.get(owner) or self.hosts.group_of(owner)
+
     def _owner(self, name: str) -> str:
         return self._mesh_spec(name).colocate_with or name
 
@@ -70,19 +135,32 @@ class MeshGroup:
         if owner not in self.proc_meshes:
             count = self._mesh_spec(owner).procs
             self.generation[owner] = self.generation.get(owner, -1) + 1
-            bootstrap = self.placement.bootstrap(owner, count) if self.placement is not None else None
-            self.proc_meshes[owner] = self.host.spawn_procs(
+            devices = self.placement.bootstrap(owner, count) if self.placement is not None else None
+            env = tuple(sorted(self._env.get(owner, {}).items()))
+            label = owner if self.hosts.label_logs else None
+            bootstrap = ProcSetup(devices, env, label) if (devices is not None or env or label) else None
+            group = self._group(owner)
+            self._host_count[owner] = self.hosts.count(group)
+            self.proc_meshes[owner] = self.hosts.host_mesh(group).spawn_procs(
                 per_host={"procs": count}, name=f"{owner}-g{self.generation[owner]}", bootstrap=bootstrap
             )
+            self.hosts.on_spawn(self.proc_meshes[owner])
         return self.proc_meshes[owner]
 
     def spawn(self, name: str, actor_cls: type, *args, **kwargs):
-        """Spawn actor mesh ``name`` (non-blocking; call `wait_ready` before use)."""
-        spec = _ActorSpec(self._owner(name), actor_cls, args, kwargs)
+        """Spawn actor mesh ``name`` (non-blocking; call `wait_ready` before use). A `Rendezvous`
+        among the arguments becomes the address of a free port on the mesh's first process."""
+        spec = _ActorSpec(self._owner(name), self.overrides.get(name, actor_cls), args, kwargs)
         self._specs[name] = spec
-        mesh = self._procs(spec.owner).spawn(name, actor_cls, *args, **kwargs)
-        self.actor_meshes[name] = mesh
-        return mesh
+        self.actor_meshes[name] = self._spawn_actors(name, spec)
+        return self.actor_meshes[name]
+
+    def _spawn_actors(self, name: str, spec: _ActorSpec):
+        from meshrl.meshes.rendezvous import resolve_rendezvous
+
+        procs = self._procs(spec.owner)
+        args = resolve_rendezvous(procs, self.procs_of(name), spec.args, self.cfg.spawn_timeout_s)
+        return procs.spawn(name, spec.actor_cls, *args, **spec.kwargs)
 
     def __getitem__(self, name: str):
         return self.actor_meshes[name]
@@ -115,17 +193,19 @@ class MeshGroup:
         Returns the names of the re-created actor meshes (already ready)."""
         owner = self._owner(name)
         names = self.cohabitants(name)
+        lost = self.hosts.refresh()  # a lost host is left out of the replacement (or stops the run)
         old = self.proc_meshes.pop(owner, None)
         if old is not None:
             # a hung process would hold its memory and cores while the replacement starts
             for n in names:
                 for pid in self.pids.pop(n, []):
                     _kill_tree(pid)
-            # stop the damaged mesh in the background: the replacement need not wait for it
-            self._stopping.append((owner, old.stop()))
+            if any(group == self._group(owner) for group, _ in lost):
+                log.warning("abandoning mesh '%s': one of its hosts is lost (stopping it would hang)", owner)
+            else:  # stop the damaged mesh in the background: the replacement need not wait for it
+                self._stopping.append((owner, old.stop()))
         for n in names:
-            spec = self._specs[n]
-            self.actor_meshes[n] = self._procs(owner).spawn(n, spec.actor_cls, *spec.args, **spec.kwargs)
+            self.actor_meshes[n] = self._spawn_actors(n, self._specs[n])
         self.wait_ready(names)
         return names
 

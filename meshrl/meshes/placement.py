@@ -75,8 +75,17 @@ class VisibleDevices:
     def __call__(self) -> None:
         from monarch.actor import current_rank
 
-        os.environ["CUDA_VISIBLE_DEVICES"] = self.per_rank[current_rank().rank]
+        os.environ["CUDA_VISIBLE_DEVICES"] = self.per_rank[local_rank(current_rank())]
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+def local_rank(point) -> int:
+    """A process's index among the processes of its mesh on its own host (every host of a host
+    mesh runs the same layout)."""
+    try:
+        return point["procs"]
+    except (KeyError, IndexError, TypeError):
+        return point.rank
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,20 @@ class Placement:
             raise ValueError(f"mesh '{mesh}' spawns {procs} process(es) but its placement has {len(per_rank)}")
         return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank))
 
+    def with_mesh(self, name: str, spec: MeshSpec) -> "Placement":
+        """This placement plus mesh ``name`` (declared after planning) on the lowest GPUs that no
+        planned process uses; raises PlacementError when they are too few."""
+        taken = {d for row in self.rows for d in row.devices}
+        free = [d for d in range(len(self.gpu_ids)) if d not in taken]
+        need = spec.procs * spec.gpus_per_proc
+        if need > len(free):
+            raise PlacementError(f"mesh '{name}': {spec.procs} process(es) x {spec.gpus_per_proc} GPU(s) need {need} "
+                                 f"but only {len(free)} of the host's {len(self.gpu_ids)} are free")
+        per = spec.gpus_per_proc
+        host = self.rows[0].host if self.rows else socket.gethostname()
+        rows = [PlacementRow(name, r, host, tuple(free[r * per:(r + 1) * per])) for r in range(spec.procs)]
+        return Placement(self.gpu_ids, self.rows + tuple(rows))
+
     def table(self) -> str:
         """The plan as an aligned text table (mesh, process, host, devices, shared processes)."""
         head = ("mesh", "proc", "host", "devices", "shares")
@@ -123,10 +146,39 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     return slots
 
 
+def remote_host_gpus(cfg: RunConfig) -> int | None:
+    """GPUs each host of a remote launcher offers (`launch.slurm.gpus_per_node`,
+    `launch.k8s.gpus_per_pod`); None for launchers whose hosts are this machine."""
+    launch = cfg.launch
+    if launch.launcher == "slurm":
+        return launch.slurm.gpus_per_node or 0
+    if launch.launcher == "k8s":
+        return launch.k8s.gpus_per_pod
+    return None
+
+
 def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str | None = None) -> Placement:
-    """The placement of every mesh of ``cfg`` on ``host`` (default: this machine) with ``gpu_ids``
-    (default: `host_gpu_ids()`)."""
-    return plan(run_slots(cfg), host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
+    """The placement of every mesh of ``cfg``. Launchers whose hosts are this machine (`local`,
+    `process`) place every mesh on its GPUs (``gpu_ids``, default `host_gpu_ids()`); remote
+    launchers place each host mesh's meshes on the GPUs every one of its hosts offers
+    (``gpu_ids``, default as many as the launch config requests per host)."""
+    slots = run_slots(cfg)
+    remote = remote_host_gpus(cfg)
+    if remote is None:
+        return plan(slots, host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
+    ids = gpu_ids if gpu_ids is not None else tuple(str(i) for i in range(remote))
+    rows: list[PlacementRow] = []
+    for group, count in cfg.launch.hosts.items():
+        mine = [s for s in slots if cfg.launch.host_mesh_of(_owner_name(s, slots)) == group]
+        if mine:
+            rows += plan(mine, ids, f"{group} x{count}").rows
+    by_mesh = {s.name: i for i, s in enumerate(slots)}
+    return Placement(ids, tuple(sorted(rows, key=lambda r: (by_mesh[r.mesh], r.rank))))
+
+
+def _owner_name(slot: Slot, slots: list[Slot]) -> str:
+    """The mesh whose processes ``slot`` uses (a co-located mesh lives where its host mesh does)."""
+    return slot.spec.colocate_with or slot.name
 
 
 def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
