@@ -89,7 +89,8 @@ def main() -> None:
     from meshrl.engines import SampleRequest
     from meshrl.envs.task_sets import make_task
     from meshrl.meshes.group import MeshGroup
-    from meshrl.meshes.local import local_host
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.meshes.hosts import Hosts
     from meshrl.models.provision import resolve_model
     from meshrl.renderers import renderer_for_tokenizer
 
@@ -105,7 +106,7 @@ def main() -> None:
         for procs in sorted({procs for _, procs, _ in ROWS}):
             cfg = load_config(RunConfig, default_config_path(), overrides + [f"meshes.generator.procs={procs}"])
             started = time.perf_counter()
-            meshes = groups_by_procs[procs] = MeshGroup(cfg.meshes, local_host())
+            meshes = groups_by_procs[procs] = MeshGroup(cfg.meshes, Hosts.local(LaunchConfig()))
             meshes.spawn(GENERATOR, Generator, str(path), cfg.model, cfg.generator, cfg.weight_sync)
             meshes.wait_ready()
             spawn_s[procs] = time.perf_counter() - started

@@ -47,12 +47,14 @@ def run_arm(name: str, procs: int, mode: str, threads: int, args, model_path, cf
     from meshrl.controller.mesh_client import MeshClient
     from meshrl.controller.supervisor import Supervisor
     from meshrl.meshes.group import MeshGroup
-    from meshrl.meshes.local import free_port, local_host
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.meshes.hosts import Hosts
+    from meshrl.meshes.rendezvous import Rendezvous
 
     learner_cfg = cfg.learner.model_copy(update={"data_parallel": mode, "torch_threads": threads})
-    group = MeshGroup(MeshesConfig(learner={"procs": procs}), local_host())
+    group = MeshGroup(MeshesConfig(learner={"procs": procs}), Hosts.local(LaunchConfig()))
     try:
-        address = f"tcp://127.0.0.1:{free_port()}" if procs > 1 else ""
+        address = Rendezvous()
         group.spawn("learner", Learner, str(model_path), cfg.model, learner_cfg, cfg.weight_sync, f"bench-{name}",
                     address)
         group.wait_ready(timeout_s=600)

@@ -1,4 +1,4 @@
-"""The `meshrl` command line: train, plan, models, config reference."""
+"""The `meshrl` command line: train, launch, plan, models, teachers, config reference."""
 
 from __future__ import annotations
 
@@ -27,38 +27,50 @@ def _fail(message: str) -> int:
 
 def _plan(args: argparse.Namespace):
     """(config path, resolved config, its placement, a header describing the host) for the
-    arguments of `train` and `plan`; raises ConfigError."""
+    arguments of `train`, `launch` and `plan`; raises ConfigError."""
     from meshrl.config.run import RunConfig
-    from meshrl.meshes.placement import plan_run
+    from meshrl.meshes.placement import plan_run, remote_host_gpus
 
     path = args.config or default_config_path()
-    cfg = load_config(RunConfig, path, args.overrides)
-    if args.host_gpus is None:
-        placement = plan_run(cfg)
-        host = f"this host ({len(placement.gpu_ids)} GPUs found)"
-    else:
+    overrides = list(args.overrides)
+    if getattr(args, "launcher", None):
+        overrides.append(f"launch.launcher={args.launcher}")
+    cfg = load_config(RunConfig, path, overrides)
+    remote = remote_host_gpus(cfg)
+    if args.host_gpus is not None:
         placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))
         host = f"a host with {args.host_gpus} GPUs (--host-gpus)"
+    elif remote is not None:
+        placement = plan_run(cfg)
+        host = f"{cfg.launch.launcher} hosts with {remote} GPUs each"
+    else:
+        placement = plan_run(cfg)
+        host = f"this host ({len(placement.gpu_ids)} GPUs found)"
     return path, cfg, placement, f"placement on {host}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`meshrl train` (the launcher `launch.launcher` names, local by default) and `meshrl launch
+    KIND` (that launcher)."""
     if args.host_gpus is not None and not args.dry_run:
-        return _fail("--host-gpus plans for another host: it needs --dry-run")
+        return _fail("--host-gpus plans for other hosts: it needs --dry-run")
+    if args.out is not None and not args.dry_run:
+        return _fail("--out is where --dry-run writes what it would submit: it needs --dry-run")
     try:
         path, cfg, placement, header = _plan(args)
     except ConfigError as e:
         return _fail(str(e))
-    if args.dry_run:
-        print(f"# resolved from {path or 'built-in defaults'}")
-        print(to_yaml(cfg), end="")
-        print(f"# {header}")
-        print("".join(f"# {line}\n" for line in placement.table().splitlines()), end="")
-        return 0
-    from meshrl.controller.train import train_main
+    from meshrl.launch.run import dry_run_text, launch_main
 
+    if args.dry_run:
+        try:
+            print(dry_run_text(cfg, str(path or "built-in defaults"), header, placement.table(),
+                               Path(args.out) if args.out else None), end="")
+        except ConfigError as e:
+            return _fail(str(e))
+        return 0
     try:
-        return train_main(cfg, resume=args.resume, overwrite=args.overwrite)
+        return launch_main(cfg, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as e:  # a resumed run's saved placement that does not fit this host
         return _fail(str(e))
 
@@ -152,15 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description="RL post-training on Monarch actor meshes")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="run a training job (default: configs/default.yaml)")
-    train.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
-    train.add_argument("overrides", nargs="*", help="dotted overrides such as learner.lr=2e-5")
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and the GPU placement and exit")
-    train.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="with --dry-run: plan for a host with N GPUs "
-                       "(default: the GPUs of this host)")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from its last checkpoint")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    train.set_defaults(func=cmd_train)
+    train = sub.add_parser("train", help="run a training job (default: configs/default.yaml) with the launcher "
+                           "launch.launcher names (default: local)")
+    launch = sub.add_parser("launch", help="run a training job with a given launcher")
+    launch.add_argument("launcher", choices=["local", "process", "slurm", "k8s"],
+                        help="local: this machine; process: each host a local worker process; slurm: sbatch; "
+                             "k8s: Kubernetes pods (sets launch.launcher)")
+    for p in (train, launch):
+        p.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
+        p.add_argument("overrides", nargs="*", help="dotted overrides such as learner.lr=2e-5")
+        p.add_argument("--dry-run", action="store_true", help="print the resolved config, the GPU placement and what "
+                       "the launcher would submit, and exit")
+        p.add_argument("--out", metavar="DIR", help="with --dry-run: write the batch script or manifests into DIR")
+        p.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="with --dry-run: plan for hosts with N GPUs "
+                       "(default: this host's, or what the launch section requests per host)")
+        p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from its "
+                       "last checkpoint")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+        p.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="print which GPUs each mesh process gets, without spawning anything")
     plan.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
@@ -192,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow flags (`train --overwrite learner.lr=1e-5`): argparse leaves those over
-    if extra and (args.command not in ("train", "plan") or any(e.startswith("-") for e in extra)):
+    if extra and (args.command not in ("train", "launch", "plan") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra

@@ -59,7 +59,9 @@ def test_dry_run_and_plan_print_the_placement_of_the_multi_gpu_example():
     table = [line.split() for line in res.stdout.splitlines() if line.startswith("# ")]
     assert table[1] == ["#", "placement", "on", "a", "host", "with", "8", "GPUs", "(--host-gpus)"]
     assert table[2] == ["#", "mesh", "proc", "host", "devices", "shares"]
-    rows = [(mesh, int(proc), devices, shares) for _, mesh, proc, _host, devices, shares in table[3:]]
+    *placed, launcher = table[3:]
+    assert launcher == ["#", "launcher", "local:", "host", "meshes", "main", "x1"]
+    rows = [(mesh, int(proc), devices, shares) for _, mesh, proc, _host, devices, shares in placed]
     assert rows == ([("learner", r, str(r), "-") for r in range(4)] + [("generator", r, str(4 + r), "-") for r in range(4)]
                     + [("rewarder", 0, "cpu", "-")])
 

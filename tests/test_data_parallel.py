@@ -76,7 +76,9 @@ def test_two_learner_processes_equal_one(tmp_path):
     from meshrl.controller.mesh_client import MeshClient
     from meshrl.controller.supervisor import Supervisor
     from meshrl.meshes.group import MeshGroup
-    from meshrl.meshes.local import free_port, local_host
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.meshes.hosts import Hosts
+    from meshrl.meshes.rendezvous import Rendezvous
     from meshrl.models.provision import resolve_model
 
     path = resolve_model("tiny")
@@ -84,9 +86,9 @@ def test_two_learner_processes_equal_one(tmp_path):
     groups, clients = {}, {}
     try:
         for name, (procs, mode) in arms.items():
-            group = MeshGroup(MeshesConfig(learner={"procs": procs}), local_host())
+            group = MeshGroup(MeshesConfig(learner={"procs": procs}), Hosts.local(LaunchConfig()))
             learner_cfg = cfg.learner.model_copy(update={"data_parallel": mode})
-            address = f"tcp://127.0.0.1:{free_port()}" if procs > 1 else ""
+            address = Rendezvous()
             group.spawn("learner", Learner, str(path), cfg.model, learner_cfg, cfg.weight_sync, f"dp-{name}", address)
             groups[name] = group
         for name, group in groups.items():

@@ -7,7 +7,9 @@ import time
 import psutil
 import pytest
 from meshrl.config.meshes import MeshesConfig, MeshSpec
-from meshrl.meshes.local import local_host, prepare_environment
+from meshrl.config.launch import LaunchConfig
+from meshrl.meshes.hosts import Hosts
+from meshrl.meshes.local import prepare_environment
 from meshrl.meshes.group import MeshGroup
 from meshrl.meshes.placement import Slot, plan
 from meshrl.meshes.supervision import install_fault_hook
@@ -32,7 +34,7 @@ def test_respawn_kills_a_hung_process_and_dead_process_sees_a_kill():
     cfg = MeshesConfig(spawn_timeout_s=60)
     prepare_environment(cfg)
     install_fault_hook()
-    group = MeshGroup(cfg, local_host())
+    group = MeshGroup(cfg, Hosts.local(LaunchConfig()))
     try:
         group.add_mesh("sleepy", 1)
         group.spawn("sleepy", Sleeper)
@@ -66,7 +68,7 @@ def test_each_process_sees_only_its_placed_gpus_also_after_a_respawn():
     install_fault_hook()
     placement = plan([Slot("probe", "probe", MeshSpec(procs=2, gpus_per_proc=1, devices=[2, 5])),
                       Slot("cpu", "cpu", MeshSpec())], gpu_ids=tuple(str(i) for i in range(8)), host="here")
-    group = MeshGroup(cfg, local_host(), placement)
+    group = MeshGroup(cfg, Hosts.local(LaunchConfig()), placement)
 
     def seen(name):
         return list(group[name].getenv.call("CUDA_VISIBLE_DEVICES").get(timeout=60).values())

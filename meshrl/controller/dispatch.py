@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from meshrl.controller.supervisor import WATCH_INTERVAL_S, CallTimeout, ProcessDied
 from meshrl.meshes.group import first_line
+from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01  # longest wait before the futures not waited on are swept again (a sweep costs ~1 ms each)
@@ -152,7 +153,7 @@ class Dispatcher:
                 chunk = todo.popleft() if todo else _oldest_least_copied(running, replies)
                 if chunk is None:
                     break
-                future = issue(actors.slice(procs=r), *bounds[chunk])
+                future = issue(actor_at(actors, r), *bounds[chunk])
                 running.append(_Work(r, future, time.monotonic() + timeout_s, timeout_s, what, chunk))
             with self._lock:
                 waiting = running + self._leftovers
@@ -183,7 +184,7 @@ class Dispatcher:
         deadline = time.monotonic() + timeout_s
         now, later = [], []
         for r in range(replicas):
-            future = send(actors.slice(procs=r))
+            future = send(actor_at(actors, r))
             if r in busy:
                 later.append(_Work(r, future, deadline, timeout_s, what, check=check))
             else:

@@ -20,6 +20,7 @@ from meshrl.controller.dispatch import Dispatcher
 from meshrl.controller.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
 from meshrl.losses import get_loss
+from meshrl.meshes.ranks import actor_at, reply_at
 from meshrl.training.policy import combine_metrics
 from meshrl.types import AdamParams, Datum
 
@@ -135,7 +136,7 @@ class MeshClient:
         deadline only: the caller supervises the whole exchange (see :meth:`supervised`)."""
         ranks = sorted(args_by_rank)
         replies = self.unsupervised(
-            mesh, lambda actors: [getattr(actors.slice(procs=r), endpoint).call_one(args_by_rank[r]) for r in ranks],
+            mesh, lambda actors: [getattr(actor_at(actors, r), endpoint).call_one(args_by_rank[r]) for r in ranks],
             f"{mesh}.{endpoint}")
         return dict(zip(ranks, replies))
 
@@ -185,7 +186,7 @@ class MeshClient:
             replies = self.call(LEARNER, "train", issue, what, timeout_s)[0]
         else:
             replies = self.unsupervised(LEARNER, issue, what, timeout_s)[0]
-        return replies.item(procs=0)
+        return reply_at(replies, 0)
 
     def _split_learners(self, endpoint: str, datums: list[Datum], per_item: int, *args) -> list:
         """``endpoint(share, *args, padding)`` on every learner rank with its share of ``datums``
@@ -194,7 +195,7 @@ class MeshClient:
         shares = split_by_tokens(datums, self.procs(LEARNER), per_item)
 
         def issue(m):
-            return [getattr(m.slice(procs=r), endpoint).call_one(
+            return [getattr(actor_at(m, r), endpoint).call_one(
                 [datums[i] for i in (idx or range(min(per_item, len(datums))))], *args, bool(datums) and not idx)
                 for r, idx in enumerate(shares)]
 

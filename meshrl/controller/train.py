@@ -3,11 +3,13 @@ checkpoints and recovery, and write metrics, curves and the final policy."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable, ContextManager
 
 from meshrl.config.base import ConfigError, load_config, to_yaml
 from meshrl.config.run import RunConfig
@@ -39,8 +41,11 @@ def _setup_logging() -> None:
     logging.getLogger("meshrl").setLevel(logging.INFO)
 
 
-def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = False) -> int:
-    """Entry point of `meshrl train`; returns the process exit code."""
+def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = False,
+               hosts_for: Callable[[RunConfig, Path], ContextManager] | None = None) -> int:
+    """Entry point of `meshrl train` and `meshrl launch`; returns the process exit code.
+    ``hosts_for(cfg, run_dir)`` is a context manager that provides the run's hosts (a launcher's
+    job, killed on leaving it); None = this machine."""
     _setup_logging()
     try:
         if resume is not None:
@@ -52,19 +57,23 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
         print(f"meshrl: {e}", file=sys.stderr)
         return 2
     from meshrl.controller.supervisor import RestartBudgetExceeded
+    from meshrl.meshes.group import MeshSpawnError
+    from meshrl.meshes.hosts import HostLost
 
     try:
-        result = run_training(cfg, run_dir, resume=resume is not None)
-    except RestartBudgetExceeded as e:
+        with (hosts_for(cfg, run_dir) if hosts_for is not None else contextlib.nullcontext()) as hosts:
+            result = run_training(cfg, run_dir, resume=resume is not None, hosts=hosts)
+    except (RestartBudgetExceeded, HostLost, MeshSpawnError) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 1
     print(summary_text(result, run_dir))
     return 0
 
 
-def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
-    """Spawn the meshes, train for `trainer.steps` (continuing from the last checkpoint when
-    ``resume``), evaluate, checkpoint, and write metrics and curves."""
+def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None) -> dict:
+    """Spawn the meshes on ``hosts`` (a launcher's `Hosts`; None = this machine), train for
+    `trainer.steps` (continuing from the last checkpoint when ``resume``), evaluate, checkpoint,
+    and write metrics and curves."""
     from tqdm import tqdm
 
     from meshrl.controller.checkpoints import CheckpointManager
@@ -83,7 +92,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     metrics.truncate_after(start.step if start else 0)
     result: dict = {"steps": 0, "evals": [], "faults": 0}
     try:
-        with Runtime(cfg) as rt:
+        with Runtime(cfg, hosts) as rt:
             loop = rt.loop
             if start is not None:
                 rt.restore_learner(start, respawn=False)  # fresh meshes: load, republish, resync
@@ -121,7 +130,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
                     bar.n = step
                     continue
                 step += 1
-                _log_recoveries(metrics, rt.supervisor, step, result)
+                _log_recoveries(metrics, rt, step, result)
                 _save_episodes(run_dir, loop)
                 record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
                 metrics.log(record)
@@ -159,13 +168,18 @@ def _save_episodes(run_dir: Path, loop) -> None:
         del records[:n]
 
 
-def _log_recoveries(metrics, supervisor, step: int, result: dict) -> None:
-    """One `fault` record per mesh replacement the supervisor made during the step."""
-    seen = result.setdefault("_recoveries_logged", 0)
-    for event in supervisor.events[seen:]:
-        metrics.log({"kind": "fault", "step": step, **event})
-        result["faults"] += 1
-    result["_recoveries_logged"] = len(supervisor.events)
+def _log_recoveries(metrics, rt, step: int, result: dict) -> None:
+    """One `fault` record per host found lost and per mesh replacement the supervisor made
+    during the step."""
+    for source, events in (("hosts", rt.hosts.events), ("meshes", rt.supervisor.events)):
+        seen = result.setdefault(f"_{source}_logged", 0)
+        for event in events[seen:]:
+            record = {"kind": "fault", "step": step, **event}
+            if source == "hosts":
+                record["action"] = "host lost: its meshes move to the surviving hosts"
+            metrics.log(record)
+            result["faults"] += 1
+        result[f"_{source}_logged"] = len(events)
 
 
 def summary_text(result: dict, run_dir: Path) -> str:

@@ -9,6 +9,7 @@ every process before anything there initialises CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -165,18 +166,30 @@ def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str |
     slots = run_slots(cfg)
     remote = remote_host_gpus(cfg)
     if remote is None:
-        return plan(slots, host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
+        placed = plan(slots, host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
+        if cfg.launch.launcher == "local":
+            return placed
+        # host workers on this machine: name each row's host mesh (the GPUs are this machine's)
+        rows = tuple(dataclasses.replace(r, host=_hosts_label(cfg, _owner_name(by_name[r.mesh])))
+                     for by_name in [{s.name: s for s in slots}] for r in placed.rows)
+        return Placement(placed.gpu_ids, rows)
     ids = gpu_ids if gpu_ids is not None else tuple(str(i) for i in range(remote))
     rows: list[PlacementRow] = []
     for group, count in cfg.launch.hosts.items():
-        mine = [s for s in slots if cfg.launch.host_mesh_of(_owner_name(s, slots)) == group]
+        mine = [s for s in slots if cfg.launch.host_mesh_of(_owner_name(s)) == group]
         if mine:
-            rows += plan(mine, ids, f"{group} x{count}").rows
+            rows += plan(mine, ids, _hosts_label(cfg, mine[0].name)).rows
     by_mesh = {s.name: i for i, s in enumerate(slots)}
     return Placement(ids, tuple(sorted(rows, key=lambda r: (by_mesh[r.mesh], r.rank))))
 
 
-def _owner_name(slot: Slot, slots: list[Slot]) -> str:
+def _hosts_label(cfg: RunConfig, mesh: str) -> str:
+    """``<host mesh> x<hosts>`` for the table's host column: every process row runs on each host."""
+    group = cfg.launch.host_mesh_of(mesh)
+    return f"{group} x{cfg.launch.hosts[group]}"
+
+
+def _owner_name(slot: Slot) -> str:
     """The mesh whose processes ``slot`` uses (a co-located mesh lives where its host mesh does)."""
     return slot.spec.colocate_with or slot.name
 

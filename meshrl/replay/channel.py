@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from meshrl.config.meshes import TEACHER_REPLAY as POOL
 from meshrl.config.replay import ReplayChannelConfig
 from meshrl.controller.mesh_client import MeshClient
+from meshrl.meshes.ranks import actor_at
 from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class ReplayChannel:
         self.counts["resubmitted"] += len(keys)
 
     def _actor(self, pool, producer: str):
-        return pool.slice(procs=self.producers.index(producer))
+        return actor_at(pool, self.producers.index(producer))
 
     # ---- the channel ------------------------------------------------------------------------
     def submit(self, trajectories: list, version: int) -> None:

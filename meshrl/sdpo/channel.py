@@ -16,6 +16,7 @@ from meshrl.config.meshes import SDPO_TEACHER
 from meshrl.config.sdpo import SDPOConfig
 from meshrl.controller.dispatch import split_evenly
 from meshrl.controller.mesh_client import MeshClient
+from meshrl.meshes.ranks import actor_at
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.types import Datum
 
@@ -80,7 +81,7 @@ class SDPOChannel:
         parts = split_evenly(sites, self.client.procs(SDPO_TEACHER))
 
         def issue(teachers):
-            return [teachers.slice(procs=r).score_sites.call_one(
+            return [actor_at(teachers, r).score_sites.call_one(
                 [(s.teacher_tokens, s.teacher_start, s.length) for s in part], c.top_k) for r, part in enumerate(parts)]
 
         scored = self.client.call(SDPO_TEACHER, "sdpo", issue, f"{SDPO_TEACHER}.score_sites", c.call_timeout_s)

@@ -41,9 +41,17 @@ class Reply:
         return self.future.result(timeout)
 
 
+class Extent:
+    """A one-host mesh's shape, as Monarch describes it."""
+
+    def __init__(self, n):
+        self.labels, self.sizes = ["procs"], [n]
+
+
 class ValueMesh:
     def __init__(self, values):
         self._values = values
+        self.extent = Extent(len(values))
 
     def values(self):
         return list(self._values)
@@ -80,6 +88,7 @@ class Endpoint:
 class Mesh:
     def __init__(self, actors):
         self.actors = actors
+        self.extent = Extent(len(actors))
 
     def slice(self, procs):
         return Mesh([self.actors[procs]])
