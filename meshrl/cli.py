@@ -36,7 +36,7 @@ def _plan(args: argparse.Namespace):
     if getattr(args, "launcher", None):
         overrides.append(f"launch.launcher={args.launcher}")
     cfg = load_config(RunConfig, path, overrides)
-    remote = remote_host_gpus(cfg)
+    remote = remote_host_gpus(cfg.launch)
     if args.host_gpus is not None:
         placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))
         host = f"a host with {args.host_gpus} GPUs (--host-gpus)"

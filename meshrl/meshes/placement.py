@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 
 from meshrl.config.base import ConfigError
+from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import ENV, MESH_NAMES, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec, check_colocation
 from meshrl.config.run import RunConfig
 
@@ -147,10 +148,9 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     return slots
 
 
-def remote_host_gpus(cfg: RunConfig) -> int | None:
+def remote_host_gpus(launch: LaunchConfig) -> int | None:
     """GPUs each host of a remote launcher offers (`launch.slurm.gpus_per_node`,
     `launch.k8s.gpus_per_pod`); None for launchers whose hosts are this machine."""
-    launch = cfg.launch
     if launch.launcher == "slurm":
         return launch.slurm.gpus_per_node or 0
     if launch.launcher == "k8s":
@@ -159,28 +159,25 @@ def remote_host_gpus(cfg: RunConfig) -> int | None:
 
 
 def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str | None = None) -> Placement:
-    """The placement of every mesh of ``cfg``. Launchers whose hosts are this machine (`local`,
-    `process`) place every mesh on its GPUs (``gpu_ids``, default `host_gpu_ids()`); remote
-    launchers place each host mesh's meshes on the GPUs every one of its hosts offers
-    (``gpu_ids``, default as many as the launch config requests per host)."""
+    """The placement of every mesh of ``cfg`` on GPUs ``gpu_ids`` per host (default:
+    `gpus_for(cfg.launch)`). Launchers whose hosts are this machine (`local`, `process`) place every
+    mesh on its GPUs together; remote launchers place each host mesh's meshes on its own hosts."""
     slots = run_slots(cfg)
-    remote = remote_host_gpus(cfg)
-    if remote is None:
-        placed = plan(slots, host_gpu_ids() if gpu_ids is None else gpu_ids, host or socket.gethostname())
-        if cfg.launch.launcher == "local":
-            return placed
-        # host workers on this machine: name each row's host mesh (the GPUs are this machine's)
-        rows = tuple(dataclasses.replace(r, host=_hosts_label(cfg, _owner_name(by_name[r.mesh])))
-                     for by_name in [{s.name: s for s in slots}] for r in placed.rows)
-        return Placement(placed.gpu_ids, rows)
-    ids = gpu_ids if gpu_ids is not None else tuple(str(i) for i in range(remote))
-    rows: list[PlacementRow] = []
-    for group, count in cfg.launch.hosts.items():
-        mine = [s for s in slots if cfg.launch.host_mesh_of(_owner_name(s)) == group]
-        if mine:
-            rows += plan(mine, ids, _hosts_label(cfg, mine[0].name)).rows
-    by_mesh = {s.name: i for i, s in enumerate(slots)}
-    return Placement(ids, tuple(sorted(rows, key=lambda r: (by_mesh[r.mesh], r.rank))))
+    ids = gpus_for(cfg.launch) if gpu_ids is None else gpu_ids
+    if cfg.launch.launcher == "local":
+        return plan(slots, ids, host or socket.gethostname())
+    by_name = {s.name: s for s in slots}
+    if remote_host_gpus(cfg.launch) is None:  # host workers on this machine share its GPUs
+        placed = plan(slots, ids, "")
+        rows = [dataclasses.replace(r, host=_hosts_label(cfg, _owner_name(by_name[r.mesh]))) for r in placed.rows]
+    else:
+        rows = []
+        for group in cfg.launch.hosts:
+            mine = [s for s in slots if cfg.launch.host_mesh_of(_owner_name(s)) == group]
+            if mine:
+                rows += plan(mine, ids, _hosts_label(cfg, mine[0].name)).rows
+    order = list(by_name)
+    return Placement(ids, tuple(sorted(rows, key=lambda r: (order.index(r.mesh), r.rank))))
 
 
 def _hosts_label(cfg: RunConfig, mesh: str) -> str:
@@ -192,6 +189,12 @@ def _hosts_label(cfg: RunConfig, mesh: str) -> str:
 def _owner_name(slot: Slot) -> str:
     """The mesh whose processes ``slot`` uses (a co-located mesh lives where its host mesh does)."""
     return slot.spec.colocate_with or slot.name
+
+
+def gpus_for(launch: LaunchConfig) -> tuple[str, ...]:
+    """The GPUs each host of ``launch`` offers: this machine's for `local` and `process`."""
+    remote = remote_host_gpus(launch)
+    return host_gpu_ids() if remote is None else tuple(str(i) for i in range(remote))
 
 
 def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
