@@ -1,0 +1,107 @@
+"""The process launcher for real: a multi-host job on this machine (Monarch's ProcessJob, each host
+a worker process), the tiny model, the real vLLM engine. Weights cross a host boundary by RDMA, a
+killed host worker is survived by moving its mesh to the surviving host, and no worker or actor
+process outlives the job, not even a controller killed with SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from meshrl.config.base import load_config
+from meshrl.config.run import RunConfig
+from tests.conftest import TINY_RUN
+
+pytestmark = pytest.mark.monarch
+
+
+def _gone(pids, within_s):
+    deadline = time.monotonic() + within_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return not alive
+
+
+def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_processes():
+    cfg = load_config(RunConfig, None, TINY_RUN + [
+        "launch.launcher=process", "launch.hosts={trainer: 1, sampler: 2}", "launch.place={generator: sampler}",
+        "launch.host_loss_timeout_s=10", "meshes.rewarder.colocate_with=learner"])
+    from meshrl.meshes.local import prepare_environment
+
+    prepare_environment(cfg.meshes, cfg.launch)
+    from meshrl.controller.runtime import Runtime
+    from meshrl.launch import make_launcher
+
+    launcher = make_launcher(cfg.launch, "two-hosts")
+    hosts = launcher.start()
+    everything = set(launcher.worker_pids().values())
+    try:
+        with Runtime(cfg, hosts) as rt:
+            workers = launcher.worker_pids()
+            generators = rt.meshes.pids["generator"]
+            everything |= set(generators) | set(rt.meshes.pids["learner"])
+            # one generator replica on each sampler host worker, the learner on the trainer's
+            assert sorted(psutil.Process(p).ppid() for p in generators) == sorted(
+                [workers[("sampler", 0)], workers[("sampler", 1)]])
+            assert psutil.Process(rt.meshes.pids["learner"][0]).ppid() == workers[("trainer", 0)]
+
+            record, _ = rt.loop.step()
+            # both replicas pulled by RDMA: nothing is shared through memory across hosts
+            assert rt.loop.version == 1 and record["sync/transport/rdma"] == 2 and "sync/transport/shm" not in record
+
+            killer = threading.Timer(0.5, os.kill, (workers[("sampler", 1)], signal.SIGKILL))
+            killer.start()  # mid-step: generation or weight sync in flight
+            record, trained = rt.loop.step()
+            killer.join()
+            assert rt.loop.version == 2 and len(trained) == 16
+            assert rt.hosts.events == [{"host_mesh": "sampler", "host": 1}]
+            assert [e["mesh"] for e in rt.supervisor.events] == ["generator"]
+            assert rt.meshes.procs_of("generator") == 1
+            [survivor] = rt.meshes.pids["generator"]
+            everything.add(survivor)
+            assert psutil.Process(survivor).ppid() == workers[("sampler", 0)]
+
+            record, _ = rt.loop.step()  # the replacement pulls the new version across the host boundary
+            assert rt.loop.version == 3 and record["sync/transport/rdma"] == 1
+    finally:
+        launcher.stop()
+    assert _gone(everything, within_s=10), "a worker or actor process outlived the job"
+
+
+CONTROLLER = textwrap.dedent("""
+    import sys, time
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.launch import make_launcher
+    from meshrl.testing.mesh_actors import Sleeper
+
+    launcher = make_launcher(LaunchConfig(launcher="process", hosts={"a": 1, "b": 1}), "reaped")
+    hosts = launcher.start()
+    procs = hosts.host_mesh("b").spawn_procs(per_host={"procs": 1})
+    sleeper = procs.spawn("sleeper", Sleeper)
+    pid = sleeper.info.call_one().get(timeout=60)["pid"]
+    print(" ".join(map(str, [*launcher.worker_pids().values(), pid])), flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_controller_killed_with_sigkill_leaves_no_workers():
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        pids = [int(p) for p in controller.stdout.readline().split()]
+        assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+        controller.send_signal(signal.SIGKILL)
+        controller.wait()
+        assert _gone(pids, within_s=10), "host workers outlived their controller"
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()
