@@ -297,13 +297,14 @@ def test_the_example_worker_command_serves_monarch(tmp_path):
     c = sts["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:3] == ["python", "-u", "-c"]
     script = textwrap.dedent("""
-        import os, subprocess, sys
+        import os, signal, subprocess, sys
         from monarch.actor import Actor, endpoint
         from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
         from monarch._src.actor.bootstrap import attach_to_workers
         from monarch.config import configure
         configure(default_transport=ChannelTransport.TcpWithLocalhost)  # this machine's hostname is loopback-only
-        worker = subprocess.Popen([sys.executable, "-u", "-c", sys.argv[1]], env={**os.environ, **dict(zip(sys.argv[2::2], sys.argv[3::2]))})
+        worker = subprocess.Popen([sys.executable, "-u", "-c", sys.argv[1]], env={**os.environ, **dict(zip(sys.argv[2::2], sys.argv[3::2]))},
+                                  start_new_session=True)  # its actor processes join its session
         class Probe(Actor):
             @endpoint
             def env(self):
@@ -314,7 +315,7 @@ def test_the_example_worker_command_serves_monarch(tmp_path):
             print("ENV", list(probe.env.call().get().values()))
             hosts.shutdown().get()
         finally:
-            worker.kill()
+            os.killpg(worker.pid, signal.SIGKILL)
     """)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
