@@ -15,6 +15,11 @@ RUN_MESHES = (*MESH_NAMES, ENV, SDPO_TEACHER, TEACHER_REPLAY)
 """Every actor mesh a standard run can spawn (the keys `launch.place` accepts)."""
 
 _NAME = r"^[a-z][a-z0-9_-]{0,39}$"
+_K8S_MESH_NAME = r"^[a-z][a-z0-9]{0,39}$"
+"""Host mesh names under Kubernetes: they name MonarchMesh resources, which Monarch restricts to
+lowercase letters and digits, a letter first."""
+_QUANTITY = r"^\d+(\.\d+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+"""A Kubernetes resource quantity (`16`, `500m`, `128Gi`)."""
 
 
 class SlurmLaunchConfig(Section):
@@ -68,8 +73,9 @@ class K8sLaunchConfig(Section):
     created here as MonarchMesh resources (provision) or found by label (attach)."""
 
     mode: Literal["provision", "attach"] = "provision"
-    """`provision`: create one MonarchMesh resource per host mesh (needs the Monarch operator);
-    `attach`: use running pods selected by `label_selectors`."""
+    """`provision`: create one MonarchMesh resource per host mesh, named after it (needs the Monarch
+    operator; an existing MonarchMesh of that name is patched, so concurrent runs need distinct
+    namespaces or host mesh names); `attach`: use running pods selected by `label_selectors`."""
 
     namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     """Namespace of the pods and MonarchMesh resources."""
@@ -77,33 +83,69 @@ class K8sLaunchConfig(Section):
     image: str | None = None
     """Container image with meshrl installed (provision mode; required there)."""
 
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Provision mode: when the kubelet pulls `image`; None = Kubernetes' default (`Always` for a
+    `:latest` tag, else `IfNotPresent`)."""
+
     cpu: str | None = None
-    """CPU request and limit per pod (e.g. `16`); None = none set."""
+    """CPU request and limit per pod (e.g. `16`, `500m`); None = none set."""
 
     memory: str | None = None
     """Memory request and limit per pod (e.g. `128Gi`); None = none set."""
 
     gpus_per_pod: int = Field(0, ge=0)
-    """`nvidia.com/gpu` per pod; also the GPUs each host offers to placement."""
+    """`nvidia.com/gpu` request and limit per pod; also the GPUs each host offers to placement."""
 
     shared_memory: str | None = "16Gi"
     """Size of the memory-backed /dev/shm volume (the same-host weight transport and NCCL use it);
     None = the container runtime's default."""
 
     port: int = Field(26600, ge=1024, le=65535)
-    """Port of each pod's Monarch worker loop."""
+    """Provision mode: port of each pod's Monarch worker loop (attach mode reads it from each pod's
+    MONARCH_PORT variable, 26600 when unset)."""
+
+    secret_env: dict[str, str] = {}
+    """Provision mode: worker environment variables taken from Kubernetes Secrets, `NAME:
+    secret/key` (e.g. `OPENAI_API_KEY: teacher-api/key`), so their values stay out of the
+    MonarchMesh resource; such a name is not copied from the controller (`launch.env`)."""
 
     label_selectors: dict[str, str] = {}
-    """Attach mode: a label selector per host mesh (e.g. `app=meshrl-learner`)."""
+    """Attach mode: a label selector per host mesh (e.g. `meshrl/host-mesh=learners`)."""
+
+    rank_label: str = Field("apps.kubernetes.io/pod-index", min_length=1)
+    """Attach mode: the pod label holding each pod's rank 0..n-1 in its host mesh (a StatefulSet
+    sets `apps.kubernetes.io/pod-index`; Volcano `volcano.sh/task-index`)."""
 
     kubeconfig: str | None = None
-    """Path to a kubeconfig; None = in-cluster configuration or ~/.kube/config."""
+    """Path to a kubeconfig for a controller outside the cluster (Monarch then reaches the pods
+    through a `kubectl port-forward`); None = in-cluster configuration (the controller runs in a
+    pod whose service account may manage MonarchMesh resources and watch pods)."""
 
     node_selector: dict[str, str] = {}
     """Provision mode: node labels every pod must match (e.g. a GPU type)."""
 
     timeout_s: int | None = Field(None, gt=0)
-    """Deadline for the pods to be ready; None = Monarch's default."""
+    """Deadline for each host mesh's pods to be ready; None = wait indefinitely (Monarch's
+    default)."""
+
+    @field_validator("cpu", "memory", "shared_memory", mode="before")
+    @classmethod
+    def _quantity(cls, value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # YAML reads `cpu: 16` as a number
+        if value is not None and not (isinstance(value, str) and re.match(_QUANTITY, value)):
+            raise ValueError("a Kubernetes quantity such as 16, 500m or 128Gi")
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, ref in value.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"{name!r}: an environment variable name")
+            if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$", ref):
+                raise ValueError(f"{name} = {ref!r}: 'secret/key' (a Secret of the namespace and one of its keys)")
+        return value
 
 
 class LaunchConfig(Section):
@@ -174,6 +216,14 @@ class LaunchConfig(Section):
                 if count != 1:
                     raise ValueError(f"hosts.{name} = {count}: the local launcher has one host (use "
                                      "launch.launcher=process for several hosts on this machine)")
+        if self.launcher == "k8s":
+            for name in self.hosts:
+                if not re.match(_K8S_MESH_NAME, name):
+                    raise ValueError(f"hosts.{name}: Kubernetes host mesh names are lowercase letters and digits, "
+                                     "starting with a letter (they name MonarchMesh resources)")
+            unknown = sorted(set(self.k8s.label_selectors) - set(self.hosts))
+            if unknown:
+                raise ValueError(f"k8s.label_selectors.{unknown[0]}: not a host mesh of launch.hosts {sorted(self.hosts)}")
         if self.launcher == "k8s" and self.k8s.mode == "attach":
             missing = sorted(set(self.hosts) - set(self.k8s.label_selectors))
             if missing:
