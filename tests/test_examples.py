@@ -1,0 +1,31 @@
+"""The examples run as documented, on the tiny model (short)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_RUN
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.monarch
+def test_custom_rewarder_and_mesh_of_your_own_on_two_hosts():
+    """A rewarder class and a declared mesh of the user's, the standard loop, the process launcher
+    with the generator on a host of its own."""
+    example = _load("custom_rewarder")
+    steps = example.main(TINY_RUN + ["trainer.steps=2", "launch.launcher=process",
+                                     "launch.hosts={trainer: 1, sampler: 1}", "launch.place={generator: sampler}"])
+    assert [s["version"] for s in steps] == [1, 2]
+    assert [s["replies"] for s in steps] == [16, 32]  # the ReplyStats mesh saw every trained reply
+    # every reward came from BrevityRewarder (its info field), with its penalty applied
+    assert all(s["mean_penalty"] >= 0 for s in steps)
+    assert any(s["mean_penalty"] > 0 for s in steps) or all(s["mean_words"] <= 8 for s in steps)
