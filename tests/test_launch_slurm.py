@@ -286,3 +286,32 @@ def test_real_job_is_cancelled_when_the_controller_is_killed(slurm_cluster, tmp_
         time.sleep(0.5)
     assert not slurm_launch.in_queue(job_id)
     assert _job_processes(job_id) == []
+
+
+def _run_processes(run_id: str) -> list[int]:
+    """Processes whose environment carries run ``run_id`` (MESHRL_RUN_ID), other than this one."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != os.getpid() and proc.environ().get("MESHRL_RUN_ID") == run_id:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.monarch
+def test_real_grpo_step_through_meshrl_launch_slurm(slurm_cluster, monarch_config, tmp_path):
+    """`meshrl launch slurm`'s path (launch_main): learner, generator and rewarder meshes inside
+    the SLURM job on the tiny model, one GRPO step, then the job cancelled."""
+    from meshrl.launch.run import launch_main
+    from tests.conftest import TINY_RUN
+
+    cfg = _slurm_config(tmp_path, *TINY_RUN, "trainer.steps=1", "trainer.eval.size=1", "trainer.checkpoint.export_final=false",
+                        "launch.run_id=slurm-grpo", "output.name=grpo")
+    assert launch_main(cfg) == 0
+    records = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 1 and "train/loss" in r for r in records)
+    assert list((tmp_path / "grpo" / "slurm").glob("slurm_*_meshrl-slurm-grpo_*.out"))
+    assert _run_processes("slurm-grpo") == []
