@@ -65,7 +65,24 @@ class SlurmLaunchConfig(Section):
     """Directory of the batch job's stdout/stderr files; None = `<run dir>/slurm`."""
 
     extra_args: list[str] = []
-    """More `#SBATCH` options, verbatim (e.g. `--constraint=h100`)."""
+    """More `#SBATCH` options, verbatim, each starting with `-` (e.g. `--constraint=h100`). Not
+    `--export`: the launcher sets it (the worker environment is `launch.env`)."""
+
+    controller_address: str | None = Field(None, pattern=r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")
+    """Address this controller's Monarch runtime listens on for the nodes, as `tcp://IP:0` (an
+    interface the nodes reach; port 0 = any free port). None = this machine's hostname, which must
+    then resolve to an address other than loopback (a login node whose hostname names the wrong
+    network, or only 127.0.x.x, needs this)."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if not arg.startswith("-"):
+                raise ValueError(f"{arg!r}: an sbatch option starting with '-' (e.g. --constraint=h100)")
+            if arg.split("=", 1)[0] == "--export":
+                raise ValueError(f"{arg!r}: the launcher sets --export; name the variables in launch.env")
+        return value
 
 
 class K8sLaunchConfig(Section):
