@@ -89,7 +89,8 @@ def test_the_reaper_kills_the_workers_sessions_once_the_controller_is_gone():
     worker = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
                               start_new_session=True)
-    reaper = subprocess.Popen([sys.executable, "-m", "meshrl.launch.reaper", str(controller.pid), str(worker.pid)])
+    reaper = subprocess.Popen([sys.executable, "-m", "meshrl.launch.reaper", str(controller.pid), "kill-sessions",
+                               str(worker.pid)])
     try:
         deadline = time.monotonic() + 10
         while not psutil.Process(worker.pid).children():

@@ -6,15 +6,13 @@ through this machine's memory between hosts). A lost host is a worker process th
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
-import sys
 
 import psutil
 
 from meshrl.channels.same_host import SIMULATED_HOSTS_ENV
 from meshrl.launch.base import Launcher
-from meshrl.launch.reaper import kill_sessions
+from meshrl.launch.reaper import kill_sessions, start_reaper, stop_reaper
 
 log = logging.getLogger("meshrl")
 
@@ -43,10 +41,7 @@ class ProcessLauncher(Launcher):
         return {(name, i): table[f"{name}_{i}"].pid for name, count in self.cfg.hosts.items() for i in range(count)}
 
     def after_start(self, host_meshes) -> None:
-        pids = sorted(self.worker_pids().values())
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "meshrl.launch.reaper", str(os.getpid()), *map(str, pids)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._reaper = start_reaper("kill-sessions", *map(str, sorted(self.worker_pids().values())))
 
     def lost_hosts(self) -> dict[str, set[int]]:
         lost: dict[str, set[int]] = {}
@@ -59,10 +54,8 @@ class ProcessLauncher(Launcher):
         pids = list(self.worker_pids().values())
         super().stop()
         kill_sessions(pids)  # anything job.kill() left: a worker's actor processes share its session
-        if self._reaper is not None:
-            self._reaper.kill()
-            self._reaper.wait()
-            self._reaper = None
+        stop_reaper(self._reaper)
+        self._reaper = None
 
 
 def _running(pid: int) -> bool:

@@ -1,26 +1,47 @@
-"""`python -m meshrl.launch.reaper CONTROLLER_PID WORKER_PID...`: waits for the controller to
-exit, then SIGKILLs every process in the workers' sessions. Started by the process launcher in a
-session of its own, so a controller killed with SIGKILL (which runs no cleanup) leaves no workers."""
+"""A watchdog for a controller that may die without cleaning up (SIGKILL runs no `finally`):
+
+    python -m meshrl.launch.reaper CONTROLLER_PID kill-sessions WORKER_PID...
+    python -m meshrl.launch.reaper CONTROLLER_PID scancel JOB_ID
+
+waits for the controller to exit, then kills every process in the host workers' sessions (the
+process launcher's ProcessJob workers run in sessions of their own) or cancels the SLURM job.
+Launchers start it with `start_reaper`, in a session of its own, and kill it in `stop()`."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import psutil
 
+SCANCEL_TIMEOUT_S = 30.0
 
-def reap(controller: int, workers: list[int], poll_s: float = 0.5) -> None:
-    """Block while ``controller`` runs; then kill the sessions led by ``workers``."""
+
+def start_reaper(action: str, *targets: str) -> subprocess.Popen:
+    """Watch this process; on its exit run ``action`` (`kill-sessions` or `scancel`) on ``targets``."""
+    return subprocess.Popen([sys.executable, "-m", "meshrl.launch.reaper", str(os.getpid()), action, *targets],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_reaper(reaper: subprocess.Popen | None) -> None:
+    """The controller cleans up itself: the watchdog is no longer needed."""
+    if reaper is not None and reaper.poll() is None:
+        reaper.kill()
+        reaper.wait(timeout=30)
+
+
+def wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
+    """Block while process ``pid`` runs (a zombie counts as exited)."""
     try:
-        watched = psutil.Process(controller)
+        watched = psutil.Process(pid)
         while watched.is_running() and watched.status() != psutil.STATUS_ZOMBIE:
             time.sleep(poll_s)
     except psutil.NoSuchProcess:
         pass
-    kill_sessions(workers)
 
 
 def kill_sessions(leaders: list[int]) -> None:
@@ -34,5 +55,16 @@ def kill_sessions(leaders: list[int]) -> None:
             continue
 
 
+def main(argv: list[str]) -> None:
+    controller, action, targets = int(argv[0]), argv[1], argv[2:]
+    wait_for_exit(controller)
+    if action == "kill-sessions":
+        kill_sessions([int(t) for t in targets])
+    elif action == "scancel":
+        subprocess.run(["scancel", *targets], capture_output=True, timeout=SCANCEL_TIMEOUT_S)
+    else:
+        raise SystemExit(f"reaper: unknown action {action!r}")
+
+
 if __name__ == "__main__":
-    reap(int(sys.argv[1]), [int(a) for a in sys.argv[2:]])
+    main(sys.argv[1:])

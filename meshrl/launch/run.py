@@ -27,6 +27,9 @@ def run_id_for(cfg: RunConfig, run_dir: Path | None) -> str:
 def launched_hosts(cfg: RunConfig, run_dir: Path) -> Iterator:
     """Start the job `cfg.launch` describes and yield its `Hosts`; kill the job on leaving,
     also when the controller receives SIGTERM."""
+    from meshrl.meshes.local import prepare_environment
+
+    prepare_environment(cfg.meshes, cfg.launch)  # before the workers start: they inherit it
     launcher = make_launcher(cfg.launch, run_id_for(cfg, run_dir), run_dir)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
@@ -55,7 +58,8 @@ def dry_run_text(cfg: RunConfig, source: str, placement_header: str, placement_t
                  out_dir: Path | None) -> str:
     """The resolved config, the placement and what the launcher would submit (batch script,
     manifests written under ``out_dir``), without starting anything."""
-    launcher = make_launcher(cfg.launch, run_id_for(cfg, None))
+    run_dir = Path(cfg.output.dir) / (cfg.output.name or "RUN_NAME")  # where a real run would write
+    launcher = make_launcher(cfg.launch, run_id_for(cfg, run_dir if cfg.output.name else None), run_dir)
     lines = [f"# resolved from {source}", to_yaml(cfg).rstrip("\n"), f"# {placement_header}"]
     lines += [f"# {line}" for line in placement_table.splitlines()]
     lines += [f"# {line}".rstrip() for line in launcher.dry_run(out_dir).splitlines()]  # the output stays YAML

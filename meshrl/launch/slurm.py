@@ -27,10 +27,11 @@ import types
 from pathlib import Path
 from unittest import mock
 
-import psutil
 from monarch._src.job import slurm as monarch_slurm
 
 from meshrl.launch.base import RUN_ID_ENV, Launcher, LaunchError
+from meshrl.launch.reaper import start_reaper, stop_reaper
+from meshrl.meshes.group import first_line
 
 log = logging.getLogger("meshrl")
 
@@ -142,16 +143,14 @@ class SlurmLauncher(Launcher):
             try:
                 job._submit_slurm_job(sum(self.cfg.hosts.values()))
             except Exception as e:
-                raise LaunchError(f"launcher slurm: Monarch's SlurmJob refused the config: {_first_line(e)}") from e
+                raise LaunchError(f"launcher slurm: Monarch's SlurmJob refused the config: {first_line(e)}") from e
         return capture.script
 
     def after_start(self, host_meshes) -> None:
         job = self._job
         log.info("launcher slurm: job %s on %s (logs in %s)", job._slurm_job_id, ", ".join(job._all_hostnames),
                  job._log_dir)
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "meshrl.launch.slurm", str(os.getpid()), job._slurm_job_id],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._reaper = start_reaper("scancel", job._slurm_job_id)
 
     def job_id(self) -> str | None:
         """The SLURM job id of the running job (None before `start()` and after `stop()`)."""
@@ -185,10 +184,8 @@ class SlurmLauncher(Launcher):
         processes killed by SLURM."""
         job_id = self.job_id()
         super().stop()
-        reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            reaper.kill()
-            reaper.wait(timeout=30)
+        stop_reaper(self._reaper)
+        self._reaper = None
         if job_id is None:
             return
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -239,7 +236,7 @@ def slurm_command(*args: str) -> str:
     except subprocess.TimeoutExpired:
         raise LaunchError(f"{' '.join(args)}: no answer in {COMMAND_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:
-        raise LaunchError(f"{' '.join(args)}: {_first_line(done.stderr) or f'exit status {done.returncode}'}")
+        raise LaunchError(f"{' '.join(args)}: {first_line(done.stderr) if done.stderr.strip() else f'exit status {done.returncode}'}")
     return done.stdout
 
 
@@ -306,24 +303,3 @@ def _hostname_problem() -> str | None:
     usable = [a for a in addresses if not (ipaddress.ip_address(a.split("%")[0]).is_loopback
                                           or ipaddress.ip_address(a.split("%")[0]).is_link_local)]
     return None if usable else f"this machine's hostname {name!r} resolves only to {', '.join(sorted(addresses))}"
-
-
-def _first_line(value) -> str:
-    text = str(value).strip()
-    return text.splitlines()[0] if text else type(value).__name__
-
-
-def reap(controller_pid: int, job_id: str, poll_s: float = 1.0) -> None:
-    """Block while the controller runs; then cancel its job (a controller killed without running
-    `stop()` leaves no allocation behind)."""
-    try:
-        watched = psutil.Process(controller_pid)
-        while watched.is_running() and watched.status() != psutil.STATUS_ZOMBIE:
-            time.sleep(poll_s)
-    except psutil.NoSuchProcess:
-        pass
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=COMMAND_TIMEOUT_S)
-
-
-if __name__ == "__main__":  # python -m meshrl.launch.slurm CONTROLLER_PID JOB_ID (started by after_start)
-    reap(int(sys.argv[1]), sys.argv[2])
