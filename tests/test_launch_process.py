@@ -3,6 +3,7 @@ a worker process), the tiny model, the real vLLM engine. Weights cross a host bo
 killed host worker is survived by moving its mesh to the surviving host, and no worker or actor
 process outlives the job, not even a controller killed with SIGKILL."""
 
+import json
 import os
 import signal
 import subprocess
@@ -105,3 +106,41 @@ def test_a_controller_killed_with_sigkill_leaves_no_workers():
         if controller.poll() is None:
             controller.kill()
             controller.wait()
+
+
+@pytest.mark.slow
+def test_a_data_parallel_learner_that_loses_a_host_resumes_on_the_survivor(tmp_path):
+    """DDP learner ranks on two trainer hosts; SIGKILL of the second host's worker after the
+    step-2 checkpoint: the learner resumes from it with one rank and the run finishes."""
+    from meshrl.controller.train import run_training
+    from meshrl.launch.run import launched_hosts
+
+    cfg = load_config(RunConfig, None, TINY_RUN + [
+        "launch.launcher=process", "launch.hosts={trainer: 2, sampler: 1}",
+        "launch.place={generator: sampler, rewarder: sampler}", "launch.host_loss_timeout_s=10",
+        "learner.data_parallel=ddp", "trainer.steps=5", "trainer.checkpoint.every=2", "trainer.eval.every=0",
+        "trainer.eval.at_start=false", "trainer.checkpoint.export_final=false"])
+    killed = []
+
+    def kill_second_trainer_host(worker, metrics_path):
+        while not (metrics_path.exists() and metrics_path.read_text().count('"kind": "train"') >= 3):
+            time.sleep(0.1)
+        os.kill(worker, signal.SIGKILL)
+        killed.append(True)
+
+    with launched_hosts(cfg, tmp_path) as hosts:
+        # this process's host workers, by the ipc address ProcessJob gives each (.../<host mesh>_<index>)
+        workers = {p.cmdline()[-1].split("/")[-1].split("'")[0]: p.pid for p in psutil.Process().children()
+                   if "run_worker_loop_forever" in " ".join(p.cmdline())}
+        assert sorted(workers) == ["sampler_0", "trainer_0", "trainer_1"] and hosts.count("trainer") == 2
+        threading.Thread(target=kill_second_trainer_host, args=(workers["trainer_1"], tmp_path / "metrics.jsonl"),
+                         daemon=True).start()
+        result = run_training(cfg, tmp_path, hosts=hosts)
+    assert killed and result["steps"] == 5
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    faults = [r for r in records if r["kind"] == "fault"]
+    assert {f.get("action") for f in faults} == {"learner resumed from checkpoint",
+                                                "host lost: its meshes move to the surviving hosts"}
+    assert [f["resumed_from_step"] for f in faults if "resumed_from_step" in f] == [2]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert _gone(workers.values(), within_s=10)

@@ -128,6 +128,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                                  "cause": e.cause, "action": "learner resumed from checkpoint",
                                  "recovery_s": time.perf_counter() - recovered_at})
                     result["faults"] += 1
+                    _log_recoveries(metrics, rt, failed_step, result)  # e.g. the host the learner lost
                     bar.n = step
                     continue
                 step += 1
