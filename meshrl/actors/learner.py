@@ -46,10 +46,11 @@ class Learner(MeshrlActor):
 
     @endpoint
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False) -> dict:
-        """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over ``datums``."""
+                         padding: bool = False, outputs: bool = False) -> dict:
+        """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over
+        ``datums``; with ``outputs`` also each datum's target-token logprobs."""
         self.fault_point("forward_backward")
-        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding)
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs)
 
     @endpoint
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:

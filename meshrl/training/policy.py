@@ -174,20 +174,25 @@ class PolicyTrainer:
 
     # ---- Tinker-style API ----------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False) -> dict:
+                         padding: bool = False, outputs: bool = False) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
-        (micro-batched); returns its summed ``loss`` and combined metrics. ``padding`` datums add
-        nothing (see :meth:`_passes`)."""
+        (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
+        each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
+        nothing). ``padding`` datums add nothing (see :meth:`_passes`)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         started = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
         tokens = 0
+        per_datum: dict[int, list[float]] = {}
         for group, fp, scale in self._passes(datums, spec.valid_key, spec.datums_per_item, padding):
             out = spec.fn(fp, **config)
             (out.loss * scale).backward()
             if not scale:
                 continue
+            if outputs:
+                logp = fp.logprobs().detach().float().cpu()
+                per_datum.update((id(d), logp[row, : d.length].tolist()) for row, d in enumerate(group))
             n_valid = int(fp.valid.sum())
             metrics = {**out.metrics, "loss": float(out.loss.detach())}
             if fp.entropy is not None:
@@ -197,6 +202,8 @@ class PolicyTrainer:
             tokens += n_valid
         result = combine_metrics(parts)
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
+        if outputs:
+            result["logprobs"] = [per_datum[id(d)] for d in datums]
         return result
 
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
