@@ -1,0 +1,260 @@
+"""`ServiceClient`, `TrainingClient`, `SamplingClient`: Tinker's client API, in process, over
+meshrl's meshes (`Engine`). Every call returns a future at once (`concurrent.futures.Future`:
+`.result()` waits); a training client runs its calls one after the other in the order they were
+made, so two submissions back to back need no wait in between."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from meshrl.api.engine import Engine, checkpoint_root
+from meshrl.api.errors import UserError
+from meshrl.api.losses import REQUIRED, core_call, metrics_with_reductions
+from meshrl.api.sampler import Sampler
+from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
+from meshrl.config.run import RunConfig
+from meshrl.types import AdamParams, Datum, ModelInput
+
+PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9_.-]+)$")
+
+
+class ServiceClient:
+    """Entry point: ``ServiceClient(cfg)`` starts the learner and generator meshes of ``cfg`` (the
+    default run config when None) on this machine, or on ``hosts`` from a launcher; `close()` (or
+    leaving a `with` block) stops them."""
+
+    def __init__(self, cfg: RunConfig | None = None, hosts=None, aliases: dict[str, str] | None = None):
+        self.cfg = cfg or RunConfig()
+        self.engine = Engine(self.cfg, hosts)
+        self.served = self.cfg.model.name_or_path
+        self.aliases = dict(aliases or {})
+        self.root = checkpoint_root(self.cfg)
+        self.sampler = Sampler(self.engine)
+        self._ids = itertools.count()
+        self._session = f"local{id(self):x}"
+        self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version
+        self._lock = threading.Lock()
+        self._clients: list[TrainingClient] = []
+
+    def get_server_capabilities(self) -> list[SupportedModel]:
+        """The models this service trains and samples: its model and the names aliased to it."""
+        length = self.cfg.model.max_model_len
+        return [SupportedModel(name, length) for name in [self.served, *self.aliases]]
+
+    def resolve_model(self, name: str) -> str:
+        """The served model a client's ``name`` means; UserError for any other name."""
+        if name == self.served or name in self.aliases:
+            return self.served
+        known = ", ".join(repr(m.model_name) for m in self.get_server_capabilities())
+        raise UserError(f"base_model {name!r} is not served here (serving {known})")
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                                    model_id: str | None = None) -> "TrainingClient":
+        """A new LoRA adapter of ``rank`` on the base model, with its own optimizer state."""
+        self.resolve_model(base_model)
+        if not isinstance(rank, int) or rank < 1:
+            raise UserError(f"rank = {rank!r}: a LoRA rank >= 1")
+        model_id = model_id or f"{self._session}:train:{next(self._ids)}"
+        client = TrainingClient(self, model_id, base_model, rank)
+        self.engine.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, train_unembed)
+        self._clients.append(client)
+        return client
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> "SamplingClient":
+        """Samples from a saved sampler checkpoint (``model_path``) or from the base model."""
+        if (model_path is None) == (base_model is None):
+            raise UserError("create_sampling_client needs exactly one of model_path and base_model")
+        if model_path is not None:
+            with self._lock:
+                version = self._sampler_versions.get(model_path)
+            if version is None:
+                raise UserError(f"model_path {model_path!r}: no sampler weights saved under that path")
+            return SamplingClient(self, version, model_path=model_path)
+        self.resolve_model(base_model)
+        return SamplingClient(self, 0, base_model=base_model)
+
+    def checkpoint_dir(self, path: str) -> Path:
+        """The directory behind a ``tinker://run/kind/name`` path; UserError when it is malformed."""
+        match = PATH.match(path)
+        if not match:
+            raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name>")
+        return self.root / _safe(match["run"]) / match["kind"] / match["name"]
+
+    def register_sampler(self, path: str, version: int) -> None:
+        with self._lock:
+            self._sampler_versions[path] = version
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+        self.sampler.close()
+        self.engine.close()
+
+    def __enter__(self) -> "ServiceClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TrainingClient:
+    """One LoRA adapter being trained; calls run in submission order on its own queue."""
+
+    def __init__(self, service: ServiceClient, model_id: str, base_model: str, rank: int):
+        self.service = service
+        self.engine = service.engine
+        self.model_id = model_id
+        self.base_model = base_model
+        self.lora_rank = rank
+        self.adapter = "t_" + _safe(model_id)
+        self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"train-{self.adapter}")
+
+    def _submit(self, fn: Callable, *args) -> Future:
+        return self._queue.submit(fn, *args)
+
+    def _learner(self, endpoint: str, *args):
+        return self.engine.learner(self.adapter, endpoint, *args)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> Future:
+        """Accumulate the gradients of Tinker's built-in ``loss_fn`` (sum over tokens) on ``data``."""
+        def run() -> ForwardBackwardOutput:
+            datums, config = core_call(loss_fn, loss_fn_config, data)
+            out = self._learner("forward_backward", datums, loss_fn, config, False, True)
+            return ForwardBackwardOutput([{"logprobs": torch.tensor(lp)} for lp in out["logprobs"]],
+                                         metrics_with_reductions(out))
+        return self._submit(run)
+
+    def forward(self, data: list[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None) -> Future:
+        """``loss_fn`` on ``data`` without gradients: the target logprobs and the loss metrics."""
+        def run() -> ForwardBackwardOutput:
+            datums, config = core_call(loss_fn, loss_fn_config, data)
+            logprobs = [torch.tensor(lp) for lp in self._learner("forward", datums, False)]
+            return ForwardBackwardOutput([{"logprobs": lp} for lp in logprobs],
+                                         metrics_with_reductions(_loss_metrics(loss_fn, config, datums, logprobs)))
+        return self._submit(run)
+
+    def forward_backward_custom(self, data: list[Datum], fn) -> Future:
+        """Accumulate the gradients of ``fn(data, logprobs) -> (loss, metrics)`` (a picklable,
+        module-level function; ``logprobs[i]`` are datum i's target logprobs, differentiable)."""
+        def run() -> ForwardBackwardOutput:
+            if not data:
+                raise UserError("data: no datums")
+            out = self._learner("forward_backward_custom", list(data), fn)
+            return ForwardBackwardOutput([{} for _ in data], metrics_with_reductions(out))
+        return self._submit(run)
+
+    def optim_step(self, adam_params: AdamParams) -> Future:
+        """One AdamW step of this adapter with the gradients accumulated so far; then clears them."""
+        return self._submit(lambda: self._learner("optim_step", adam_params))
+
+    def save_state(self, name: str) -> Future:
+        """Adapter and optimizer state under ``name``; the future gives its ``tinker://`` path."""
+        return self._submit(self._save, "weights", name)
+
+    def _save(self, kind: str, name: str) -> str:
+        path = f"tinker://{self.model_id}/{kind}/{name}"
+        self._learner("save_adapter", self.adapter, str(self.service.checkpoint_dir(path)))
+        return path
+
+    def load_state(self, path: str) -> Future:
+        """Load the adapter weights saved at ``path`` (optimizer state starts fresh)."""
+        return self._submit(self._load, path, False)
+
+    def load_state_with_optimizer(self, path: str) -> Future:
+        """Load the adapter weights and the optimizer state saved at ``path``."""
+        return self._submit(self._load, path, True)
+
+    def _load(self, path: str, with_optimizer: bool) -> str:
+        directory = self.service.checkpoint_dir(path)
+        if not directory.is_dir():
+            raise UserError(f"path {path!r}: no checkpoint there")
+        self._learner("load_adapter", self.adapter, str(directory), with_optimizer)
+        return path
+
+    def save_weights_for_sampler(self, name: str) -> Future:
+        """Publish the adapter's current weights for sampling; the future gives their path."""
+        def run() -> str:
+            path = self._save("sampler_weights", name)
+            self.service.register_sampler(path, self.engine.publish(self.adapter))
+            return path
+        return self._submit(run)
+
+    def save_weights_and_get_sampling_client(self, name: str) -> "SamplingClient":
+        """`save_weights_for_sampler` and a sampling client on the result (waits for it)."""
+        return self.service.create_sampling_client(model_path=self.save_weights_for_sampler(name).result())
+
+    def get_info(self) -> dict:
+        return {"model_id": self.model_id, "model_data": {"model_name": self.base_model},
+                "is_lora": True, "lora_rank": self.lora_rank}
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def close(self) -> None:
+        self._queue.shutdown(wait=True)
+
+
+class SamplingClient:
+    """Samples from one weight version: a saved sampler checkpoint's, or the base model's (0)."""
+
+    def __init__(self, service: ServiceClient, version: int, model_path: str | None = None,
+                 base_model: str | None = None):
+        self.service = service
+        self.version = version
+        self.model_path = model_path
+        self.base_model = base_model or service.served
+
+    def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
+               include_prompt_logprobs: bool = False) -> Future:
+        """``num_samples`` continuations of ``prompt``: tokens, their logprobs, stop reasons (and
+        the prompt's logprobs when asked); a future of a `SampleResponse`."""
+        return self.service.sampler.submit(self.version, prompt.to_ints(), num_samples, sampling_params,
+                                           include_prompt_logprobs)
+
+    def compute_logprobs(self, prompt: ModelInput) -> Future:
+        """The logprob of each prompt token given those before it (None for the first)."""
+        future: Future = Future()
+        inner = self.service.sampler.submit(self.version, prompt.to_ints(), 1, SamplingParams(max_tokens=1), True)
+        inner.add_done_callback(lambda f: _chain(f, future, lambda r: r.prompt_logprobs))
+        return future
+
+    def get_tokenizer(self):
+        return self.service.engine.tokenizer
+
+    def get_base_model(self) -> str:
+        return self.base_model
+
+
+def _chain(src: Future, dst: Future, fn) -> None:
+    try:
+        dst.set_result(fn(src.result()))
+    except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+        dst.set_exception(e)
+
+
+def _loss_metrics(loss_fn: str, config: dict, datums: list[Datum], logprobs: list[torch.Tensor]) -> dict:
+    """The loss of a no-grad pass, from the target logprobs with the registry's pure functions."""
+    from meshrl.losses import token_losses
+
+    lp = torch.cat(logprobs)
+    cat = {k: torch.cat([d.loss_fn_inputs[k].expand(d.model_input.length) if d.loss_fn_inputs[k].dim() == 0
+                         else d.loss_fn_inputs[k] for d in datums]) for k in (*REQUIRED[loss_fn], "mask")
+           if k in datums[0].loss_fn_inputs}
+    if loss_fn == "cross_entropy":
+        w = cat["weights"].float()
+        loss = -(w * lp).sum()
+        return {"loss": float(loss), "num_tokens": float((w != 0).sum())}
+    fn = getattr(token_losses, loss_fn)
+    return fn(lp, cat["logprobs"].float(), cat["advantages"].float(), mask=cat["mask"], **config).metrics
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)

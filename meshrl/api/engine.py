@@ -1,0 +1,134 @@
+"""The meshes behind the API: one learner process holding every training client's LoRA adapter on
+one base model (peft adapters, each with its own AdamW state), and generator replicas that sample
+from exactly the weight version a sampling client names.
+
+Learner calls of different training clients interleave one call at a time; before each, the
+client's adapter is made the active one (`use_adapter`). Every `save_weights_for_sampler` publishes
+the adapter's merged weights as a new version of the weight store (version 0 = the base model);
+a sampling request first brings every generator replica to its version (`load_version`, no transfer
+when already held), and a generator that fails is replaced and brought back to that version by the
+supervisor before the request is issued again."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from meshrl.config.run import RunConfig
+
+log = logging.getLogger("meshrl")
+
+
+class Engine:
+    """Spawns the learner and generator meshes of ``cfg`` (on ``hosts``; None = this machine) and
+    serialises what runs on them; `close()` stops them."""
+
+    def __init__(self, cfg: RunConfig, hosts=None):
+        from meshrl.meshes.local import prepare_environment
+
+        prepare_environment(cfg.meshes, cfg.launch)
+        from transformers import AutoTokenizer
+
+        from meshrl.actors.generator import POLICY_STORE, Generator
+        from meshrl.actors.learner import Learner
+        from meshrl.channels.weight_store import silence_tcp_fallback_warning
+        from meshrl.controller.mesh_client import GENERATOR, LEARNER, MeshClient
+        from meshrl.controller.supervisor import Supervisor
+        from meshrl.meshes.group import MeshGroup
+        from meshrl.meshes.hosts import Hosts
+        from meshrl.meshes.placement import plan_run
+        from meshrl.meshes.rendezvous import Rendezvous
+        from meshrl.meshes.supervision import install_fault_hook
+        from meshrl.models.provision import resolve_model
+
+        silence_tcp_fallback_warning()
+        if cfg.meshes.learner.procs != 1:
+            raise ValueError("meshes.learner.procs: the API trains its clients' adapters in one learner process")
+        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(
+            update={"lora": cfg.learner.lora.model_copy(update={"enabled": True})})})
+        self.cfg = cfg
+        self.failures = install_fault_hook()
+        self.model_path = resolve_model(cfg.model.name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.meshes = MeshGroup(cfg.meshes, hosts if hosts is not None else Hosts.local(cfg.launch), plan_run(cfg))
+        try:
+            path = str(self.model_path)
+            self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE, Rendezvous())
+            self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
+            self.meshes.wait_ready()
+        except BaseException:
+            self.meshes.stop()
+            raise
+        self.supervisor = Supervisor(self.meshes, cfg.faults)
+        timeouts = {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
+                    "sync": cfg.learner.call_timeout_s}
+        self.client = MeshClient(self.meshes, self.supervisor, timeouts, cfg.meshes.chunks_per_replica)
+        # a replaced generator comes back to the version being sampled, not the newest one
+        self.supervisor.on_respawn(GENERATOR, lambda: self._load_on_generators(self._sampled_version))
+        self._learner_lock = threading.Lock()
+        self._generator_lock = threading.Lock()
+        self._active: str | None = None
+        self._next_version = 1
+        self._sampled_version = 0
+        self.client.publish(0)  # the base model (no adapter: the initial one's B is zero)
+
+    # ---- the learner ------------------------------------------------------------------------
+    def learner(self, adapter: str | None, endpoint: str, *args):
+        """``endpoint(*args)`` on the learner with ``adapter`` active (None: whatever is active)."""
+        with self._learner_lock:
+            if adapter is not None and adapter != self._active:
+                self._on_learner("use_adapter", adapter)
+                self._active = adapter
+            return self._on_learner(endpoint, *args)
+
+    def _on_learner(self, endpoint: str, *args):
+        return self.client.on_learners(endpoint, *args, supervised=False)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """Drop ``adapter`` from the learner (its training client closed)."""
+        with self._learner_lock:
+            self._on_learner("remove_adapter", adapter)
+            if self._active == adapter:
+                self._active = None
+
+    def publish(self, adapter: str) -> int:
+        """Publish ``adapter``'s merged weights as a new version; returns it."""
+        with self._learner_lock:
+            version = self._next_version
+            self._next_version += 1
+        self.learner(adapter, "publish", version)
+        return version
+
+    # ---- the generators ---------------------------------------------------------------------
+    def generate(self, version: int, prompts: list[list[int]], request) -> list:
+        """Completions per prompt sampled with weight ``version`` on the generator replicas."""
+        with self._generator_lock:
+            self._sampled_version = version
+            self._load_on_generators(version)
+            return self.client.generate(prompts, request)
+
+    def prompt_logprobs(self, version: int, sequences: list[list[int]]) -> list[list[float]]:
+        """Per-token logprobs of ``sequences`` under weight ``version`` (a generator's `score`)."""
+        from meshrl.controller.mesh_client import GENERATOR
+
+        with self._generator_lock:
+            self._sampled_version = version
+            self._load_on_generators(version)
+            return self.client.supervised(GENERATOR, lambda: self.client.per_rank(
+                GENERATOR, "score", {0: sequences})[0], "generator.score")
+
+    def _load_on_generators(self, version: int) -> None:
+        from meshrl.controller.mesh_client import GENERATOR
+
+        ranks = {r: version for r in range(self.client.procs(GENERATOR))}
+        self.client.supervised(GENERATOR, lambda: self.client.per_rank(GENERATOR, "load_version", ranks),
+                               "generator.load_version")
+
+    def close(self) -> None:
+        self.meshes.stop()
+
+
+def checkpoint_root(cfg: RunConfig) -> Path:
+    """Where the API keeps its clients' checkpoints: `output.dir/output.name` (name default `api`)."""
+    return Path(cfg.output.dir) / (cfg.output.name or "api")
