@@ -13,6 +13,7 @@ advantage: the token-level loop tinker-cookbook's RL recipes run.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> list[float]:
             sampler = training.save_weights_and_get_sampling_client(f"step-{step}")
             problems = task.train_batch(step * args.problems, args.problems)
             prompts = [renderer.build_generation_prompt(p.messages) for p in problems]
-            futures = [sampler.sample(ModelInput.from_ints(prompt), args.group, params.__class__(
-                **{**params.__dict__, "seed": step * 1000 + i})) for i, prompt in enumerate(prompts)]
+            futures = [sampler.sample(ModelInput.from_ints(prompt), args.group, replace(params, seed=step * 1000 + i))
+                       for i, prompt in enumerate(prompts)]
             data, rewards = [], []
             for problem, prompt, future in zip(problems, prompts, futures):
                 sequences = future.result().sequences
