@@ -1,7 +1,8 @@
-"""LoRA tenants on one base model (tiny model, CPU, no Monarch): adapters trained alternately equal
-the same adapters trained alone (no optimiser state, gradient or step count leaks between them),
-each publishes its own merged weights, and a saved adapter resumes bit-for-bit with its optimiser
-(or starts a fresh one)."""
+"""LoRA tenants on one base model (tiny model, CPU): adapters trained alternately equal the same
+adapters trained alone (no optimiser state, gradient or step count leaks between them), each
+publishes its own merged weights, and a saved adapter resumes bit-for-bit with its optimiser (or
+starts a fresh one). With real Monarch processes: generators of both engines load exact versions
+published by different adapters, older and newer, and score (prompt logprobs) like the learner."""
 
 import pytest
 import torch
@@ -27,11 +28,14 @@ def _trainer(model_path, rank=4, **kwargs):
     return PolicyTrainer(model_path, cfg)
 
 
-def _datums(seed, n=3):
+def _sequences(seed, n=3):
     g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 49152, (8 + i,), generator=g).tolist() for i in range(n)]
+
+
+def _datums(seed, n=3):
     out = []
-    for i in range(n):
-        toks = torch.randint(0, 49152, (8 + i,), generator=g).tolist()
+    for i, toks in enumerate(_sequences(seed, n)):
         k = len(toks) - 4
         out.append(Datum.from_sequence(toks, mask=[0] * k + [1] * 4, logprobs=[0.0] * k + [-11.0] * 4,
                                        advantages=[0.0] * k + [0.5 * (i - 1)] * 4))
@@ -185,3 +189,57 @@ def test_tenant_errors_are_one_line(model_path, tmp_path):
     trainer.tenants.remove("alice")
     assert sorted(trainer.tenants.states) == ["default"] and "alice" not in trainer.model.peft_config
     assert PolicyTrainer(model_path, LearnerConfig(torch_threads=1)).tenants is None
+
+
+@pytest.mark.monarch
+def test_samplers_load_the_exact_version_of_each_adapter():
+    """A learner publishes alice v1, bob v2, alice v3 (adapter sync); generators of both engines load
+    v2, v3, then v1 exactly and score like the learner's adapter did when it published them."""
+    from monarch.actor import this_host
+
+    from meshrl.actors.generator import Generator
+    from meshrl.actors.learner import Learner
+    from meshrl.channels.weight_store import weight_index
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from tests.conftest import TINY_RUN
+
+    cfg = load_config(RunConfig, None, TINY_RUN + [
+        "learner.lora.enabled=true", "learner.lora.sync=adapter", "weight_sync.keep_versions=3",
+        "weight_sync.max_arenas=4", "learner.torch_threads=1", "generator.torch_threads=1"])
+    path = str(resolve_model("tiny"))
+    weight_index().get(timeout=30)
+    procs = {role: this_host().spawn_procs(per_host={"procs": 1}) for role in ("learner", "vllm", "hf")}
+    try:
+        learner = procs["learner"].spawn("learner", Learner, path, cfg.model, cfg.learner, cfg.weight_sync,
+                                         "tenants")
+        generators = [procs[b].spawn("generator", Generator, path, cfg.model,
+                                     cfg.generator.model_copy(update={"backend": b}), cfg.weight_sync, "tenants")
+                      for b in ("vllm", "hf")]
+        sequences = [s for seed in (1, 2, 3) for s in _sequences(seed)]  # the data of each version
+        expected = {}
+        for version, (name, options) in enumerate((("alice", ALICE), ("bob", BOB), ("alice", None)), start=1):
+            if options:
+                learner.add_adapter.call_one(name, **options).get(timeout=60)
+            learner.use_adapter.call_one(name).get(timeout=60)
+            learner.forward_backward.call_one(_datums(version), "importance_sampling").get(timeout=60)
+            learner.optim_step.call_one(AdamParams(learning_rate=5e-2)).get(timeout=60)
+            assert 0 < learner.publish.call_one(version).get(timeout=60)["bytes"] < 2e6  # the adapter only
+            expected[version] = learner.forward.call_one([Datum.from_sequence(s) for s in sequences]).get(timeout=60)
+        for generator in generators:
+            for version in (2, 3, 1):
+                loaded = generator.load_version.call_one(version).get(timeout=120)
+                assert loaded["version"] == version and loaded["bytes"] > 0
+                scores = generator.score.call_one(sequences).get(timeout=120)
+                assert [len(s) for s in scores] == [len(s) - 1 for s in sequences]  # token i given tokens < i, i >= 1
+                gaps = {v: _mean_gap(scores, lp) for v, lp in expected.items()}
+                assert gaps[version] < 0.02 and min(gaps, key=gaps.get) == version, gaps
+            assert generator.load_version.call_one(1).get(timeout=60)["bytes"] == 0  # held: nothing moves
+    finally:
+        for pm in procs.values():
+            pm.stop().get(timeout=30)
+
+
+def _mean_gap(a, b):
+    diffs = [abs(x - y) for sa, sb in zip(a, b) for x, y in zip(sa, sb)]
+    return sum(diffs) / len(diffs)
