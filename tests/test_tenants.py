@@ -188,6 +188,9 @@ def test_tenant_errors_are_one_line(model_path, tmp_path):
         trainer.tenants.load("alice", tmp_path, with_optimizer=False)
     trainer.tenants.remove("alice")
     assert sorted(trainer.tenants.states) == ["default"] and "alice" not in trainer.model.peft_config
+    trainer.dp.world = 2  # as in a data-parallel learner
+    with pytest.raises(ValueError, match=r"^LoRA tenants need one learner process \(.*procs = 1\), not 2$"):
+        trainer.tenants.use("default")
     assert PolicyTrainer(model_path, LearnerConfig(torch_threads=1)).tenants is None
 
 

@@ -76,7 +76,7 @@ class LoraTenants:
         lora = self.trainer.cfg.lora
         config = LoraConfig(r=rank, lora_alpha=lora.alpha if alpha is None else alpha, lora_dropout=lora.dropout,
                             target_modules=list(targets), bias="none")
-        seed = self._build(name, config, seed)
+        seed = self._build(name, config, seed, self.active)
         return {"name": name, "seed": seed, "params": sum(p.numel() for p in self.parameters(name))}
 
     def use(self, name: str) -> dict:
@@ -156,7 +156,9 @@ class LoraTenants:
         return [p for m in self.model.modules() if isinstance(m, LoraLayer) and name in m.lora_A
                 for p in (*m.lora_A[name].parameters(), *m.lora_B[name].parameters())]
 
-    def _build(self, name: str, config, seed: int | None) -> int:
+    def _build(self, name: str, config, seed: int | None, active: str) -> int:
+        """Add adapter ``name`` (seeded) with a fresh TrainState; ``active`` is then the active
+        adapter, the only trainable one."""
         if seed is None:
             seed = self.trainer.cfg.seed + self._created
         self._created += 1
@@ -164,22 +166,22 @@ class LoraTenants:
         with torch.random.fork_rng(devices=devices):  # the learner's own RNG stream is untouched
             torch.manual_seed(seed)
             self.model.add_adapter(name, config)
-        self.model.set_adapter(self.active)  # only the active adapter is trainable
         self.states[name] = TrainState(self.trainer.new_optimizer(self.parameters(name)))
+        self.model.set_adapter(active)
         return seed
 
     def _rebuild(self, name: str, config) -> None:
         """(Re)create ``name`` with ``config``, keeping the active adapter active."""
-        active = self.active
+        active = self.active  # peft picks another when the active one is deleted
         if name in self.states:
             self.model.delete_adapter(name)
             del self.states[name]
-        self._build(name, config, None)
-        if active == name:
-            self.use(name)
+        self._build(name, config, None, active)
+        self.trainer.state = self.states[active]
 
     def _check(self, name: str, exists: bool | None = True) -> None:
-        """Tenants need one learner process; ``name`` must exist (True), be new and valid (False)."""
+        """Tenants need one learner process; ``name`` must exist (True), be new (False); a name
+        that may be new (False, None) must be valid."""
         world = self.trainer.dp.world
         if world > 1:
             raise ValueError(f"LoRA tenants need one learner process (meshes.learner.procs = 1), not {world}")
