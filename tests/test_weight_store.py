@@ -291,7 +291,7 @@ def test_exact_pulls_get_each_kept_versions_bytes_in_any_order(cluster):
                                              "published; it holds v2, v3, v4)")
         with pytest.raises(ActorError) as info:
             reader.pull.call_one("exact", 9, 0.5, None, True).get(timeout=30)
-        assert str(info.value.exception) == "weight pull of 'exact': v9 within 0.5s (index has v4)"
+        assert str(info.value.exception) == "weight pull of 'exact': v9 not published within 0.5s (index has v4)"
     waiting = cluster.readers[1].pull.call_one("exact", 5, 20.0, None, True)
     time.sleep(0.3)
     _, published[5] = owner.publish.call_one(5).get(timeout=60)

@@ -105,7 +105,7 @@ class WeightIndex(Actor):
             except asyncio.TimeoutError:
                 latest = self._latest(store)
                 have = f"v{latest}" if latest is not None else "no version"
-                wanted = f"v{min_version}" if exact else f"no version >= v{min_version}"
+                wanted = f"v{min_version} not published" if exact else f"no version >= v{min_version}"
                 raise WeightSyncError(
                     f"weight pull of '{store}': {wanted} within {wait_s:g}s (index has {have})"
                 ) from None
