@@ -35,6 +35,7 @@ def test_dry_run_prints_resolved_config_with_overrides():
         (["meshes.rewarder.colocate_with=nowhere"], "rewarder.colocate_with = 'nowhere'"),
         (["-c", "configs/does-not-exist.yaml"], "config file not found: configs/does-not-exist.yaml"),
         (["learner"], "override 'learner': expected key.path=value"),
+        (["weight_sync.keep_versions=3"], "weight_sync: keep_versions 3 must be below max_arenas 3"),
         (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[0]"],
          "meshes.generator.devices = [0] (list): expected procs * gpus_per_proc = 2 * 1 = 2 GPU indices, got 1"),
         (["--host-gpus", "2", "meshes.learner.gpus_per_proc=1", "meshes.learner.devices=[1]",

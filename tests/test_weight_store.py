@@ -145,18 +145,19 @@ class SyncReader(Actor):
         self.pullers: dict[tuple, WeightPuller] = {}
 
     @endpoint
-    def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None):
-        return _pull_summary(_puller(self.pullers, self.cfg, store, overrides).pull(min_version, timeout_s))
+    def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None,
+             exact: bool = False):
+        return _pull_summary(_puller(self.pullers, self.cfg, store, overrides).pull(min_version, timeout_s, exact))
 
     @endpoint
     def read_first_chunk(self, handle) -> str:
         return _read_first_chunk(handle)
 
     @endpoint
-    def follow(self, store: str, min_version: int) -> tuple[dict, dict[str, str]]:
+    def follow(self, store: str, min_version: int, exact: bool = False) -> tuple[dict, dict[str, str]]:
         """A PolicyFollower's update into an engine that records what it loads."""
         engine = RecordingEngine()
-        stats = PolicyFollower(store, self.cfg, Path(".")).update(engine, min_version)
+        stats = PolicyFollower(store, self.cfg, Path(".")).update(engine, min_version, exact)
         return stats, checksums(engine.loaded)
 
     @endpoint
@@ -177,9 +178,11 @@ class AsyncReader(Actor):
 
     @endpoint
     async def pull(
-        self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None
+        self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None,
+        exact: bool = False,
     ):
-        return _pull_summary(await _puller(self.pullers, self.cfg, store, overrides).apull(min_version, timeout_s))
+        puller = _puller(self.pullers, self.cfg, store, overrides)
+        return _pull_summary(await puller.apull(min_version, timeout_s, exact))
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +217,9 @@ def monkeypatch_module():
         yield mp
 
 
-def pull_all(cluster, store="policy", min_version=0, timeout_s=None):
+def pull_all(cluster, store="policy", min_version=0, timeout_s=None, exact=False):
     """Pull ``store`` with every reader under transport auto and with the sync reader under rdma."""
-    futures = [cluster.readers[r].pull.call_one(store, min_version, timeout_s, o) for r, o in PULLS]
+    futures = [cluster.readers[r].pull.call_one(store, min_version, timeout_s, o, exact) for r, o in PULLS]
     return [f.get(timeout=60) for f in futures]
 
 
@@ -264,6 +267,38 @@ def test_the_policy_followers_stats_name_the_transport(cluster):
     stats, loaded = cluster.readers[0].follow.call_one("policy", version).get(timeout=60)
     assert stats["transport"] == "shm" and stats["version"] == version and stats["bytes"] > 0
     assert loaded == checksums(make_state_dict(version))
+
+
+def test_exact_pulls_get_each_kept_versions_bytes_in_any_order(cluster):
+    keep3 = CFG.model_copy(update={"keep_versions": 3, "max_arenas": 4})
+    owner = cluster.meshes["pub"].spawn("exact_owner", Publisher, "exact", keep3)
+    published = {v: owner.publish.call_one(v).get(timeout=60)[1] for v in (1, 2, 3)}
+    assert describe(cluster, "exact")["versions"] == [1, 2, 3]
+    for version in (2, 3, 1):
+        got_all = pull_all(cluster, "exact", version, exact=True)
+        assert [got["transport"] for got in got_all] == EXPECTED_TRANSPORTS
+        assert all(got["version"] == version and got["checksums"] == published[version] for got in got_all)
+    assert [got["nbytes"] for got in pull_all(cluster, "exact", 1, exact=True)] == [0, 0, 0]  # held: none moves
+    stats, loaded = cluster.readers[0].follow.call_one("exact", 2, True).get(timeout=60)
+    assert stats["version"] == 2 and loaded == published[2]
+
+    stats, published[4] = owner.publish.call_one(4).get(timeout=60)
+    assert stats.reclaimed == (1,) and describe(cluster, "exact")["versions"] == [2, 3, 4]
+    for reader in cluster.readers:
+        with pytest.raises(ActorError) as info:
+            reader.pull.call_one("exact", 1, None, None, True).get(timeout=30)
+        assert str(info.value.exception) == ("weight pull of 'exact' v1: not in the index (reclaimed, or never "
+                                             "published; it holds v2, v3, v4)")
+        with pytest.raises(ActorError) as info:
+            reader.pull.call_one("exact", 9, 0.5, None, True).get(timeout=30)
+        assert str(info.value.exception) == "weight pull of 'exact': v9 not published within 0.5s (index has v4)"
+    waiting = cluster.readers[1].pull.call_one("exact", 5, 20.0, None, True)
+    time.sleep(0.3)
+    _, published[5] = owner.publish.call_one(5).get(timeout=60)
+    assert waiting.get(timeout=60)["checksums"] == published[5]
+    got = cluster.readers[0].pull.call_one("exact", 3, None, None, True).get(timeout=60)
+    assert got["version"] == 3 and got["checksums"] == published[3]  # older than the latest, still kept
+    owner.close.call_one().get(timeout=30)
 
 
 def test_reclaim_keeps_a_leased_shared_arena_until_release_then_reuses_it(cluster):

@@ -21,9 +21,10 @@ class PolicyFollower:
         self._base = None
         self.version = 0
 
-    def update(self, engine, min_version: int) -> dict:
-        """Pull the newest version >= ``min_version`` and load it into ``engine``."""
-        result = self.puller.pull(min_version)
+    def update(self, engine, min_version: int, exact: bool = False) -> dict:
+        """Pull the newest version >= ``min_version`` (``exact``: that version itself) and load it
+        into ``engine`` (nothing moves when the engine already holds it)."""
+        result = self.puller.pull(min_version, exact=exact)
         load_s = 0.0
         if result.stats.nbytes:
             started = time.perf_counter()

@@ -79,12 +79,24 @@ class Generator(MeshrlActor):
 
     @endpoint
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprobs of given token sequences under the generator's current weights."""
+        """Prompt logprobs under the weights held (``version``): for each sequence x_0..x_{n-1} the
+        n-1 values log p(x_i | x_0..x_{i-1}), i = 1..n-1, at temperature 1 (token 0 has none:
+        Tinker-style prompt logprobs put None there). Both engines agree (vLLM's prompt logprobs
+        bypass its prefix cache; HF runs one forward pass per sequence)."""
         return self.engine.score(sequences)
 
     @endpoint
     def update_weights(self, min_version: int) -> dict:
         """Pull the newest published version (>= min_version) and load it into the engine."""
         stats = self.follower.update(self.engine, min_version)
+        self.version = self.follower.version
+        return stats
+
+    @endpoint
+    def load_version(self, version: int) -> dict:
+        """Load exactly ``version`` (older or newer than the one held; no transfer when it is held),
+        so the next calls sample and score under it: the update_weights statistics. Raises a
+        WeightSyncError if the publisher no longer keeps it (`weight_sync.keep_versions`)."""
+        stats = self.follower.update(self.engine, version, exact=True)
         self.version = self.follower.version
         return stats

@@ -16,6 +16,7 @@ from meshrl.config.model import ModelConfig
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
+from meshrl.training.tenants import LoraTenants
 from meshrl.types import AdamParams, Datum
 
 
@@ -41,8 +42,43 @@ class Learner(MeshrlActor):
         self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 else None
 
     def describe(self) -> dict:
+        tenants = self.trainer.tenants
         return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad),
-                "rank": self.trainer.dp.rank, "data_parallel": self.trainer.dp.mode}
+                "rank": self.trainer.dp.rank, "data_parallel": self.trainer.dp.mode,
+                "adapters": sorted(tenants.states) if tenants else [], "active_adapter": tenants and tenants.active}
+
+    def _tenants(self) -> LoraTenants:
+        if self.trainer.tenants is None:
+            raise ValueError("LoRA adapters need learner.lora.enabled = true")
+        return self.trainer.tenants
+
+    # ---- LoRA tenants (meshrl.training.tenants): every other endpoint acts on the active adapter
+    @endpoint
+    def add_adapter(self, name: str, rank: int, alpha: float | None = None, seed: int | None = None,
+                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False) -> dict:
+        """A new, inactive LoRA adapter with its own AdamW state: ``{name, seed, params}``."""
+        return self._tenants().add(name, rank, alpha, seed, train_mlp, train_attn, train_unembed)
+
+    @endpoint
+    def use_adapter(self, name: str) -> dict:
+        """Make ``name`` the adapter every other endpoint trains, scores and publishes: ``{name, steps_applied}``."""
+        return self._tenants().use(name)
+
+    @endpoint
+    def remove_adapter(self, name: str) -> None:
+        """Delete an inactive adapter and its optimiser state."""
+        self._tenants().remove(name)
+
+    @endpoint
+    def save_adapter(self, name: str, directory: str) -> dict:
+        """Write the adapter (PEFT format), its AdamW state and step count: ``{path, steps_applied}``."""
+        return self._tenants().save(name, Path(directory))
+
+    @endpoint
+    def load_adapter(self, name: str, directory: str, with_optimizer: bool) -> dict:
+        """Load a saved adapter into ``name`` (created, or rebuilt if its LoRA config differs), with
+        or without its AdamW state: ``{name, rank, steps_applied, optimizer}``."""
+        return self._tenants().load(name, Path(directory), with_optimizer)
 
     @endpoint
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
@@ -90,8 +126,9 @@ class Learner(MeshrlActor):
 
     @endpoint
     def publish(self, version: int) -> dict:
-        """Publish the current weights (LoRA merged, or the adapter only) as ``version``. Every rank
-        takes part (under FSDP2 rank 0 gathers the others' shards); rank 0 publishes."""
+        """Publish the current weights (the active LoRA adapter merged, or that adapter only) as
+        ``version``. Every rank takes part (under FSDP2 rank 0 gathers the others' shards); rank 0
+        publishes."""
         if self.publisher is None and not self.trainer.dp.sharded:
             return {}
         state = self.trainer.sync_state_dict()

@@ -71,9 +71,9 @@ class WeightIndex(Actor):
     def _latest(self, store: str) -> int | None:
         return max(self._handles.get(store) or (), default=None)
 
-    def _newest(self, store: str, min_version: int) -> WeightHandle | None:
+    def _reached(self, store: str, version: int) -> bool:
         latest = self._latest(store)
-        return self._handles[store][latest] if latest is not None and latest >= min_version else None
+        return latest is not None and latest >= version
 
     @endpoint
     async def publish(self, handle: WeightHandle) -> None:
@@ -92,24 +92,28 @@ class WeightIndex(Actor):
 
     @concurrent_endpoint
     async def acquire(
-        self, store: str, min_version: int, have_id: str | None, wait_s: float, lease_s: float
+        self, store: str, min_version: int, have_id: str | None, wait_s: float, lease_s: float, exact: bool = False
     ) -> tuple[WeightHandle, int] | None:
-        """Lease the newest version >= ``min_version``, waiting up to ``wait_s`` for one to be
-        published. Returns None (and takes no lease) if it is the publish ``have_id``."""
-        if self._newest(store, min_version) is None:
+        """Lease the newest version >= ``min_version`` (``exact``: version ``min_version`` itself),
+        waiting up to ``wait_s`` for one to be published. An exact version that is superseded but no
+        longer held (reclaimed, or never published) is an error at once. Returns None (and takes no
+        lease) if it is the publish ``have_id``."""
+        if not self._reached(store, min_version):
             try:
                 async with self._published:
-                    await asyncio.wait_for(
-                        self._published.wait_for(lambda: self._newest(store, min_version) is not None), wait_s
-                    )
+                    await asyncio.wait_for(self._published.wait_for(lambda: self._reached(store, min_version)), wait_s)
             except asyncio.TimeoutError:
                 latest = self._latest(store)
                 have = f"v{latest}" if latest is not None else "no version"
+                wanted = f"v{min_version} not published" if exact else f"no version >= v{min_version}"
                 raise WeightSyncError(
-                    f"weight pull of '{store}': no version >= v{min_version} within {wait_s:g}s (index has {have})"
+                    f"weight pull of '{store}': {wanted} within {wait_s:g}s (index has {have})"
                 ) from None
-        handle = self._newest(store, min_version)
-        assert handle is not None
+        versions = self._handles[store]
+        handle = versions.get(min_version) if exact else versions[max(versions)]
+        if handle is None:
+            raise WeightSyncError(f"weight pull of '{store}' v{min_version}: not in the index (reclaimed, or never "
+                                  f"published; it holds {', '.join(f'v{v}' for v in sorted(versions))})")
         if handle.publish_id == have_id:
             return None
         lease = next(self._lease_ids)
@@ -123,16 +127,17 @@ class WeightIndex(Actor):
         return version in self._handles.get(store, {})
 
     @endpoint
-    async def reclaim(self, owner_id: str, held: list[int]) -> list[int]:
-        """Forget the owner's versions that are superseded and have no live lease. Returns which of
-        ``held`` (versions the owner still keeps buffers for) it may now drop."""
+    async def reclaim(self, owner_id: str, held: list[int], keep: int = 1) -> list[int]:
+        """Forget the owner's versions that are not among the ``keep`` newest of their store and
+        have no live lease. Returns which of ``held`` (versions the owner still keeps buffers for)
+        it may now drop."""
         now = time.monotonic()
         self._leases = {k: lease for k, lease in self._leases.items() if lease.deadline > now}
         leased = {(lease.store, lease.version) for lease in self._leases.values()}
         for store, versions in self._handles.items():
-            latest = max(versions, default=None)
+            kept = set(sorted(versions)[-keep:])
             for v in [v for v, h in versions.items() if h.owner_id == owner_id]:
-                if v != latest and (store, v) not in leased:
+                if v not in kept and (store, v) not in leased:
                     del versions[v]
         live = {v for versions in self._handles.values() for v, h in versions.items() if h.owner_id == owner_id}
         return [v for v in held if v not in live]

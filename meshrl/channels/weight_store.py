@@ -11,11 +11,13 @@ The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 
 * ``WeightPublisher`` - a plain object inside the data owner (the learner's process). Each version is
   packed into a flat arena from a small pool (CPU arenas in named shared memory, CUDA arenas exported
   for CUDA IPC), registered as ``num_chunks`` RDMA buffers and announced to the index with the
-  owner's host identity. Versions that are superseded and unleased are reclaimed: their buffers are
-  dropped (stale handles then fail instead of reading other bytes) and the arena is reused.
-* ``WeightPuller`` - a plain object inside each reader. A pull leases the newest version, fills the
-  reader's own arena (one local copy on the publisher's host under ``transport`` auto or shm, else
-  all chunks read concurrently over RDMA), releases the lease and returns zero-copy views.
+  owner's host identity. Versions that are not among the ``keep_versions`` newest and unleased are
+  reclaimed: their buffers are dropped (stale handles then fail instead of reading other bytes) and
+  the arena is reused.
+* ``WeightPuller`` - a plain object inside each reader. A pull leases the newest (or an exact)
+  version, fills the reader's own arena (one local copy on the publisher's host under ``transport``
+  auto or shm, else all chunks read concurrently over RDMA), releases the lease and returns
+  zero-copy views.
 
 Both objects offer a sync method (for sync actor endpoints and plain scripts) and an ``a``-prefixed
 coroutine (for async actors; ``.get()`` would block their event loop). Both variants run the same
@@ -281,7 +283,8 @@ class WeightPublisher:
         if not held:
             return []
         what = f"weight publish of '{self.store}'"
-        droppable = yield from _call(what, index.reclaim.call_one(self.owner_id, held), self.config.rpc_timeout_s)
+        reclaim = index.reclaim.call_one(self.owner_id, held, self.config.keep_versions)
+        droppable = yield from _call(what, reclaim, self.config.rpc_timeout_s)
         yield from self._drop_steps([a for a in self._arenas if a.version in droppable])
         return droppable
 
@@ -313,12 +316,14 @@ class WeightPublisher:
 
 
 class WeightPuller:
-    """Pulls the newest version of one store into this process's own arena.
+    """Pulls the newest version of one store (or an exact one) into this process's own arena.
 
     ``pull(min_version, timeout_s)`` from sync code, ``await apull(...)`` from async actors. A pull
     waits up to ``timeout_s`` (default ``transfer_timeout_s``) for a version >= ``min_version``;
-    when the newest version is the one already held it returns at once without transferring. The
-    transport follows ``config.transport`` and the publisher's host; each change is logged.
+    when the newest version is the one already held it returns at once without transferring. With
+    ``exact=True`` it pulls version ``min_version`` itself, older or newer than the one held (the
+    publisher keeps `keep_versions` of them); a version that is superseded but gone raises at
+    once. The transport follows ``config.transport`` and the publisher's host; each change is logged.
     """
 
     def __init__(self, store: str, config: WeightSyncConfig | None = None) -> None:
@@ -334,13 +339,13 @@ class WeightPuller:
         self._same_host = SameHostReader()
         self._transport: str | None = None  # of the last transfer, to log changes
 
-    def pull(self, min_version: int = 0, timeout_s: float | None = None) -> PullResult:
-        return _drive(self._pull_steps(min_version, timeout_s))
+    def pull(self, min_version: int = 0, timeout_s: float | None = None, exact: bool = False) -> PullResult:
+        return _drive(self._pull_steps(min_version, timeout_s, exact))
 
-    async def apull(self, min_version: int = 0, timeout_s: float | None = None) -> PullResult:
-        return await _adrive(self._pull_steps(min_version, timeout_s))
+    async def apull(self, min_version: int = 0, timeout_s: float | None = None, exact: bool = False) -> PullResult:
+        return await _adrive(self._pull_steps(min_version, timeout_s, exact))
 
-    def _pull_steps(self, min_version: int, timeout_s: float | None) -> Steps:
+    def _pull_steps(self, min_version: int, timeout_s: float | None, exact: bool) -> Steps:
         cfg = self.config
         start = time.perf_counter()
         what = f"weight pull of '{self.store}'"
@@ -350,7 +355,7 @@ class WeightPuller:
         wait_s = cfg.transfer_timeout_s if timeout_s is None else timeout_s
         read_timeout = max(1, math.ceil(cfg.transfer_timeout_s))
         lease_s = read_timeout + _DRIVER_SLACK_S + 2 * cfg.rpc_timeout_s
-        acquire = self._index.acquire.call_one(self.store, min_version, self._publish_id, wait_s, lease_s)
+        acquire = self._index.acquire.call_one(self.store, min_version, self._publish_id, wait_s, lease_s, exact)
         got = yield from _call(what, acquire, wait_s + cfg.rpc_timeout_s)
         if got is None:
             stats = PullStats(time.perf_counter() - start, 0.0, 0, "none")

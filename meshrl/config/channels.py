@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from meshrl.config.base import Section
 
@@ -37,8 +37,16 @@ class WeightSyncConfig(Section):
     """Deadline for each small control call to the weight index (publish, acquire, release)."""
 
     max_arenas: int = Field(3, ge=1)
-    """Arenas a publisher may keep: the latest version plus versions still being read. With 2 they
-    ping-pong; a publish that finds none free waits up to `transfer_timeout_s`, then raises."""
+    """Arenas a publisher may keep: the `keep_versions` newest versions plus versions still being
+    read. With 2 they ping-pong; a publish that finds none free waits up to `transfer_timeout_s`,
+    then raises."""
+
+    keep_versions: int = Field(1, ge=1)
+    """Newest published versions a publisher keeps readable (older ones are reclaimed once nobody
+    reads them). 1 suits training, where readers want the latest; readers that pull exact older
+    versions (samplers of the Tinker-style API, one version per sampler) need one per version in
+    use. Each costs an arena of the published size (the adapter only under `learner.lora.sync:
+    adapter`); must be below `max_arenas`, since a publish needs a free arena."""
 
     arena_device: Literal["cpu", "cuda"] = "cpu"
     """Where arenas live on both sides: `cpu`, or `cuda` (GPU memory registered for ibverbs
@@ -46,6 +54,13 @@ class WeightSyncConfig(Section):
 
     alignment: int = Field(64, ge=1)
     """Byte alignment of every tensor (and chunk boundary) in an arena; a power of two."""
+
+    @model_validator(mode="after")
+    def _arena_for_a_new_version(self) -> "WeightSyncConfig":
+        if self.keep_versions >= self.max_arenas:
+            raise ValueError(f"keep_versions {self.keep_versions} must be below max_arenas {self.max_arenas} "
+                             "(a publish needs a free arena)")
+        return self
 
     @field_validator("alignment")
     @classmethod

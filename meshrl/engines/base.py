@@ -52,7 +52,8 @@ class Engine(Protocol):
         """For each prompt, `request.n` completions."""
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of tokens 1..n-1 of each sequence given its prefix (temperature 1)."""
+        """Log-probability of tokens 1..n-1 of each sequence given its prefix (temperature 1):
+        n-1 values per sequence of n tokens, the i-th (from 0) being token i+1's."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the model weights in place (HF parameter names); no request runs meanwhile."""

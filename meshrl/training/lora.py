@@ -11,20 +11,46 @@ import torch
 SCALING_SUFFIX = ".lora_scaling"
 
 
-def adapter_state_dict(peft_model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """``{base_module.lora_A, base_module.lora_B, base_module.lora_scaling}`` for every adapted
-    module, keyed by the module's name in the base HF model."""
+def adapter_state_dict(peft_model, dtype: torch.dtype = torch.float32, adapter: str | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """``{base_module.lora_A, base_module.lora_B, base_module.lora_scaling}`` for every module
+    adapted by ``adapter`` (default: the active adapter), keyed by the module's name in the base HF
+    model."""
     from peft.tuners.lora import LoraLayer
 
+    adapter = adapter or peft_model.active_adapter
     out: dict[str, torch.Tensor] = {}
     for name, module in peft_model.named_modules():
-        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
             continue
         base = name.removeprefix("base_model.model.")
-        out[f"{base}.lora_A"] = module.lora_A["default"].weight.detach().to(dtype).contiguous()
-        out[f"{base}.lora_B"] = module.lora_B["default"].weight.detach().to(dtype).contiguous()
-        out[f"{base}{SCALING_SUFFIX}"] = torch.tensor([float(module.scaling["default"])], dtype=dtype)
+        out[f"{base}.lora_A"] = module.lora_A[adapter].weight.detach().to(dtype).contiguous()
+        out[f"{base}.lora_B"] = module.lora_B[adapter].weight.detach().to(dtype).contiguous()
+        out[f"{base}{SCALING_SUFFIX}"] = torch.tensor([float(module.scaling[adapter])], dtype=dtype)
     return out
+
+
+@torch.no_grad()
+def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's HF-named weights with the active adapter merged (W0 + scale * B @ A in
+    float32), computed out of place: merging into the model and back would leave rounding error in
+    the base weights. Names that share one tensor (a tied head) keep sharing one result."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = peft_model.active_adapter
+    deltas = {f"{name.removeprefix('base_model.model.')}.base_layer.weight": module.get_delta_weight(adapter)
+              for name, module in peft_model.named_modules()
+              if isinstance(module, LoraLayer) and adapter in module.lora_A}
+    converted: dict[int, torch.Tensor] = {}
+    state = {}
+    for key, tensor in peft_model.get_base_model().state_dict().items():
+        if "lora_" in key:
+            continue
+        if key in deltas:
+            state[key.replace(".base_layer", "")] = (tensor + deltas[key]).to(dtype)
+        else:
+            state[key.replace(".base_layer", "")] = converted.setdefault(id(tensor), tensor.to(dtype, copy=True))
+    return state
 
 
 def is_adapter(tensors: dict[str, torch.Tensor]) -> bool:

@@ -22,6 +22,7 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
+from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.types import AdamParams, Datum
 
 CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
@@ -83,7 +84,8 @@ class MicroBatchPass:
 
 
 class PolicyTrainer:
-    """An HF causal LM (float32 master weights, optional LoRA) with AdamW."""
+    """An HF causal LM (float32 master weights, optional LoRA) with AdamW. Under LoRA, ``tenants``
+    holds several adapters on the one base model; every operation acts on the active one."""
 
     def __init__(self, model_path: Path, cfg: LearnerConfig, autocast_dtype: str = "bfloat16",
                  parallel: DataParallelSpec | None = None):
@@ -119,12 +121,28 @@ class PolicyTrainer:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.autocast_dtype = getattr(torch, autocast_dtype) if cfg.autocast_bf16 else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-        self.steps_applied = 0  # optimizer steps taken (restored from checkpoints)
+        self.state = TrainState(self.new_optimizer([p for p in self.model.parameters() if p.requires_grad]))
+        """The optimiser being trained and its step count: the active LoRA adapter's under tenants."""
+        self.tenants = LoraTenants(self) if cfg.lora.enabled else None
+        """The LoRA adapters (``default`` and any added), or None without LoRA."""
         self._frozen_copy = None  # the initial weights (full fine-tuning), loaded on first use
+
+    def new_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def steps_applied(self) -> int:
+        """Optimizer steps taken (restored from checkpoints)."""
+        return self.state.steps_applied
+
+    @steps_applied.setter
+    def steps_applied(self, value: int) -> None:
+        self.state.steps_applied = value
 
     # ---- forward -------------------------------------------------------------------------
     def _autocast(self):
@@ -237,11 +255,12 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        """Multiply the accumulated gradients by ``factor`` (a step-wide normaliser known only after
-        they were accumulated)."""
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        """Multiply the accumulated gradients of the optimised parameters (under LoRA tenants: the
+        active adapter's) by ``factor`` (a step-wide normaliser known only after they were accumulated)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
 
     def optim_step(self, adam: AdamParams) -> dict:
         """Apply the accumulated gradients with AdamW, then clear them."""
@@ -264,7 +283,7 @@ class PolicyTrainer:
     # ---- weights for inference -----------------------------------------------------------
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
         """What the learner publishes for readers: the merged weights, or under
-        `lora.sync: adapter` only the adapter matrices (readers merge them)."""
+        `lora.sync: adapter` only the (active) adapter's matrices (readers merge them)."""
         if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":
             from meshrl.training.lora import adapter_state_dict
 
@@ -273,21 +292,14 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def inference_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """HF-named weights as the generators load them: LoRA merged. A tied lm_head stays in (as
+        """HF-named weights as the generators load them: the active LoRA adapter merged. A tied lm_head stays in (as
         an alias of the embedding: the arena stores it once), since vLLM's in-place reload only
         refreshes its head from an explicit `lm_head.weight`. Under FSDP2 every rank calls this
         and the shards are gathered on rank 0 only (the other ranks get an empty dict)."""
         if self.cfg.lora.enabled:
-            self.model.merge_adapter()
-            try:
-                base = self.model.get_base_model()
-                state = {
-                    k.replace(".base_layer", ""): v.to(dtype).clone()
-                    for k, v in base.state_dict().items()
-                    if "lora_" not in k
-                }
-            finally:
-                self.model.unmerge_adapter()
+            from meshrl.training.lora import merged_state_dict
+
+            state = merged_state_dict(self.model, dtype)
         else:
             converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
             state = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
