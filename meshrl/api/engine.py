@@ -15,7 +15,9 @@ import logging
 import threading
 from pathlib import Path
 
+from meshrl.api.errors import UserError
 from meshrl.config.run import RunConfig
+from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger("meshrl")
 
@@ -45,8 +47,9 @@ class Engine:
         silence_tcp_fallback_warning()
         if cfg.meshes.learner.procs != 1:
             raise ValueError("meshes.learner.procs: the API trains its clients' adapters in one learner process")
-        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(
-            update={"lora": cfg.learner.lora.model_copy(update={"enabled": True})})})
+        if not (cfg.learner.lora.enabled and cfg.learner.lora.sync == "adapter"):
+            raise ValueError("learner.lora: the API trains LoRA adapters and publishes them as adapters: set "
+                             "learner.lora.enabled=true and learner.lora.sync=adapter (configs/serve.yaml does)")
         self.cfg = cfg
         self.failures = install_fault_hook()
         self.model_path = resolve_model(cfg.model.name_or_path)
@@ -119,11 +122,26 @@ class Engine:
                 GENERATOR, "score", {0: sequences})[0], "generator.score")
 
     def _load_on_generators(self, version: int) -> None:
+        """Every generator replica holds ``version`` (replaced first if one has failed)."""
         from meshrl.controller.mesh_client import GENERATOR
 
-        ranks = {r: version for r in range(self.client.procs(GENERATOR))}
-        self.client.supervised(GENERATOR, lambda: self.client.per_rank(GENERATOR, "load_version", ranks),
-                               "generator.load_version")
+        self.client.supervised(GENERATOR, lambda: self._load(version), "generator.load_version")
+
+    def _load(self, version: int) -> None:
+        from monarch.actor import ActorError
+
+        from meshrl.controller.mesh_client import GENERATOR
+
+        ranks = range(self.client.procs(GENERATOR))
+        try:
+            self.client.unsupervised(GENERATOR, lambda m: [actor_at(m, r).load_version.call_one(version) for r in ranks],
+                                     "generator.load_version")
+        except ActorError as e:
+            if "not in the index" in str(e):  # reclaimed: the caller's matter, not a failed generator
+                raise UserError(f"the sampler weights of version {version} are no longer kept "
+                                f"(weight_sync.keep_versions = {self.cfg.weight_sync.keep_versions}): save them "
+                                "again") from None
+            raise
 
     def close(self) -> None:
         self.meshes.stop()
