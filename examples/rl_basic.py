@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     task = ArithmeticTask(cfg.task.arithmetic, cfg.trainer.seed)
     rewards_by_step = []
     with ServiceClient(cfg) as service:
-        training = service.create_lora_training_client(base_model=cfg.model.name_or_path, rank=16, seed=0)
+        training = service.create_lora_training_client(base_model=cfg.model.name_or_path, rank=16, seed=0,
+                                                          train_unembed=False)
         renderer = renderer_for_tokenizer(training.get_tokenizer())
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=tuple(renderer.get_stop_sequences()))
         for step in range(args.steps):

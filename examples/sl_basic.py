@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     cfg = load_config(RunConfig, None, args.overrides)
     losses = []
     with ServiceClient(cfg) as service:
-        training = service.create_lora_training_client(base_model=cfg.model.name_or_path, rank=16, seed=0)
+        training = service.create_lora_training_client(base_model=cfg.model.name_or_path, rank=16, seed=0,
+                                                          train_unembed=False)
         data = examples(renderer_for_tokenizer(training.get_tokenizer()), args.batch)
         answer_tokens = sum(float(d.loss_fn_inputs["weights"].sum()) for d in data)
         for step in range(args.steps):

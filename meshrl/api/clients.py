@@ -6,8 +6,10 @@ made, so two submissions back to back need no wait in between."""
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -21,6 +23,8 @@ from meshrl.api.sampler import Sampler
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
 from meshrl.config.run import RunConfig
 from meshrl.types import AdamParams, Datum, ModelInput
+
+log = logging.getLogger("meshrl")
 
 PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9_.-]+)$")
 
@@ -42,6 +46,7 @@ class ServiceClient:
         self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version
         self._lock = threading.Lock()
         self._clients: list[TrainingClient] = []
+        self.skipped: Counter[str] = Counter()  # requested options served without them, logged
 
     def get_server_capabilities(self) -> list[SupportedModel]:
         """The models this service trains and samples: its model and the names aliased to it."""
@@ -56,15 +61,24 @@ class ServiceClient:
         raise UserError(f"base_model {name!r} is not served here (serving {known})")
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     model_id: str | None = None) -> "TrainingClient":
-        """A new LoRA adapter of ``rank`` on the base model, with its own optimizer state."""
+        """A new LoRA adapter of ``rank`` on the base model (attention and/or MLP projections),
+        with its own optimizer state. ``train_unembed`` (Tinker's default) is not supported: the
+        served models tie the unembedding to the embedding; it is logged and counted
+        (`skipped["train_unembed"]`), and the adapter trains the other modules."""
         self.resolve_model(base_model)
         if not isinstance(rank, int) or rank < 1:
             raise UserError(f"rank = {rank!r}: a LoRA rank >= 1")
+        if not (train_mlp or train_attn):
+            raise UserError("train_mlp and train_attn are both false: nothing to train")
+        if train_unembed:
+            self.skipped["train_unembed"] += 1
+            log.warning("train_unembed=True is not supported (tied unembedding): the adapter trains %s only",
+                        " and ".join(n for n, on in (("attention", train_attn), ("MLP", train_mlp)) if on))
         model_id = model_id or f"{self._session}:train:{next(self._ids)}"
         client = TrainingClient(self, model_id, base_model, rank)
-        self.engine.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, train_unembed)
+        self.engine.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, False)
         self._clients.append(client)
         return client
 

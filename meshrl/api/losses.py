@@ -83,10 +83,11 @@ def _thresholds(loss_fn: str, config: dict, data: list[Datum]) -> tuple[float, f
 
 def metrics_with_reductions(metrics: dict[str, float]) -> dict[str, float]:
     """Core metrics keyed ``name:reduction`` as Tinker reports them: sums for the loss and token
-    counts, maxima for `*_max`, means otherwise (learner bookkeeping such as `seconds` dropped)."""
+    counts, maxima for `*_max`, means otherwise (learner bookkeeping such as `seconds`, and the
+    per-datum `logprobs`, left out)."""
     out = {}
     for name, value in metrics.items():
-        if name in ("seconds", "tokens"):
+        if name in ("seconds", "tokens", "logprobs"):
             continue
         reduction = "sum" if name == "loss" or name.startswith("num_") else "max" if name.endswith("_max") else "mean"
         out[f"{name}:{reduction}"] = float(value)

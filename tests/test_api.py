@@ -1,0 +1,160 @@
+"""`meshrl.api` in process, for real: Monarch processes, the tiny model, the real vLLM engine.
+One service (learner with LoRA tenants + one generator) is shared by the tests of this module."""
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from meshrl.api import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient, UserError
+from meshrl.config.base import load_config
+from meshrl.config.run import RunConfig
+from meshrl.losses import token_losses
+
+pytestmark = pytest.mark.monarch
+
+API_RUN = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
+           "learner.lora.enabled=true", "learner.lora.sync=adapter", "learner.autocast_bf16=false",
+           "weight_sync.keep_versions=4", "weight_sync.max_arenas=6"]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    cfg = load_config(RunConfig, None, API_RUN + [f"output.dir={tmp_path_factory.mktemp('api')}"])
+    with ServiceClient(cfg) as svc:
+        yield svc
+
+
+def _sl_data(n=4, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(n):
+        tokens = torch.randint(3, 200, (length,), generator=g).tolist()
+        weights = [0.0] * (length // 2) + [1.0] * (length - length // 2)
+        data.append(Datum.from_sequence(tokens, weights=weights))
+    return data
+
+
+def _rl_data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(3):
+        tokens = torch.randint(3, 200, (10,), generator=g).tolist()
+        logprobs = (-torch.rand(10, generator=g) * 3).tolist()
+        advantages = [0.0] * 4 + [float(torch.randn(1, generator=g))] * 6
+        data.append(Datum.from_sequence(tokens, logprobs=logprobs, advantages=advantages))
+    return data
+
+
+def test_supervised_loss_falls_and_back_to_back_calls_run_in_order(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=8, seed=0, train_unembed=False)
+    data = _sl_data()
+    losses = []
+    for _ in range(4):
+        fb = client.forward_backward(data, "cross_entropy")
+        step = client.optim_step(AdamParams(learning_rate=1e-2))  # submitted before the first one finished
+        losses.append(fb.result(timeout=120).metrics["loss:sum"])
+        assert step.result(timeout=120)["lr"] == 1e-2
+    assert losses[-1] < losses[0] - 0.5, losses
+    out = client.forward_backward(data, "cross_entropy").result(timeout=120)
+    assert [o["logprobs"].shape[0] for o in out.loss_fn_outputs] == [d.model_input.length for d in data]
+
+
+def test_forward_backward_equals_the_core_losses_on_the_same_data(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3, train_unembed=False)
+    sl, rl = _sl_data(seed=5), _rl_data()
+    logp = [o["logprobs"] for o in client.forward(sl).result(timeout=120).loss_fn_outputs]
+    expected_ce = -sum(float((d.loss_fn_inputs["weights"] * lp).sum()) for d, lp in zip(sl, logp))
+    fb = client.forward_backward(sl, "cross_entropy").result(timeout=120)
+    assert fb.metrics["loss:sum"] == pytest.approx(expected_ce, abs=1e-5)
+    for o, lp in zip(fb.loss_fn_outputs, logp):  # same weights: same logprobs where the loss reads them
+        w = o["logprobs"] != 0
+        assert torch.allclose(o["logprobs"][w], lp[w], atol=1e-5)
+
+    rl_logp = [o["logprobs"] for o in client.forward(rl, "ppo").result(timeout=120).loss_fn_outputs]
+    cat = lambda key: torch.cat([d.loss_fn_inputs[key] for d in rl])  # noqa: E731
+    expected = token_losses.ppo(torch.cat(rl_logp), cat("logprobs"), cat("advantages"), mask=torch.ones(27),
+                                eps_low=0.1, eps_high=0.3).metrics["loss"]
+    got = client.forward_backward(rl, "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}).result(timeout=120)
+    assert got.metrics["loss:sum"] == pytest.approx(expected, abs=1e-5)
+    client.optim_step(AdamParams(learning_rate=0.0)).result(timeout=120)  # clear the gradients
+
+
+def test_samples_carry_logprobs_that_match_the_learner(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=1, train_unembed=False)
+    client.forward_backward(_sl_data(seed=2), "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=5e-2)).result(timeout=120)  # weights differ from the base
+    sampler = client.save_weights_and_get_sampling_client("after-one-step")
+    prompt = ModelInput.from_ints([5, 17, 42, 9])
+    response = sampler.sample(prompt, 4, SamplingParams(max_tokens=8, seed=0), include_prompt_logprobs=True).result(120)
+    assert len(response.sequences) == 4
+    for seq in response.sequences:
+        assert seq.stop_reason in ("stop", "length") and len(seq.tokens) == len(seq.logprobs) > 0
+        full = prompt.to_ints() + seq.tokens
+        [learner_lp] = [o["logprobs"] for o in client.forward([Datum.from_sequence(
+            full, weights=[1.0] * len(full))]).result(timeout=120).loss_fn_outputs]
+        gap = (learner_lp[-len(seq.tokens):] - torch.tensor(seq.logprobs)).abs().mean()
+        assert gap < 0.05, gap  # bf16 engine vs fp32 learner
+    assert response.prompt_logprobs[0] is None and len(response.prompt_logprobs) == 4
+    again = sampler.compute_logprobs(prompt).result(timeout=120)
+    assert again[0] is None and again[1:] == pytest.approx(response.prompt_logprobs[1:], abs=1e-4)
+    base = service.create_sampling_client(base_model="tiny").compute_logprobs(prompt).result(timeout=120)
+    assert base[1:] != pytest.approx(again[1:], abs=1e-3)  # the base model is another version
+
+
+def test_state_round_trips_adapter_and_optimizer_and_clients_do_not_mix(service):
+    a = service.create_lora_training_client(base_model="tiny", rank=4, seed=7, train_unembed=False)
+    b = service.create_lora_training_client(base_model="tiny", rank=8, seed=8, train_unembed=False)
+    data, other = _sl_data(seed=11), _sl_data(seed=12)
+    adam = AdamParams(learning_rate=1e-2)
+
+    def step(client, d):
+        client.forward_backward(d, "cross_entropy")
+        return client.optim_step(adam)
+
+    step(a, data).result(timeout=120)
+    path = a.save_state("one").result(timeout=120)
+    assert path == f"tinker://{a.model_id}/weights/one"
+    before = [o["logprobs"] for o in a.forward(data).result(timeout=120).loss_fn_outputs]
+    for _ in range(2):  # b trains in between: a must not notice
+        step(b, other)
+    step(a, data).result(timeout=120)
+    after_two = [o["logprobs"] for o in a.forward(data).result(timeout=120).loss_fn_outputs]
+    a.load_state_with_optimizer(path).result(timeout=120)
+    restored = [o["logprobs"] for o in a.forward(data).result(timeout=120).loss_fn_outputs]
+    assert all(torch.equal(x, y) for x, y in zip(before, restored))
+    step(a, data).result(timeout=120)  # the same second step again, from the restored optimizer state
+    again = [o["logprobs"] for o in a.forward(data).result(timeout=120).loss_fn_outputs]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(after_two, again))
+    a.load_state(path).result(timeout=120)  # weights only: a fresh optimizer takes another first step
+    step(a, data).result(timeout=120)
+    fresh = [o["logprobs"] for o in a.forward(data).result(timeout=120).loss_fn_outputs]
+    assert not all(torch.allclose(x, y, atol=1e-6) for x, y in zip(after_two, fresh))
+
+
+def test_bad_requests_are_user_errors_and_the_service_keeps_serving(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=9, train_unembed=False)
+    with pytest.raises(UserError, match="loss_fn 'dro' is not supported"):
+        client.forward_backward(_sl_data(), "dro").result(timeout=120)
+    with pytest.raises(UserError, match=r"data\[0\].loss_fn_inputs: 'cross_entropy' needs 'weights'"):
+        client.forward_backward([Datum.from_sequence([1, 2, 3], logprobs=[0, 0, 0])], "cross_entropy").result(120)
+    with pytest.raises(ValueError, match="expected first dim"):  # a malformed tensor never becomes a Datum
+        Datum(ModelInput.from_ints([1, 2, 3]), {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(3)})
+    with pytest.raises(UserError, match="base_model 'Qwen/Nope' is not served here"):
+        service.create_lora_training_client(base_model="Qwen/Nope")
+    with pytest.raises(UserError, match="no sampler weights saved under that path"):
+        service.create_sampling_client(model_path="tinker://x/sampler_weights/none")
+    assert client.forward_backward(_sl_data(), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+
+
+def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):
+    sampler = service.create_sampling_client(base_model="tiny")
+    params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)
+    [pid] = service.engine.meshes.pids["generator"]
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
+    assert len(response.sequences) == 8
+    assert service.engine.meshes.pids["generator"] != [pid]
+    assert [e["mesh"] for e in service.engine.supervisor.events] == ["generator"]
