@@ -29,3 +29,18 @@ def test_custom_rewarder_and_mesh_of_your_own_on_two_hosts():
     # every reward came from BrevityRewarder (its info field), with its penalty applied
     assert all(s["mean_penalty"] >= 0 for s in steps)
     assert any(s["mean_penalty"] > 0 for s in steps) or all(s["mean_words"] <= 8 for s in steps)
+
+
+API_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
+            "learner.lora.enabled=true", "learner.lora.sync=adapter", "weight_sync.keep_versions=2",
+            "weight_sync.max_arenas=4"]
+
+
+@pytest.mark.monarch
+def test_sl_basic_and_rl_basic_run_on_the_api(tmp_path):
+    """The two `meshrl.api` examples, short, on the tiny model."""
+    losses = _load("sl_basic").main(["--steps", "3", "--lr", "1e-2", *API_TINY, f"output.dir={tmp_path}"])
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    rewards = _load("rl_basic").main(["--steps", "2", "--problems", "2", "--group", "2", "--max-tokens", "8",
+                                      *API_TINY, f"output.dir={tmp_path}"])
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
