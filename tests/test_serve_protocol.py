@@ -4,17 +4,22 @@ from the fake's arithmetic, so these check the wire format (protobuf tensors, fl
 the per-model `seq_id` ordering, the error categories and the session lifecycle.
 
 The server runs in a thread of this process (uvicorn on a free port) so the tests can read the
-fake's call log.
+fake's call log; one test runs `meshrl serve` itself as a subprocess and stops it with SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -38,6 +43,7 @@ from meshrl.serve.futures import JsonResult
 from meshrl.serve.training import LoraSpec
 from meshrl.testing.fake_api import FakeService, fake_logprobs
 
+ROOT = Path(__file__).resolve().parents[1]
 ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
 
 os.environ.setdefault("TINKER_API_KEY", "tml-test")
@@ -312,3 +318,32 @@ def test_wire_reads_sparse_csr_and_rejects_a_short_tensor():
     with pytest.raises(UserError, match="not a ForwardBackwardRequest"):
         wire.forward_backward_request(b"\xff\xff\xff", None)
     assert wire.forward_backward_request(msg.SerializeToString(), None).model_id == "m"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_meshrl_serve_runs_until_sigterm(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "meshrl.cli", "serve",
+                                 "serve.backend=meshrl.testing.fake_api:fake_service", "model.name_or_path=served-fake",
+                                 "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith(f"serving at http://127.0.0.1:{port}"), f"{line!r}\n{log.read_text()}"
+        caps = tinker.RestClient(base_url=f"http://127.0.0.1:{port}").get_server_capabilities().result(timeout=30)
+        assert {"served-fake", ALIAS} <= {m.model_name for m in caps.supported_models}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
