@@ -60,7 +60,7 @@ class _Served:
 def served():
     """The app over a fresh fake, served by uvicorn in a thread; stopped at the end."""
     fake = FakeService("fake-model", 4096)
-    app = build_app(fake, ServeConfig(poll_hold_s=2.0, seq_gap_timeout_s=1.0))
+    app = build_app(fake, ServeConfig(poll_hold_s=0.25, seq_gap_timeout_s=1.0))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -180,6 +180,16 @@ def test_sampling_returns_sequences_and_prompt_logprobs(service, served):
         pytest.approx(fake_logprobs([11, 12, 13, 14], 0.0).tolist())
 
 
+def test_a_result_slower_than_a_poll_hold_arrives_after_408s(service, served):
+    tc = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
+    served.fake.delay_s = 1.0  # four polls of serve.poll_hold_s = 0.25 s time out first
+    try:
+        out = tc.forward_backward([ce_datum([4, 5, 6])], "cross_entropy").result(timeout=30)
+    finally:
+        served.fake.delay_s = 0.0
+    np.testing.assert_array_equal(out.loss_fn_outputs[0]["logprobs"].data, expected_logprobs(ce_datum([4, 5, 6]), 0.0))
+
+
 def test_two_training_clients_keep_their_own_queues(service, served):
     a = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
     b = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
@@ -219,7 +229,7 @@ def _post_forward_backward(url: str, model_id: str, seq_id: int, first_token: in
 
 
 def _retrieve(url: str, request_id: str) -> httpx.Response:
-    for _ in range(20):
+    for _ in range(100):
         reply = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=30)
         if reply.status_code != 408:
             return reply

@@ -48,10 +48,14 @@ def run_server(app: Any, host: str, port: int, announce: Callable[[str], None]) 
 
 
 async def _serve(server: uvicorn.Server, announce: Callable[[str], None]) -> None:
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
+    async def announce_once_listening() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         announce(f"http://{host}:{port}")
-    await task
+
+    watcher = asyncio.create_task(announce_once_listening())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()

@@ -10,7 +10,7 @@ can predict every value the server returns. `forward_backward` accumulates a gra
 and a momentum). Each training client executes its calls on one worker thread in submission
 order, and every executed call is appended to `FakeService.calls` as
 ``(model_id, operation, first token of each datum)`` so tests can check the order the server
-kept.
+kept; `FakeService.delay_s` makes every training call take that long.
 
 Samplers generate, for sample ``j`` of a prompt ending in token ``p``, the tokens
 ``p + 3 j + 1, p + 3 j + 2, ...`` (mod 1000) up to ``max_tokens`` (8 when unset), stopping early at
@@ -24,6 +24,7 @@ missing or has the wrong dtype or rank, a LoRA rank below 1, a negative temperat
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -74,6 +75,7 @@ class FakeTrainingClient:
         def logged() -> Any:
             tags = tuple(d.model_input.to_ints()[0] for d in data) if data else ()
             self._service.record(self.model_id, operation, tags)
+            time.sleep(self._service.delay_s)
             return call()
         return self._worker.submit(logged)
 
@@ -198,6 +200,7 @@ class FakeService:
         self.checkpoints: dict[str, _Checkpoint] = {}
         self.sampler_weights: dict[str, float] = {}
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+        self.delay_s = 0.0  # how long each training call takes (tests of slow operations set it)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fake-sampler")
         self._lock = threading.Lock()
 
