@@ -91,6 +91,16 @@ def ce_datum(tokens: list[int], weights: list[float] | None = None) -> T.Datum:
                                    "weights": np.array(weights or [1.0] * len(targets), dtype=np.float32)})
 
 
+def _eventually(check, timeout_s: float = 10.0) -> bool:
+    """Whether ``check()`` becomes true within the timeout (for calls the server makes after its reply)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def expected_logprobs(datum: T.Datum, w: float) -> np.ndarray:
     return fake_logprobs(datum.loss_fn_inputs["target_tokens"].to_torch(), w).numpy()
 
@@ -197,10 +207,12 @@ def test_two_training_clients_keep_their_own_queues(service, served):
     for i in range(4):  # submitted without waiting, interleaved across the two clients
         futures.append((a, 100 + i, a.forward_backward([ce_datum([100 + i, 1, 2])], "cross_entropy")))
         futures.append((b, 200 + i, b.forward([ce_datum([200 + i, 1])], "cross_entropy")))
-    a.optim_step(T.AdamParams(learning_rate=1.0))
-    for client, first, future in futures:
+    step = a.optim_step(T.AdamParams(learning_rate=1.0))
+    for client, _, future in futures:
         out = future.result(timeout=30)
-        assert len(out.loss_fn_outputs) == 1
+        np.testing.assert_array_equal(out.loss_fn_outputs[0]["logprobs"].data,
+                                      fake_logprobs([1, 2] if client is a else [1], 0.0).numpy())
+    assert step.result(timeout=30).metrics["grad:sum"] == 4 * 2.0
     assert served.fake.calls_of(a.model_id) == [("forward_backward", (100 + i,)) for i in range(4)] + \
         [("optim_step", ())]
     assert served.fake.calls_of(b.model_id) == [("forward", (200 + i,)) for i in range(4)]
@@ -283,7 +295,7 @@ def test_leaving_the_service_client_finishes_its_session(served):
     with tinker.ServiceClient(base_url=served.url) as client:
         tc = client.create_lora_training_client("fake-model", rank=1).result(timeout=30)
         session_id = client.holder.get_session_id()
-    assert served.fake.calls_of(tc.model_id)[-1] == ("close", ())
+    assert _eventually(lambda: served.fake.calls_of(tc.model_id)[-1] == ("close", ()))
     heartbeat = httpx.post(f"{served.url}/api/v1/session_heartbeat", json={"session_id": session_id}, timeout=30)
     assert heartbeat.status_code == 410
 
@@ -298,10 +310,10 @@ def test_a_session_without_heartbeats_is_finished():
         assert await server.futures.wait(request_id, 5) == JsonResult({"model_id": model_id, "type": "create_model"})
         await asyncio.sleep(0.6)
         server.close()
-        return fake.calls_of(model_id), server.sessions[session_id].finished
+        return fake, model_id, server.sessions[session_id].finished
 
-    calls, finished = asyncio.run(scenario())
-    assert finished and calls == [("close", ())]
+    fake, model_id, finished = asyncio.run(scenario())
+    assert finished and _eventually(lambda: fake.calls_of(model_id) == [("close", ())])
 
 
 def test_aliases_must_name_served_models():

@@ -59,6 +59,11 @@ class TrainingModel:
             raise UserError(f"{self.model_id} could not be created (see its create_model result)")
         return self.client
 
+    def close_client(self) -> None:
+        """Close the backend client, if it was created (called on the worker)."""
+        if self.client is not None:
+            self.client.close()
+
 
 Operation = Callable[[Any], Future]
 """A backend call on a training client, returning its future."""
@@ -189,8 +194,7 @@ class TrainingModels:
         """Close the backend clients of a session's models (after their queued calls)."""
         for model_id in [m for m, model in self._models.items() if model.session_id == session_id]:
             model = self._models.pop(model_id)
-            if model.client is not None:
-                model.worker.submit(model.client.close)
+            model.worker.submit(model.close_client)  # on the worker: after its creation and queued calls
             model.worker.shutdown(wait=False)
 
     def close_all(self) -> None:
