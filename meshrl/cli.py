@@ -1,4 +1,4 @@
-"""The `meshrl` command line: train, launch, plan, models, teachers, config reference."""
+"""The `meshrl` command line: train, launch, plan, serve, models, teachers, config reference."""
 
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _fail(str(e))
     print(header)
     print(placement.table(), end="")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`meshrl serve`: the Tinker-protocol HTTP server over the backend `serve.backend` builds."""
+    from meshrl.config.run import RunConfig
+
+    overrides = list(args.overrides) + ([f"serve.port={args.port}"] if args.port is not None else [])
+    try:
+        cfg = load_config(RunConfig, args.config or default_config_path(), overrides)
+        from meshrl.serve.app import build_app
+        from meshrl.serve.runner import load_backend, run_server
+
+        app = build_app(load_backend(cfg), cfg.serve)
+        run_server(app, cfg.serve.host, cfg.serve.port,
+                   lambda url: print(f"serving at {url} (Ctrl-C stops it)", flush=True))
+    except ConfigError as e:
+        return _fail(str(e))
     return 0
 
 
@@ -189,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="plan for a host with N GPUs (default: the GPUs of this host)")
     plan.set_defaults(func=cmd_plan)
 
+    serve = sub.add_parser("serve", help="serve the Tinker HTTP API (the `tinker` SDK with TINKER_BASE_URL) "
+                           "until Ctrl-C")
+    serve.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
+    serve.add_argument("overrides", nargs="*", help="dotted overrides such as serve.host=0.0.0.0")
+    serve.add_argument("--port", type=int, help="TCP port (sets serve.port)")
+    serve.set_defaults(func=cmd_serve)
+
     models = sub.add_parser("models", help="prepare or list cached models")
     models.add_argument("action", choices=["prepare", "list"])
     models.add_argument("names", nargs="*", help="model names (default: all)")
@@ -213,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow flags (`train --overwrite learner.lr=1e-5`): argparse leaves those over
-    if extra and (args.command not in ("train", "launch", "plan") or any(e.startswith("-") for e in extra)):
+    if extra and (args.command not in ("train", "launch", "plan", "serve") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra

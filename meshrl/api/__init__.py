@@ -11,4 +11,9 @@ from meshrl.api.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwa
 
 __all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "SampleResponse",
            "SampledSequence", "SamplingClient", "SamplingParams", "ServiceClient", "SupportedModel", "TrainingClient",
-           "UserError"]
+           "UserError", "local_service"]
+
+
+def local_service(cfg) -> ServiceClient:
+    """The backend of `meshrl serve` (`serve.backend`): a ServiceClient on this machine's meshes."""
+    return ServiceClient(cfg)

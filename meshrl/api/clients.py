@@ -34,11 +34,10 @@ class ServiceClient:
     default run config when None) on this machine, or on ``hosts`` from a launcher; `close()` (or
     leaving a `with` block) stops them."""
 
-    def __init__(self, cfg: RunConfig | None = None, hosts=None, aliases: dict[str, str] | None = None):
+    def __init__(self, cfg: RunConfig | None = None, hosts=None):
         self.cfg = cfg or RunConfig()
         self.engine = Engine(self.cfg, hosts)
         self.served = self.cfg.model.name_or_path
-        self.aliases = dict(aliases or {})
         self.root = checkpoint_root(self.cfg)
         self.sampler = Sampler(self.engine)
         self._ids = itertools.count()
@@ -49,16 +48,15 @@ class ServiceClient:
         self.skipped: Counter[str] = Counter()  # requested options served without them, logged
 
     def get_server_capabilities(self) -> list[SupportedModel]:
-        """The models this service trains and samples: its model and the names aliased to it."""
-        length = self.cfg.model.max_model_len
-        return [SupportedModel(name, length) for name in [self.served, *self.aliases]]
+        """The model this service trains and samples (`model.name_or_path`; `meshrl serve` adds
+        the names of `serve.model_aliases`)."""
+        return [SupportedModel(self.served, self.cfg.model.max_model_len)]
 
     def resolve_model(self, name: str) -> str:
-        """The served model a client's ``name`` means; UserError for any other name."""
-        if name == self.served or name in self.aliases:
-            return self.served
-        known = ", ".join(repr(m.model_name) for m in self.get_server_capabilities())
-        raise UserError(f"base_model {name!r} is not served here (serving {known})")
+        """``name`` if it is the served model; UserError for any other name."""
+        if name == self.served:
+            return name
+        raise UserError(f"base_model {name!r} is not served here (serving {self.served!r})")
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,

@@ -28,7 +28,11 @@ class _Request:
 
     @property
     def key(self) -> tuple:
-        return self.version, self.num_samples, self.params
+        return self.version, self.num_samples, self.params.key()
+
+    def max_tokens(self, context: int) -> int:
+        """``params.max_tokens``, or what the context leaves after the prompt when None."""
+        return self.params.max_tokens if self.params.max_tokens is not None else context - len(self.prompt)
 
 
 class Sampler:
@@ -72,7 +76,9 @@ class Sampler:
     def _run(self, batch: list[_Request]) -> None:
         first = batch[0]
         p = first.params
-        request = SampleRequest(n=first.num_samples, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+        request = SampleRequest(n=first.num_samples, max_tokens=min(r.max_tokens(self.engine.cfg.model.max_model_len)
+                                                                for r in batch),
+                                temperature=p.temperature, top_p=p.top_p,
                                 stop_token_ids=_stop_ids(p.stop, self.engine.tokenizer), seed=p.seed)
         try:
             groups = self.engine.generate(first.version, [r.prompt for r in batch], request)
@@ -101,14 +107,15 @@ def _check(request: _Request, engine) -> None:
         raise UserError("prompt: empty")
     if request.num_samples < 1:
         raise UserError(f"num_samples = {request.num_samples}: at least 1")
-    if p.max_tokens < 1:
-        raise UserError(f"sampling_params.max_tokens = {p.max_tokens}: at least 1")
+    limit = engine.cfg.model.max_model_len
+    if request.max_tokens(limit) < 1:
+        raise UserError(f"sampling_params.max_tokens = {p.max_tokens}: at least 1 (and a prompt shorter than the "
+                        f"context of {limit})")
     if p.temperature < 0 or not 0 < p.top_p <= 1:
         raise UserError(f"sampling_params: temperature {p.temperature} / top_p {p.top_p} out of range")
     if p.top_k not in (-1, 0):
         raise UserError(f"sampling_params.top_k = {p.top_k}: top-k sampling is not supported (use -1)")
-    limit = engine.cfg.model.max_model_len
-    if len(request.prompt) + p.max_tokens > limit:
+    if len(request.prompt) + request.max_tokens(limit) > limit:
         raise UserError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
                         f"model's context of {limit}")
     _stop_ids(p.stop, engine.tokenizer)

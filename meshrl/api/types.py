@@ -16,16 +16,21 @@ __all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample: at most ``max_tokens`` new tokens at ``temperature`` (0 = greedy), nucleus
-    ``top_p``, ``top_k`` (-1 = off), ``seed`` (None = the engine's RNG), stopping at any of the
-    ``stop`` token ids (or single-token strings)."""
+    """How to sample: at most ``max_tokens`` new tokens (None = up to the context length) at
+    ``temperature`` (0 = greedy), nucleus ``top_p``, ``top_k`` (-1 = off), ``seed`` (None = the
+    engine's RNG), stopping at end-of-sequence and at any of the ``stop`` token ids (or
+    single-token strings)."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    stop: tuple[int, ...] | tuple[str, ...] | None = None
+    stop: tuple[int, ...] | tuple[str, ...] | list | None = None
+
+    def key(self) -> tuple:
+        """The parameters as a hashable tuple (requests with equal keys are sampled together)."""
+        return (self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, tuple(self.stop or ()))
 
 
 @dataclass

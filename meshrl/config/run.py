@@ -8,6 +8,7 @@ from meshrl.config.channels import WeightSyncConfig
 from meshrl.config.base import Section
 from meshrl.config.replay import ReplayChannelConfig
 from meshrl.config.sdpo import SDPOConfig
+from meshrl.config.serve import ServeConfig
 from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.launch import LaunchConfig
@@ -46,7 +47,7 @@ class RewarderConfig(Section):
 
 
 class RunConfig(Section):
-    """Everything `meshrl train` needs."""
+    """Everything `meshrl train` and `meshrl serve` need."""
 
     model: ModelConfig = ModelConfig()
     """The policy model."""
@@ -86,6 +87,9 @@ class RunConfig(Section):
 
     launch: LaunchConfig = LaunchConfig()
     """Where the hosts come from (this machine, host workers, SLURM, Kubernetes)."""
+
+    serve: ServeConfig = ServeConfig()
+    """`meshrl serve`: the Tinker-protocol HTTP server."""
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "RunConfig":

@@ -1,0 +1,197 @@
+"""Conversions between the Tinker wire format and meshrl's types.
+
+Requests: the protobuf `ForwardBackwardRequest` (optionally zstd-compressed) becomes a list of
+`meshrl.types.Datum` — tokens from int32 bytes, loss inputs from dense or sparse-CSR tensors of the
+declared dtype and shape — and the SDK's JSON `ModelInput` / `SamplingParams` become meshrl's.
+Results: `ForwardBackwardOutput` and `SampleResponse` are encoded with the SDK's own generated
+protobuf module, the only form the SDK accepts for them.
+
+Anything malformed in a request raises `UserError` with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker import types as sdk
+from tinker.proto import tinker_public_pb2 as pb
+
+from meshrl.api.errors import UserError
+from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams
+from meshrl.types import Datum, EncodedTextChunk, ModelInput
+
+_NUMPY_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+    pb.DTYPE_BFLOAT16: np.dtype(np.uint16),
+}
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# zstd bodies are small compressed batches; refuse to inflate one past this (a zip bomb)
+_MAX_DECOMPRESSED_BYTES = 1 << 31
+
+
+def forward_backward_request(body: bytes, content_encoding: str | None) -> pb.ForwardBackwardRequest:
+    """Parse a `/forward_backward` body (protobuf, zstd-compressed when the header says so)."""
+    if content_encoding == "zstd":
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_DECOMPRESSED_BYTES)
+        except zstandard.ZstdError as exc:
+            raise UserError(f"forward_backward body: not valid zstd ({exc})") from None
+    elif content_encoding not in (None, "", "identity"):
+        raise UserError(f"forward_backward body: unsupported Content-Encoding {content_encoding!r}")
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as exc:
+        raise UserError(f"forward_backward body: not a ForwardBackwardRequest protobuf ({exc})") from None
+    if not msg.model_id:
+        raise UserError("forward_backward: model_id is missing")
+    return msg
+
+
+def loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | None:
+    """The loss's keyword arguments (`loss_fn_config_v2`, else the legacy float-only map)."""
+    if msg.loss_fn_config_v2:
+        return {key: (value.text if value.WhichOneof("value") == "text" else value.number)
+                for key, value in msg.loss_fn_config_v2.items()}
+    if msg.loss_fn_config:
+        return dict(msg.loss_fn_config)
+    return None
+
+
+def datums(msg: pb.ForwardBackwardRequest) -> list[Datum]:
+    """The request's training examples as meshrl Datums."""
+    if not msg.data:
+        raise UserError("forward_backward: data is empty")
+    out = []
+    for i, datum in enumerate(msg.data):
+        where = f"data[{i}]"
+        tokens: list[int] = []
+        for j, chunk in enumerate(datum.model_input):
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise UserError(f"{where}.model_input[{j}]: a {kind} chunk; only encoded_text is supported")
+            ids = _array(chunk.encoded_text.tokens, np.dtype(np.int32), f"{where}.model_input[{j}].tokens")
+            tokens.extend(ids.tolist())
+        inputs = {name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]")
+                  for name, tensor in datum.loss_fn_inputs.items()}
+        try:
+            out.append(Datum(ModelInput.from_ints(tokens), inputs))
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{where}: {exc}") from None
+    return out
+
+
+def _array(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
+    """A dense tensor from a protobuf `Tensor`: bytes of the declared dtype, dense or sparse CSR
+    (unlisted entries 0, as the SDK writes them), widened to int64 / float32."""
+    dtype = _NUMPY_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise UserError(f"{where}: unsupported dtype {msg.dtype} (expected float32 or int64)")
+    shape = list(msg.shape)
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        values = _widen(_array(msg.sparse_csr.values, dtype, f"{where}.values"), msg.dtype)
+        crow = _array(msg.sparse_csr.crow_indices, np.dtype(np.int64), f"{where}.crow_indices")
+        col = _array(msg.sparse_csr.col_indices, np.dtype(np.int64), f"{where}.col_indices")
+        if len(shape) != 2:
+            raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        try:
+            return torch.sparse_csr_tensor(torch.from_numpy(crow.copy()), torch.from_numpy(col.copy()),
+                                           torch.from_numpy(values.copy()), shape, check_invariants=True).to_dense()
+        except RuntimeError as exc:
+            raise UserError(f"{where}: malformed sparse CSR tensor ({str(exc).splitlines()[0]})") from None
+    values = _widen(_array(msg.dense, dtype, where), msg.dtype)
+    if not shape:
+        shape = [values.size]
+    if math.prod(shape) != values.size:
+        raise UserError(f"{where}: {values.size} values do not fill shape {shape}")
+    return torch.from_numpy(values.reshape(shape).copy())
+
+
+def _widen(values: np.ndarray, proto_dtype: int) -> np.ndarray:
+    if proto_dtype == pb.DTYPE_BFLOAT16:  # bfloat16 is the upper half of a float32
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if proto_dtype == pb.DTYPE_INT32:
+        return values.astype(np.int64)
+    return values
+
+
+def model_input(prompt: sdk.ModelInput, where: str) -> ModelInput:
+    """A JSON `ModelInput` of token chunks as meshrl's."""
+    chunks = []
+    for j, chunk in enumerate(prompt.chunks):
+        if not isinstance(chunk, sdk.EncodedTextChunk):
+            raise UserError(f"{where}.chunks[{j}]: a {chunk.type} chunk; only encoded_text is supported")
+        chunks.append(EncodedTextChunk(tuple(int(t) for t in chunk.tokens)))
+    return ModelInput(tuple(chunks))
+
+
+def sampling_params(params: sdk.SamplingParams) -> SamplingParams:
+    """The SDK's sampling parameters as meshrl's (a single stop string becomes a list)."""
+    stop = params.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=params.seed, stop=None if stop is None else list(stop))
+
+
+def forward_backward_output(result: ForwardBackwardOutput) -> bytes:
+    """A backend `ForwardBackwardOutput` as the SDK's protobuf: one `ArrayRecord` per datum (so
+    every datum keeps its own shapes) and metrics whose keys must read `name:reduction`, the form
+    the SDK splits to combine chunked results."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in result.metrics.items():
+        if key.count(":") != 1:
+            raise ValueError(f"metric key {key!r} is not of the form name:reduction")
+        msg.metrics[key] = float(value)
+    names = set(result.loss_fn_outputs[0]) if result.loss_fn_outputs else set()
+    for i, outputs in enumerate(result.loss_fn_outputs):
+        if set(outputs) != names:
+            raise ValueError(f"loss_fn_outputs[{i}] has fields {sorted(outputs)}, datum 0 has {sorted(names)}")
+        record = msg.loss_fn_outputs.add(num_datums=1)
+        for name, tensor in outputs.items():
+            array = _output_array(tensor)
+            field = record.fields[name]
+            field.data = array.tobytes()
+            field.offsets = np.array([0, array.nbytes], dtype=np.int64).tobytes()
+            field.dtype = pb.DTYPE_INT64 if array.dtype == np.int64 else pb.DTYPE_FLOAT32
+            field.trailing_shape.extend(array.shape[1:])
+    return msg.SerializeToString()
+
+
+def _output_array(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.is_floating_point():
+        tensor = tensor.to(torch.float32)
+    else:
+        tensor = tensor.to(torch.int64)
+    return np.ascontiguousarray(tensor.numpy())
+
+
+def sample_response(result: SampleResponse, prompt_logprobs_last_n: int | None) -> bytes:
+    """A backend `SampleResponse` as the SDK's protobuf: tokens as int32, log-probabilities as
+    float32, NaN for a prompt position without one (and for positions before the last
+    ``prompt_logprobs_last_n``, when the request scored only those)."""
+    msg = pb.SampleResponse()
+    for seq in result.sequences:
+        out = msg.sequences.add(stop_reason=_STOP_REASONS[seq.stop_reason],
+                                tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes())
+        if seq.logprobs:
+            out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if result.prompt_logprobs is not None:
+        values = np.array([math.nan if v is None else v for v in result.prompt_logprobs], dtype=np.float32)
+        if prompt_logprobs_last_n is not None:
+            values[: max(len(values) - prompt_logprobs_last_n, 0)] = math.nan
+        msg.prompt_logprobs = values.tobytes()
+    return msg.SerializeToString()

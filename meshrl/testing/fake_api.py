@@ -1,0 +1,242 @@
+"""A deterministic in-process backend for `meshrl serve` tests: the `meshrl.api` service contract
+with arithmetic instead of a model.
+
+The service serves one model and hands out training and sampling clients. A training client's
+state is one float, its weight ``w`` (0 at creation): the log-probability of target token ``t`` at
+position ``i`` is ``fake_logprobs`` — ``-(1 + (7 t + i) mod 13) / 8 - w`` in float32 — so tests
+can predict every value the server returns. `forward_backward` accumulates a gradient (the sum of
+``weights`` for cross_entropy, of ``advantages`` for the RL losses) that `optim_step` applies as
+``w -= learning_rate * gradient``; checkpoints store ``w`` (and, for the optimizer, the step count
+and a momentum). Each training client executes its calls on one worker thread in submission
+order, and every executed call is appended to `FakeService.calls` as
+``(model_id, operation, first token of each datum)`` so tests can check the order the server
+kept; `FakeService.delay_s` makes every training call take that long.
+
+Samplers generate, for sample ``j`` of a prompt ending in token ``p``, the tokens
+``p + 3 j + 1, p + 3 j + 2, ...`` (mod 1000) up to ``max_tokens`` (8 when unset), stopping early at
+a token listed in ``stop`` (``stop_reason`` "stop", else "length"); their log-probabilities, and
+the prompt's, follow ``fake_logprobs`` with the sampler's ``w``.
+
+Bad input raises `UserError`: an unknown model, checkpoint path or loss, a loss input that is
+missing or has the wrong dtype or rank, a LoRA rank below 1, a negative temperature.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from meshrl.api.errors import UserError
+from meshrl.api.types import (ForwardBackwardOutput, SampledSequence, SampleResponse, SamplingParams,
+                              SupportedModel)
+from meshrl.types import AdamParams, Datum, ModelInput
+
+# the loss_fn_inputs each loss reads, besides target_tokens
+LOSS_INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs", "advantages"),
+               "ppo": ("logprobs", "advantages")}
+DEFAULT_MAX_TOKENS = 8
+
+
+def fake_logprobs(tokens: list[int] | torch.Tensor, w: float) -> torch.Tensor:
+    """The fake model's float32 log-probabilities of ``tokens`` (one per position) at weight ``w``."""
+    tokens = torch.as_tensor(tokens, dtype=torch.int64)
+    positions = torch.arange(tokens.shape[0])
+    return -(1 + (7 * tokens + positions) % 13).to(torch.float32) / 8 - torch.tensor(w, dtype=torch.float32)
+
+
+@dataclass
+class _Checkpoint:
+    w: float
+    step: int
+    momentum: float
+    rank: int
+
+
+class FakeTrainingClient:
+    """A LoRA training client whose model is the single weight ``w``."""
+
+    def __init__(self, service: FakeService, model_id: str, base_model: str, rank: int):
+        self.model_id = model_id
+        self.base_model = base_model
+        self.lora_rank = rank
+        self._service = service
+        self._w = 0.0
+        self._grad = 0.0
+        self._step = 0
+        self._momentum = 0.0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fake-{model_id}")
+
+    def _run(self, operation: str, call: Callable[[], Any], data: list[Datum] | None = None) -> Future:
+        def logged() -> Any:
+            tags = tuple(d.model_input.to_ints()[0] for d in data) if data else ()
+            self._service.record(self.model_id, operation, tags)
+            time.sleep(self._service.delay_s)
+            return call()
+        return self._worker.submit(logged)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> Future:
+        return self._run("forward_backward", lambda: self._loss(data, loss_fn, loss_fn_config, True), data)
+
+    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> Future:
+        return self._run("forward", lambda: self._loss(data, loss_fn, loss_fn_config, False), data)
+
+    def _loss(self, data: list[Datum], loss_fn: str, config: dict | None, backward: bool) -> ForwardBackwardOutput:
+        if loss_fn not in LOSS_INPUTS:
+            raise UserError(f"unknown loss_fn {loss_fn!r}; the fake serves {sorted(LOSS_INPUTS)}")
+        outputs, total, grad = [], 0.0, 0.0
+        for i, datum in enumerate(data):
+            inputs = datum.loss_fn_inputs
+            for key in ("target_tokens", *LOSS_INPUTS[loss_fn]):
+                if key not in inputs:
+                    raise UserError(f"data[{i}]: loss_fn_inputs lacks {key!r}, which {loss_fn} needs")
+            targets = inputs["target_tokens"]
+            if targets.dtype != torch.int64 or targets.dim() != 1:
+                raise UserError(f"data[{i}]: target_tokens must be 1-D int64, got {targets.dtype} "
+                                f"{list(targets.shape)}")
+            logprobs = fake_logprobs(targets, self._w)
+            if loss_fn == "cross_entropy":
+                total += float(-(logprobs * inputs["weights"]).sum())
+                grad += float(inputs["weights"].sum())
+            else:
+                ratio = torch.exp(logprobs - inputs["logprobs"])
+                if loss_fn == "ppo":
+                    cfg = config or {}
+                    ratio = ratio.clamp(cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2))
+                total += float(-(ratio * inputs["advantages"]).sum())
+                grad += float(inputs["advantages"].sum())
+            outputs.append({"logprobs": logprobs})
+        if backward:
+            self._grad += grad
+        return ForwardBackwardOutput(outputs, {"loss:sum": total})
+
+    def optim_step(self, params: AdamParams) -> Future:
+        def step() -> dict[str, float]:
+            grad, self._grad = self._grad, 0.0
+            self._w -= params.learning_rate * grad
+            self._momentum = params.beta1 * self._momentum + (1 - params.beta1) * grad
+            self._step += 1
+            return {"grad:sum": grad, "step:max": float(self._step)}
+        return self._run("optim_step", step)
+
+    def save_state(self, name: str) -> Future:
+        def save() -> str:
+            path = f"tinker://{self.model_id}/weights/{name}"
+            self._service.checkpoints[path] = _Checkpoint(self._w, self._step, self._momentum, self.lora_rank)
+            return path
+        return self._run("save_state", save)
+
+    def load_state(self, path: str) -> Future:
+        return self._run("load_state", lambda: self._load(path, with_optimizer=False))
+
+    def load_state_with_optimizer(self, path: str) -> Future:
+        return self._run("load_state_with_optimizer", lambda: self._load(path, with_optimizer=True))
+
+    def _load(self, path: str, with_optimizer: bool) -> None:
+        checkpoint = self._service.checkpoints.get(path)
+        if checkpoint is None:
+            raise UserError(f"unknown checkpoint path {path!r}")
+        if checkpoint.rank != self.lora_rank:
+            raise UserError(f"checkpoint {path!r} has LoRA rank {checkpoint.rank}, this model {self.lora_rank}")
+        self._w, self._grad = checkpoint.w, 0.0
+        self._step, self._momentum = (checkpoint.step, checkpoint.momentum) if with_optimizer else (0, 0.0)
+
+    def save_weights_for_sampler(self, name: str) -> Future:
+        def save() -> str:
+            path = f"tinker://{self.model_id}/sampler_weights/{name}"
+            self._service.sampler_weights[path] = self._w
+            return path
+        return self._run("save_weights_for_sampler", save)
+
+    def close(self) -> None:
+        self._service.record(self.model_id, "close", ())
+        self._worker.shutdown(wait=False)
+
+
+class FakeSamplingClient:
+    """A sampler of the fake model at a fixed weight."""
+
+    def __init__(self, service: FakeService, model_path: str | None, base_model: str, w: float):
+        self.model_path = model_path
+        self.base_model = base_model
+        self._service = service
+        self._w = w
+
+    def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
+               include_prompt_logprobs: bool = False) -> Future:
+        return self._service.pool.submit(self._sample, prompt.to_ints(), num_samples, sampling_params,
+                                         include_prompt_logprobs)
+
+    def _sample(self, prompt: list[int], num_samples: int, params: SamplingParams,
+                include_prompt_logprobs: bool) -> SampleResponse:
+        if params.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {params.temperature}")
+        stop_ids = {s for s in params.stop or () if isinstance(s, int)}
+        sequences = []
+        for j in range(num_samples):
+            tokens, reason = [], "length"
+            for k in range(params.max_tokens or DEFAULT_MAX_TOKENS):
+                tokens.append((prompt[-1] + 3 * j + k + 1) % 1000)
+                if tokens[-1] in stop_ids:
+                    reason = "stop"
+                    break
+            sequences.append(SampledSequence(reason, tokens, fake_logprobs(tokens, self._w).tolist()))
+        prompt_logprobs = None
+        if include_prompt_logprobs:
+            prompt_logprobs = [None, *fake_logprobs(prompt[1:], self._w).tolist()]
+        return SampleResponse(sequences, prompt_logprobs)
+
+
+class FakeService:
+    """The fake backend: one served model, its training clients, checkpoints and samplers."""
+
+    def __init__(self, model_name: str = "fake-model", max_context_length: int = 4096):
+        self.model_name = model_name
+        self.max_context_length = max_context_length
+        self.checkpoints: dict[str, _Checkpoint] = {}
+        self.sampler_weights: dict[str, float] = {}
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+        self.delay_s = 0.0  # how long each training call takes (tests of slow operations set it)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fake-sampler")
+        self._lock = threading.Lock()
+
+    def record(self, model_id: str, operation: str, tags: tuple[int, ...]) -> None:
+        with self._lock:
+            self.calls.append((model_id, operation, tags))
+
+    def calls_of(self, model_id: str) -> list[tuple[str, tuple[int, ...]]]:
+        """(operation, first tokens) of every executed call of one model, in execution order."""
+        with self._lock:
+            return [(op, tags) for m, op, tags in self.calls if m == model_id]
+
+    def get_server_capabilities(self) -> list[SupportedModel]:
+        return [SupportedModel(self.model_name, self.max_context_length)]
+
+    def _check_model(self, base_model: str) -> None:
+        if base_model != self.model_name:
+            raise UserError(f"unknown model {base_model!r}; the fake serves {self.model_name!r}")
+
+    def create_lora_training_client(self, base_model: str, rank: int, seed: int | None, train_mlp: bool,
+                                    train_attn: bool, train_unembed: bool, model_id: str) -> FakeTrainingClient:
+        self._check_model(base_model)
+        if rank < 1:
+            raise UserError(f"LoRA rank must be >= 1, got {rank}")
+        return FakeTrainingClient(self, model_id, base_model, rank)
+
+    def create_sampling_client(self, model_path: str | None = None,
+                               base_model: str | None = None) -> FakeSamplingClient:
+        if model_path is not None:
+            if model_path not in self.sampler_weights:
+                raise UserError(f"unknown sampler checkpoint {model_path!r}")
+            return FakeSamplingClient(self, model_path, self.model_name, self.sampler_weights[model_path])
+        self._check_model(base_model or "")
+        return FakeSamplingClient(self, None, self.model_name, 0.0)
+
+
+def fake_service(cfg: Any) -> FakeService:
+    """`serve.backend` factory: the fake serving `model.name_or_path` with `model.max_model_len`."""
+    return FakeService(cfg.model.name_or_path, cfg.model.max_model_len)
