@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,11 +11,13 @@ from pathlib import Path
 from meshrl.config.base import ConfigError, describe_fields, load_config, to_yaml
 
 DEFAULT_CONFIG = "configs/default.yaml"
+SERVE_CONFIG = "configs/serve.yaml"
 
 
-def default_config_path() -> Path | None:
-    """`configs/default.yaml` in the working directory, else the one beside the source tree."""
-    for candidate in (Path.cwd() / DEFAULT_CONFIG, Path(__file__).resolve().parent.parent / DEFAULT_CONFIG):
+def default_config_path(name: str = DEFAULT_CONFIG) -> Path | None:
+    """``name`` (default `configs/default.yaml`) in the working directory, else the one beside the
+    source tree."""
+    for candidate in (Path.cwd() / name, Path(__file__).resolve().parent.parent / name):
         if candidate.is_file():
             return candidate
     return None
@@ -90,14 +93,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meshrl.config.run import RunConfig
 
     overrides = list(args.overrides) + ([f"serve.port={args.port}"] if args.port is not None else [])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("meshrl").setLevel(logging.INFO)
     try:
-        cfg = load_config(RunConfig, args.config or default_config_path(), overrides)
+        cfg = load_config(RunConfig, args.config or default_config_path(SERVE_CONFIG), overrides)
         from meshrl.serve.app import build_app
         from meshrl.serve.runner import load_backend, run_server
 
-        app = build_app(load_backend(cfg), cfg.serve)
-        run_server(app, cfg.serve.host, cfg.serve.port,
-                   lambda url: print(f"serving at {url} (Ctrl-C stops it)", flush=True))
+        backend = load_backend(cfg)
+        try:
+            run_server(build_app(backend, cfg.serve), cfg.serve.host, cfg.serve.port,
+                       lambda url: print(f"serving at {url} (Ctrl-C stops it)", flush=True))
+        finally:
+            backend.close()
     except ConfigError as e:
         return _fail(str(e))
     return 0
@@ -209,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the Tinker HTTP API (the `tinker` SDK with TINKER_BASE_URL) "
                            "until Ctrl-C")
-    serve.add_argument("-c", "--config", help="YAML run config (default: configs/default.yaml)")
+    serve.add_argument("-c", "--config", help="YAML run config (default: configs/serve.yaml)")
     serve.add_argument("overrides", nargs="*", help="dotted overrides such as serve.host=0.0.0.0")
     serve.add_argument("--port", type=int, help="TCP port (sets serve.port)")
     serve.set_defaults(func=cmd_serve)

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from meshrl.api.errors import UserError
+from meshrl.config.base import ConfigError
 from meshrl.config.run import RunConfig
 from meshrl.meshes.ranks import actor_at
 
@@ -46,9 +47,9 @@ class Engine:
 
         silence_tcp_fallback_warning()
         if cfg.meshes.learner.procs != 1:
-            raise ValueError("meshes.learner.procs: the API trains its clients' adapters in one learner process")
+            raise ConfigError("meshes.learner.procs: the API trains its clients' adapters in one learner process")
         if not (cfg.learner.lora.enabled and cfg.learner.lora.sync == "adapter"):
-            raise ValueError("learner.lora: the API trains LoRA adapters and publishes them as adapters: set "
+            raise ConfigError("learner.lora: the API trains LoRA adapters and publishes them as adapters: set "
                              "learner.lora.enabled=true and learner.lora.sync=adapter (configs/serve.yaml does)")
         self.cfg = cfg
         self.failures = install_fault_hook()
@@ -63,6 +64,7 @@ class Engine:
         except BaseException:
             self.meshes.stop()
             raise
+        log.info("api meshes ready: %s", self.meshes.pids)
         self.supervisor = Supervisor(self.meshes, cfg.faults)
         timeouts = {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
                     "sync": cfg.learner.call_timeout_s}

@@ -216,6 +216,9 @@ class FakeService:
     def get_server_capabilities(self) -> list[SupportedModel]:
         return [SupportedModel(self.model_name, self.max_context_length)]
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
     def _check_model(self, base_model: str) -> None:
         if base_model != self.model_name:
             raise UserError(f"unknown model {base_model!r}; the fake serves {self.model_name!r}")

@@ -1,0 +1,195 @@
+"""`meshrl serve` for real, driven by the official, unmodified `tinker` SDK: a server subprocess
+over real Monarch meshes (one learner with LoRA tenants, one vLLM generator, the tiny model),
+stopped by its PID at the end."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import tinker
+from tinker import types as T
+
+from meshrl.losses import token_losses
+
+pytestmark = pytest.mark.monarch
+ROOT = Path(__file__).resolve().parents[1]
+ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
+SERVE_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
+              "learner.autocast_bf16=false", "weight_sync.keep_versions=4", "weight_sync.max_arenas=6"]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, pids: dict, log: Path):
+        self.proc, self.url, self.pids, self.log = proc, url, pids, log
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "meshrl.cli", "serve", "-c", "configs/serve.yaml", *SERVE_TINY,
+                                 f"output.dir={tmp}", "--port", str(port)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("serving at http://"), f"{line!r}\n{log.read_text()[-3000:]}"
+        found = re.search(r"api meshes ready: (\{.*\})", log.read_text())
+        yield Server(proc, f"http://127.0.0.1:{port}", ast.literal_eval(found[1]), log)
+    finally:
+        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        finally:
+            for p in family:
+                if p.is_running():
+                    p.kill()
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    os.environ.setdefault("TINKER_API_KEY", "tml-test")
+    os.environ["TINKER_TELEMETRY"] = "0"
+    with tinker.ServiceClient(base_url=server.url) as svc:
+        yield svc
+
+
+def ce_datum(tokens, weights=None) -> T.Datum:
+    targets = tokens[1:]
+    return T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]),
+                   loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64),
+                                   "weights": np.array(weights or [1.0] * len(targets), dtype=np.float32)})
+
+
+def sl_data(seed: int, n: int = 4, length: int = 12) -> list[T.Datum]:
+    g = np.random.default_rng(seed)
+    return [ce_datum(g.integers(3, 200, length).tolist(), [0.0] * (length // 2) + [1.0] * (length - 1 - length // 2))
+            for _ in range(n)]
+
+
+def logprobs(out) -> list[np.ndarray]:
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def test_capabilities_and_supervised_loss_falls_through_the_sdk(service):
+    names = {m.model_name for m in service.get_server_capabilities().supported_models}
+    assert {"tiny", ALIAS} <= names
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=8, seed=0)
+    data = sl_data(0)
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(T.AdamParams(learning_rate=1e-2))
+        losses.append(fb.result(timeout=120).metrics["loss:sum"])
+        step.result(timeout=120)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_values_through_the_server_equal_the_core_losses(service):
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=3)
+    data = sl_data(5)
+    lp = logprobs(tc.forward(data, "cross_entropy").result(timeout=120))
+    expected = -sum(float((d.loss_fn_inputs["weights"].to_numpy() * x).sum()) for d, x in zip(data, lp))
+    fb = tc.forward_backward(data, "cross_entropy").result(timeout=120)
+    assert fb.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)  # float32 sums of ~200
+
+    g = np.random.default_rng(1)
+    rl = []
+    for _ in range(3):
+        tokens = g.integers(3, 200, 10).tolist()
+        rl.append(T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "logprobs": (-g.random(9) * 3).astype(np.float32),
+            "advantages": np.array([0.0] * 3 + [float(g.normal())] * 6, dtype=np.float32)}))
+    rl_lp = torch.tensor(np.concatenate(logprobs(tc.forward(rl, "ppo").result(timeout=120))))
+    cat = lambda k: torch.tensor(np.concatenate([d.loss_fn_inputs[k].to_numpy() for d in rl]))  # noqa: E731
+    core = token_losses.ppo(rl_lp, cat("logprobs"), cat("advantages"), mask=torch.ones(27), eps_low=0.2,
+                            eps_high=0.2).metrics["loss"]
+    got = tc.forward_backward(rl, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}).result(timeout=120)
+    assert got.metrics["loss:sum"] == pytest.approx(core, rel=1e-5, abs=1e-5)
+    tc.optim_step(T.AdamParams(learning_rate=0.0)).result(timeout=120)
+
+
+def test_sampling_logprobs_match_a_learner_forward(service):
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1)
+    tc.forward_backward(sl_data(2), "cross_entropy")
+    tc.optim_step(T.AdamParams(learning_rate=5e-2)).result(timeout=120)
+    sampler = tc.save_weights_and_get_sampling_client("one-step")
+    prompt = T.ModelInput.from_ints([5, 17, 42, 9])
+    resp = sampler.sample(prompt, 3, T.SamplingParams(max_tokens=8, seed=0), include_prompt_logprobs=True).result(120)
+    assert len(resp.sequences) == 3 and resp.prompt_logprobs[0] is None and len(resp.prompt_logprobs) == 4
+    for seq in resp.sequences:
+        full = [5, 17, 42, 9] + list(seq.tokens)
+        [lp] = logprobs(tc.forward([ce_datum(full)], "cross_entropy").result(timeout=120))
+        assert np.abs(lp[-len(seq.tokens):] - np.array(seq.logprobs)).mean() < 0.05
+
+
+def test_state_round_trip_and_two_clients_do_not_mix(service):
+    a = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=7)
+    b = service.create_lora_training_client(base_model=ALIAS, rank=8, seed=8)
+    data, other = sl_data(11), sl_data(12)
+
+    def step(tc, d):
+        tc.forward_backward(d, "cross_entropy")
+        return tc.optim_step(T.AdamParams(learning_rate=1e-2))
+
+    step(a, data).result(timeout=120)
+    path = a.save_state("one").result(timeout=120).path
+    before = logprobs(a.forward(data, "cross_entropy").result(timeout=120))
+    step(b, other).result(timeout=120)  # another tenant trains in between
+    step(a, data).result(timeout=120)
+    after_two = logprobs(a.forward(data, "cross_entropy").result(timeout=120))
+    a.load_state_with_optimizer(path).result(timeout=120)
+    assert all(np.array_equal(x, y) for x, y in zip(before, logprobs(a.forward(data, "cross_entropy").result(120))))
+    step(a, data).result(timeout=120)
+    again = logprobs(a.forward(data, "cross_entropy").result(timeout=120))
+    assert all(np.allclose(x, y, atol=1e-6) for x, y in zip(after_two, again))
+
+
+def _user_error(future) -> str:
+    with pytest.raises(tinker.RequestFailedError) as err:
+        future.result(timeout=120)
+    assert err.value.category == T.RequestErrorCategory.User, err.value
+    return str(err.value)
+
+
+def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, server):
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=9)
+    assert "dro" in _user_error(tc.forward_backward(sl_data(0), "dro"))
+    short = T.Datum(model_input=T.ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": np.array([1, 2], dtype=np.int64),
+                                    "weights": np.ones(2, dtype=np.float32)})
+    assert "expected first dim 3" in _user_error(tc.forward_backward([short], "cross_entropy"))
+    assert "Qwen/Nope" in _user_error(service.create_lora_training_client(base_model="Qwen/Nope", rank=4))
+    assert tc.forward_backward(sl_data(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+    assert server.proc.poll() is None
+
+
+def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(service, server):
+    sampler = service.create_sampling_client(base_model=ALIAS)
+    [pid] = server.pids["generator"]
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    resp = sampler.sample(T.ModelInput.from_ints([5, 6, 7]), 8, T.SamplingParams(max_tokens=240, seed=3)).result(300)
+    assert len(resp.sequences) == 8
+    assert "recovering mesh 'generator'" in server.log.read_text()
