@@ -193,3 +193,15 @@ def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(s
     resp = sampler.sample(T.ModelInput.from_ints([5, 6, 7]), 8, T.SamplingParams(max_tokens=240, seed=3)).result(300)
     assert len(resp.sequences) == 8
     assert "recovering mesh 'generator'" in server.log.read_text()
+
+
+def test_the_sdk_rl_example_runs_against_the_server(server):
+    """examples/tinker_sdk_rl.py (the official SDK only), short, on the tiny model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tinker_sdk_rl", ROOT / "examples" / "tinker_sdk_rl.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rewards = example.main(["--base-url", server.url, "--steps", "2", "--problems", "2", "--group", "2",
+                            "--max-tokens", "8"])
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)

@@ -52,6 +52,10 @@ class ServiceClient:
         the names of `serve.model_aliases`)."""
         return [SupportedModel(self.served, self.cfg.model.max_model_len)]
 
+    def tokenizer_id(self) -> str:
+        """Where the served model's tokenizer loads from (its local directory)."""
+        return str(self.engine.model_path)
+
     def resolve_model(self, name: str) -> str:
         """``name`` if it is the served model; UserError for any other name."""
         if name == self.served:

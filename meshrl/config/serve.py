@@ -40,8 +40,9 @@ class ServeConfig(Section):
 
     tokenizer: str | None = None
     """Tokenizer that `get_info` reports (a Hugging Face id or a local directory), so the SDK's
-    `get_tokenizer()` loads the served model's vocabulary; None reports none and the SDK guesses
-    one from the model name."""
+    `get_tokenizer()` loads the served model's vocabulary; None reports the backend's own (the
+    served model's local directory; the fake backend has none, and the SDK then guesses one from
+    the model name)."""
 
     max_context_length: int | None = Field(None, ge=1)
     """Context length advertised by `get_server_capabilities`; None advertises what the backend

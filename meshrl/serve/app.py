@@ -89,7 +89,8 @@ class TinkerServer:
         self.service = service
         self.futures = FutureStore(loop, cfg.result_ttl_s, cfg.request_timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="serve-pool")
-        self.training = TrainingModels(service, catalogue, self.futures, cfg.seq_gap_timeout_s, cfg.tokenizer)
+        self.training = TrainingModels(service, catalogue, self.futures, cfg.seq_gap_timeout_s,
+                                       cfg.tokenizer or service.tokenizer_id())
         self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s)
         self.sessions: dict[str, _Session] = {}
         self._reaper = loop.create_task(self._finish_silent_sessions())

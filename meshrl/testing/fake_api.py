@@ -219,6 +219,9 @@ class FakeService:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
+    def tokenizer_id(self) -> str | None:
+        return None
+
     def _check_model(self, base_model: str) -> None:
         if base_model != self.model_name:
             raise UserError(f"unknown model {base_model!r}; the fake serves {self.model_name!r}")
