@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,8 @@ from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from meshrl.envs.arithmetic import ArithmeticTask
 from meshrl.renderers import renderer_for_tokenizer
+
+SERVE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 
 
 def rl_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float) -> Datum:
@@ -39,9 +42,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("-c", "--config", default=str(SERVE_CONFIG), help="run config (default: configs/serve.yaml)")
     parser.add_argument("overrides", nargs="*", help="run config overrides (model, meshes, ...)")
     args = parser.parse_args(argv)
-    cfg = load_config(RunConfig, None, args.overrides)
+    cfg = load_config(RunConfig, args.config, args.overrides)
     task = ArithmeticTask(cfg.task.arithmetic, cfg.trainer.seed)
     rewards_by_step = []
     with ServiceClient(cfg) as service:

@@ -3,18 +3,21 @@ learns to answer two-digit additions in one fixed format; the cross-entropy on t
 falls.
 
     python examples/sl_basic.py                       # the packaged SmolLM2-135M-Instruct, 12 steps
-    python examples/sl_basic.py model.name_or_path=tiny --steps 3
+    python examples/sl_basic.py --steps 3 model.name_or_path=tiny
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from meshrl.api import AdamParams, Datum, ServiceClient
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from meshrl.envs.arithmetic import ArithmeticTask
 from meshrl.renderers import renderer_for_tokenizer
+
+SERVE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
 
 
 def examples(renderer, n: int) -> list[Datum]:
@@ -33,9 +36,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("-c", "--config", default=str(SERVE_CONFIG), help="run config (default: configs/serve.yaml)")
     parser.add_argument("overrides", nargs="*", help="run config overrides (model, meshes, ...)")
     args = parser.parse_args(argv)
-    cfg = load_config(RunConfig, None, args.overrides)
+    cfg = load_config(RunConfig, args.config, args.overrides)
     losses = []
     with ServiceClient(cfg) as service:
         training = service.create_lora_training_client(base_model=cfg.model.name_or_path, rank=16, seed=0,
