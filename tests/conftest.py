@@ -38,3 +38,14 @@ def tiny_run_config(tmp_path):
         return load_config(RunConfig, None, TINY_RUN + [f"output.dir={tmp_path}", *overrides])
 
     return make
+
+
+def sdk_user_error(future, timeout: float = 120) -> str:
+    """The message of the `user`-category error a tinker SDK future fails with (asserted)."""
+    import tinker
+    from tinker import types
+
+    with pytest.raises(tinker.RequestFailedError) as err:
+        future.result(timeout=timeout)
+    assert err.value.category == types.RequestErrorCategory.User, err.value
+    return str(err.value)

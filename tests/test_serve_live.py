@@ -25,6 +25,7 @@ import tinker
 from tinker import types as T
 
 from meshrl.losses import token_losses
+from tests.conftest import sdk_user_error
 
 pytestmark = pytest.mark.monarch
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,21 +168,14 @@ def test_state_round_trip_and_two_clients_do_not_mix(service):
     assert all(np.allclose(x, y, atol=1e-6) for x, y in zip(after_two, again))
 
 
-def _user_error(future) -> str:
-    with pytest.raises(tinker.RequestFailedError) as err:
-        future.result(timeout=120)
-    assert err.value.category == T.RequestErrorCategory.User, err.value
-    return str(err.value)
-
-
 def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, server):
     tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=9)
-    assert "dro" in _user_error(tc.forward_backward(sl_data(0), "dro"))
+    assert "dro" in sdk_user_error(tc.forward_backward(sl_data(0), "dro"))
     short = T.Datum(model_input=T.ModelInput.from_ints([1, 2, 3]),
                     loss_fn_inputs={"target_tokens": np.array([1, 2], dtype=np.int64),
                                     "weights": np.ones(2, dtype=np.float32)})
-    assert "expected first dim 3" in _user_error(tc.forward_backward([short], "cross_entropy"))
-    assert "Qwen/Nope" in _user_error(service.create_lora_training_client(base_model="Qwen/Nope", rank=4))
+    assert "expected first dim 3" in sdk_user_error(tc.forward_backward([short], "cross_entropy"))
+    assert "Qwen/Nope" in sdk_user_error(service.create_lora_training_client(base_model="Qwen/Nope", rank=4))
     assert tc.forward_backward(sl_data(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
     assert server.proc.poll() is None
 

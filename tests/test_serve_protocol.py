@@ -34,6 +34,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from meshrl.api.errors import UserError
+from tests.conftest import sdk_user_error
 from meshrl.config.base import ConfigError
 from meshrl.config.serve import ServeConfig
 from meshrl.serve import wire
@@ -266,25 +267,18 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(service, ser
     assert late["category"] == "server" and "after seq_id 5" in late["error"]
 
 
-def _user_error(future) -> str:
-    with pytest.raises(tinker.RequestFailedError) as info:
-        future.result(timeout=30)
-    assert info.value.category == T.RequestErrorCategory.User, info.value
-    return str(info.value)
-
-
 def test_bad_requests_fail_as_user_errors_and_the_server_keeps_serving(service, served):
     tc = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
-    assert "unknown loss_fn 'dpo'" in _user_error(tc.forward_backward([ce_datum([1, 2, 3])], "dpo"))
+    assert "unknown loss_fn 'dpo'" in sdk_user_error(tc.forward_backward([ce_datum([1, 2, 3])], "dpo"))
     bad_csr = T.TensorData(data=[1.0], dtype="float32", shape=[2, 3], sparse_crow_indices=[0, 1, 5],
                            sparse_col_indices=[7])
     malformed = T.Datum(model_input=T.ModelInput.from_ints([1, 2]),
                         loss_fn_inputs={"target_tokens": np.array([2, 3]), "weights": bad_csr})
-    assert "malformed sparse CSR tensor" in _user_error(tc.forward_backward([malformed], "cross_entropy"))
+    assert "malformed sparse CSR tensor" in sdk_user_error(tc.forward_backward([malformed], "cross_entropy"))
     short = T.Datum(model_input=T.ModelInput.from_ints([1, 2, 3]),
                     loss_fn_inputs={"target_tokens": np.array([2, 3]), "weights": np.array([1.0, 1.0])})
-    assert "expected first dim 3 (= model_input.length)" in _user_error(tc.forward_backward([short], "cross_entropy"))
-    assert "unknown base_model 'no/such-model'" in _user_error(
+    assert "expected first dim 3 (= model_input.length)" in sdk_user_error(tc.forward_backward([short], "cross_entropy"))
+    assert "unknown base_model 'no/such-model'" in sdk_user_error(
         service.create_lora_training_client("no/such-model", rank=1))
     # the same client goes on, in order
     ok = tc.forward_backward([ce_datum([7, 8, 9])], "cross_entropy").result(timeout=30)
