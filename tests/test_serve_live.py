@@ -27,7 +27,7 @@ from tinker import types as T
 from meshrl.losses import token_losses
 from tests.conftest import sdk_user_error
 
-pytestmark = pytest.mark.monarch
+pytestmark = [pytest.mark.monarch, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
 SERVE_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",

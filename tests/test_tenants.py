@@ -195,6 +195,7 @@ def test_tenant_errors_are_one_line(model_path, tmp_path):
 
 
 @pytest.mark.monarch
+@pytest.mark.slow
 def test_samplers_load_the_exact_version_of_each_adapter():
     """A learner publishes alice v1, bob v2, alice v3 (adapter sync); generators of both engines load
     v2, v3, then v1 exactly and score like the learner's adapter did when it published them."""
