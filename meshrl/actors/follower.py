@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPuller
 from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
@@ -31,7 +33,10 @@ class PolicyFollower:
             tensors = result.tensors
             if is_adapter(tensors):
                 if self._base is None:
-                    self._base = load_base_state(self.model_path)
+                    # float32: a bf16 base would round W0 + scale * B @ A to bf16 before the engine
+                    # sees it, losing small adapter updates even in a float32 engine; the engine
+                    # casts to its own dtype on load
+                    self._base = load_base_state(self.model_path, torch.float32)
                 tensors = merge_adapter(self._base, tensors)
             engine.load_weights(tensors.items())
             load_s = time.perf_counter() - started
