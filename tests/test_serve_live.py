@@ -70,9 +70,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(server):
-    os.environ.setdefault("TINKER_API_KEY", "tml-test")
+    from meshrl.api import connect
+
     os.environ["TINKER_TELEMETRY"] = "0"
-    with tinker.ServiceClient(base_url=server.url) as svc:
+    with connect(server.url, api_key="tml-test") as svc:  # the SDK's ServiceClient, attached
         yield svc
 
 

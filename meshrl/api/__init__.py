@@ -11,9 +11,19 @@ from meshrl.api.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwa
 
 __all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "SampleResponse",
            "SampledSequence", "SamplingClient", "SamplingParams", "ServiceClient", "SupportedModel", "TrainingClient",
-           "UserError", "local_service"]
+           "UserError", "connect", "local_service"]
 
 
 def local_service(cfg) -> ServiceClient:
     """The backend of `meshrl serve` (`serve.backend`): a ServiceClient on this machine's meshes."""
     return ServiceClient(cfg)
+
+
+def connect(base_url: str, api_key: str = "tml-local"):
+    """A client attached to a running `meshrl serve` at ``base_url``: the official `tinker` SDK's
+    ServiceClient (same method names as `ServiceClient`, the SDK's types; needs the `serve` extra)."""
+    try:
+        import tinker
+    except ImportError:
+        raise ImportError("meshrl.api.connect needs the tinker SDK: pip install -e '.[serve]'") from None
+    return tinker.ServiceClient(base_url=base_url, api_key=api_key)
