@@ -190,9 +190,11 @@ def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(s
     assert "recovering mesh 'generator'" in server.log.read_text()
 
 
-def test_the_sdk_rl_example_runs_against_the_server(server):
+def test_the_sdk_rl_example_runs_against_the_server(server, monkeypatch):
     """examples/tinker_sdk_rl.py (the official SDK only), short, on the tiny model."""
     import importlib.util
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test")  # as its docstring says to run it
 
     spec = importlib.util.spec_from_file_location("tinker_sdk_rl", ROOT / "examples" / "tinker_sdk_rl.py")
     example = importlib.util.module_from_spec(spec)
