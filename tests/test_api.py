@@ -149,6 +149,20 @@ def test_bad_requests_are_user_errors_and_the_service_keeps_serving(service):
     assert client.forward_backward(_sl_data(), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
 
 
+def test_closing_a_training_client_frees_its_adapter(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=10, train_unembed=False)
+    client.forward_backward(_sl_data(), "cross_entropy").result(timeout=120)  # its adapter is the active one
+
+    def adapters():
+        return service.engine.client.on_learners("info", supervised=False)["adapters"]
+
+    assert client.adapter in adapters()
+    client.close()
+    assert client.adapter not in adapters()
+    other = service.create_lora_training_client(base_model="tiny", rank=4, seed=11, train_unembed=False)
+    assert other.forward_backward(_sl_data(), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+
+
 def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):
     sampler = service.create_sampling_client(base_model="tiny")
     params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)

@@ -132,6 +132,7 @@ class TrainingClient:
         self.lora_rank = rank
         self.adapter = "t_" + _safe(model_id)
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"train-{self.adapter}")
+        self._closed = False
 
     def _submit(self, fn: Callable, *args) -> Future:
         return self._queue.submit(fn, *args)
@@ -215,7 +216,11 @@ class TrainingClient:
         return self.engine.tokenizer
 
     def close(self) -> None:
+        """Finish the queued calls, then free the adapter in the learner (once)."""
         self._queue.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self.engine.forget_adapter(self.adapter)
 
 
 class SamplingClient:

@@ -91,11 +91,13 @@ class Engine:
         return self.client.on_learners(endpoint, *args, supervised=False)
 
     def forget_adapter(self, adapter: str) -> None:
-        """Drop ``adapter`` from the learner (its training client closed)."""
+        """Drop ``adapter`` and its optimizer state from the learner (its training client closed);
+        the config's own adapter (`default`) becomes the active one if it was."""
         with self._learner_lock:
-            self._on_learner("remove_adapter", adapter)
             if self._active == adapter:
-                self._active = None
+                self._on_learner("use_adapter", "default")
+                self._active = "default"
+            self._on_learner("remove_adapter", adapter)
 
     def publish(self, adapter: str) -> int:
         """Publish ``adapter``'s merged weights as a new version; returns it."""
