@@ -15,11 +15,11 @@ LAYERS = {  # module prefix -> layer (the longest matching prefix decides)
     "meshrl.types": 0, "meshrl.config": 0, "meshrl.logprobs": 0,
     "meshrl.losses": 1, "meshrl.advantages": 1, "meshrl.renderers": 1,
     "meshrl.training": 2, "meshrl.envs": 2, "meshrl.engines": 2, "meshrl.teachers": 2, "meshrl.channels": 2,
-    "meshrl.models": 2, "meshrl.meshes": 2, "meshrl.sdpo": 2, "meshrl.replay": 2,
+    "meshrl.models": 2, "meshrl.meshes": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2,
     "meshrl.actors": 3, "meshrl.testing": 3,
     "meshrl.controller": 4, "meshrl.sdpo.channel": 4, "meshrl.replay.channel": 4, "meshrl.testing.fake_meshes": 4,
     "meshrl.cli": 5, "meshrl.teachers.serve": 5, "meshrl.launch": 5, "meshrl.api": 5, "meshrl.serve": 5,
-    "meshrl.testing.fake_api": 5,
+    "meshrl.testing.fake_api": 5, "meshrl.diloco.executors": 5,
 }
 TRANSPORT_MAY_IMPORT = ("meshrl.channels", "meshrl.config", "meshrl.types")
 

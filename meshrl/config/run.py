@@ -9,6 +9,7 @@ from meshrl.config.base import Section
 from meshrl.config.replay import ReplayChannelConfig
 from meshrl.config.sdpo import SDPOConfig
 from meshrl.config.serve import ServeConfig
+from meshrl.config.diloco import DiLoCoConfig
 from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.launch import LaunchConfig
@@ -90,6 +91,9 @@ class RunConfig(Section):
 
     serve: ServeConfig = ServeConfig()
     """`meshrl serve`: the Tinker-protocol HTTP server."""
+
+    diloco: DiLoCoConfig = DiLoCoConfig()
+    """DiLoCo across replicas (separate jobs) through an object store."""
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "RunConfig":

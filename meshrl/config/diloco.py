@@ -1,0 +1,94 @@
+"""DiLoCo across replicas (``meshrl.diloco``): replicas that may run as separate jobs, with no
+network between them, exchange pseudo-gradients through an object store every `inner_steps`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from meshrl.config.base import Section
+
+
+class DiLoCoConfig(Section):
+    """Decoupled low-communication training: each replica trains `inner_steps` steps with its own
+    optimizer, then the replicas average their pseudo-gradients (round-start weights minus current
+    weights) through the object store at `store_url` and all apply the same outer Nesterov step."""
+
+    enabled: bool = False
+    """Take part in DiLoCo rounds (the learner syncs through the store every `inner_steps` steps)."""
+
+    store_url: str = ""
+    """fsspec URL of the shared store root: `file:///shared/dir`, `s3://bucket/prefix`,
+    `gs://bucket/prefix`, `hf://...` (the backend package must be installed: s3fs, gcsfs, ...)."""
+
+    storage_options: dict[str, object] = {}
+    """Keyword arguments for the fsspec filesystem (e.g. `{endpoint_url: http://host:9000, key: ...,
+    secret: ...}` for an S3-compatible endpoint)."""
+
+    run_id: str = Field("diloco", pattern=r"^[A-Za-z0-9][\w.-]*$")
+    """Prefix under `store_url` for this training run's rounds and outer states; replicas of one run
+    share it."""
+
+    replicas: int = Field(2, ge=1)
+    """Number of replicas in the run."""
+
+    replica_id: int = Field(0, ge=0)
+    """This replica's id, 0 .. replicas-1 (deltas are averaged in replica-id order)."""
+
+    inner_steps: int = Field(10, ge=1)
+    """H: inner optimizer steps between two synchronisations."""
+
+    quorum: int | None = Field(None, ge=1)
+    """Fewest replicas whose deltas make a round; None = all `replicas`. With fewer than all, a round
+    goes ahead `straggler_wait_s` after the quorum arrived; a delta committed after that is ignored
+    and its replica adopts the round's outer state."""
+
+    outer_lr: float = Field(0.7, gt=0)
+    """Outer optimizer learning rate (DiLoCo paper: 0.7)."""
+
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """Outer optimizer momentum (DiLoCo paper: 0.9)."""
+
+    nesterov: bool = True
+    """Nesterov momentum for the outer step (DiLoCo paper: true); false = heavy-ball momentum."""
+
+    delta_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision of the uploaded pseudo-gradients (bf16 halves the bytes; averaging is in fp32)."""
+
+    compression: Literal["none", "zlib"] = "none"
+    """Compression of uploaded deltas and outer states."""
+
+    round_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for a round to reach its quorum; past it the round fails with a one-line error."""
+
+    straggler_wait_s: float = Field(5.0, ge=0)
+    """Once the quorum has committed, how long to wait for the remaining replicas before sealing."""
+
+    poll_interval_s: float = Field(0.2, gt=0)
+    """Pause between two listings of the store while waiting."""
+
+    op_timeout_s: float = Field(120.0, gt=0)
+    """Deadline for each store operation (one upload, download or listing)."""
+
+    keep_rounds: int = Field(3, ge=1)
+    """Rounds (deltas, seals and outer states) the leader keeps in the store; older ones are deleted."""
+
+    rollout_shards: bool = False
+    """Also write every step's trained rollouts (token ids, logprobs, rewards, policy version) as
+    checksummed shards with manifests under `<store_url>/<run_id>/shards/` (meshrl.diloco.shards)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "DiLoCoConfig":
+        if self.replica_id >= self.replicas:
+            raise ValueError(f"replica_id {self.replica_id} must be below replicas ({self.replicas})")
+        if self.quorum is not None and self.quorum > self.replicas:
+            raise ValueError(f"quorum {self.quorum} exceeds replicas ({self.replicas})")
+        if self.enabled and not self.store_url:
+            raise ValueError("store_url is required when enabled (e.g. file:///tmp/diloco or s3://bucket/prefix)")
+        return self
+
+    @property
+    def min_replicas(self) -> int:
+        """The quorum, resolved."""
+        return self.quorum or self.replicas
