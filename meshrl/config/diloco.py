@@ -87,8 +87,3 @@ class DiLoCoConfig(Section):
         if self.enabled and not self.store_url:
             raise ValueError("store_url is required when enabled (e.g. file:///tmp/diloco or s3://bucket/prefix)")
         return self
-
-    @property
-    def min_replicas(self) -> int:
-        """The quorum, resolved."""
-        return self.quorum or self.replicas

@@ -73,6 +73,7 @@ class ObjectStoreAllReduce:
         self.store, self.cfg, self.me = store, cfg, cfg.replica_id
         self.prefix = cfg.run_id
         self.rejected = 0  # bad objects met so far (deltas and outer states)
+        self.quorum = cfg.quorum or cfg.replicas
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -185,7 +186,7 @@ class ObjectStoreAllReduce:
                     log.warning("round %d: skipping replica %d's commit: %s", r, i, reason)
                 bad.add(i)
             now = time.perf_counter()
-            if len(got) >= cfg.min_replicas and quorum_at is None:
+            if len(got) >= self.quorum and quorum_at is None:
                 quorum_at = now
             everyone = len(got) + len(bad) >= cfg.replicas
             if quorum_at is not None and (everyone or now - quorum_at >= cfg.straggler_wait_s):
@@ -198,7 +199,7 @@ class ObjectStoreAllReduce:
             if now - start > cfg.round_timeout_s:
                 raise DiLoCoError(f"round {r}: {len(got)} of {cfg.replicas} replicas' deltas after "
                                   f"{cfg.round_timeout_s:.0f}s (diloco.round_timeout_s); the quorum is "
-                                  f"{cfg.min_replicas}")
+                                  f"{self.quorum}")
             time.sleep(cfg.poll_interval_s)
         res.wait_s = time.perf_counter() - start
         return seal
