@@ -9,11 +9,12 @@ Layout under ``<store_url>/<run_id>/``::
     outer/<r>/manifest.json      the weights and outer momentum after round r (write-once; r = 0 is
     outer/<r>/state-<uuid>       the initial state all replicas start from)
 
-A round: each replica uploads its delta, then its commit marker. Every replica downloads and
-verifies the committed deltas (sha256 and decode; a bad object is skipped with a log line and
-counted) until all replicas are in, or the quorum is and `straggler_wait_s` has passed; then it
-tries to create the seal with the verified set. The seal is write-once (the first writer wins), so
-all replicas average exactly the set it names, in replica-id order: identical results everywhere.
+A round: each replica uploads its delta, then its commit marker. Every replica lists the commits
+until all replicas have committed, or the quorum has and `straggler_wait_s` has passed; then it
+tries to create the seal with the committed set. The seal is write-once (the first writer wins).
+After the seal every replica reads every sealed delta from the store (its own included) and
+verifies it (sha256 and decode): a bad object is skipped by all of them alike, with a log line and
+a count, and the rest is averaged in replica-id order: identical results everywhere.
 Late deltas: a delta committed after the seal is ignored; its replica averages the sealed set like
 the others and so continues from the same weights (its inner steps of that round are dropped).
 """
@@ -91,9 +92,8 @@ class ObjectStoreAllReduce:
                             {"replica": self.me, "round": r, "sha256": sha256(data), "bytes": len(data),
                              "base_hash": base_hash, "dtype": cfg.delta_dtype, "compression": cfg.compression})
         res = RoundResult(r, {}, [], False, upload_s=time.perf_counter() - t0, bytes_up=len(data))
-        got: dict[int, tuple[str, Tensors]] = {self.me: (sha256(data), mine)}
-        seal = self._wait_for_seal(r, base_hash, got, res)
-        return self._average_sealed(r, seal, base_hash, got, res)
+        seal = self._wait_for_seal(r, base_hash, res)
+        return self._average_sealed(r, seal, base_hash, (sha256(data), mine), res)
 
     def follow(self, r: int, base_hash: str) -> RoundResult:
         """Round ``r``'s average without taking part (wait for its seal, read the sealed deltas)."""
@@ -105,38 +105,37 @@ class ObjectStoreAllReduce:
                                   "(diloco.round_timeout_s)")
             time.sleep(self.cfg.poll_interval_s)
         res.wait_s = time.perf_counter() - start
-        return self._average_sealed(r, seal, base_hash, {}, res)
+        return self._average_sealed(r, seal, base_hash, None, res)
 
-    def _average_sealed(self, r: int, seal: dict, base_hash: str, got: dict, res: RoundResult) -> RoundResult:
+    def _average_sealed(self, r: int, seal: dict, base_hash: str, mine: tuple[str, Tensors] | None,
+                        res: RoundResult) -> RoundResult:
+        """Read and verify every sealed delta (``mine``: this replica's (sha256, decoded delta),
+        which spares decoding its own once its stored bytes check out), then average them."""
         t1 = time.perf_counter()
         if seal.get("base_hash") != base_hash:
             raise DiLoCoError(f"round {r}: this replica's round-start weights (hash {base_hash}) differ from the "
                               f"round's ({seal.get('base_hash')}): the replicas diverged")
         deltas = {}
         for i in sorted(int(x) for x in seal["sha256"]):
-            want = seal["sha256"][str(i)]
-            if i not in got or got[i][0] != want:
-                fetched = self._fetch(r, i, want, res)
-                if fetched is None:
-                    continue
-                got[i] = (want, fetched)
-            deltas[i] = got[i][1]
+            own = mine if i == self.me and mine is not None and mine[0] == seal["sha256"][str(i)] else None
+            fetched = self._fetch(r, i, seal["sha256"][str(i)], res, decode=own is None)
+            if fetched is not None:
+                deltas[i] = own[1] if own is not None else fetched
         if not deltas:
             raise DiLoCoError(f"round {r}: none of the sealed deltas {sorted(seal['sha256'])} could be read")
         res.average = average(deltas)
         res.participants = sorted(deltas)
         res.included = self.me in deltas
         res.download_s += time.perf_counter() - t1
-        if not res.included and self.me in got:
-            log.warning("round %d: replica %d was late; its delta is ignored and it continues from the round's "
-                        "outer state", r, self.me)
+        if not res.included and mine is not None:
+            log.warning("round %d: replica %d's delta is not in the round (late or unreadable); it continues from "
+                        "the round's outer state", r, self.me)
         return res
 
-    def _fetch(self, r: int, i: int, want: str, res: RoundResult) -> Tensors | None:
-        """Replica ``i``'s delta, verified against ``want``; None (logged, counted) if bad."""
-        t = time.perf_counter()
+    def _fetch(self, r: int, i: int, want: str, res: RoundResult, decode: bool = True) -> Tensors | None:
+        """Replica ``i``'s delta, verified against ``want`` (without ``decode``: {} once its bytes
+        check out); None (logged, counted) if bad."""
         data = self.store.get(self._k(f"{_rkey(r)}/delta-{i:04d}"))
-        res.download_s += time.perf_counter() - t
         reason = None
         if data is None:
             reason = "delta missing"
@@ -145,7 +144,7 @@ class ObjectStoreAllReduce:
         else:
             res.bytes_down += len(data)
             try:
-                return decode_tensors(data, self.cfg.compression)
+                return decode_tensors(data, self.cfg.compression) if decode else {}
             except CorruptObject as e:
                 reason = str(e)
         self.rejected += 1
@@ -153,51 +152,45 @@ class ObjectStoreAllReduce:
         log.warning("round %d: skipping replica %d's delta: %s", r, i, reason)
         return None
 
-    def _wait_for_seal(self, r: int, base_hash: str, got: dict, res: RoundResult) -> dict:
+    def _wait_for_seal(self, r: int, base_hash: str, res: RoundResult) -> dict:
+        """List the round's commits until everyone (or the quorum, plus `straggler_wait_s`) has
+        committed, propose the seal, and return the seal that won."""
         cfg, prefix = self.cfg, self._k(_rkey(r))
         start = time.perf_counter()
         quorum_at = None
+        commits: dict[int, str] = {}
         bad: set[int] = set()
-        while True:
-            seal = self._read_seal(r)
-            if seal is not None:
-                break
+        while (seal := self._read_seal(r)) is None:
             for name in self.store.list(prefix):
                 if not (name.startswith("commit-") and name.endswith(".json")):
                     continue
                 i = int(name[7:11])
-                if i in got or i in bad:
+                if i in commits or i in bad:
                     continue
                 try:
                     commit = self.store.get_json(f"{prefix}/{name}")
-                except CorruptObject as e:
-                    commit, reason = None, str(e)
-                else:
                     reason = None if commit.get("base_hash") == base_hash else \
                         f"its round-start weights differ (hash {commit.get('base_hash')} != {base_hash})"
-                if commit is not None and reason is None:
-                    delta = self._fetch(r, i, str(commit.get("sha256")), res)
-                    if delta is not None:
-                        got[i] = (commit["sha256"], delta)
-                        continue
+                except CorruptObject as e:
+                    reason = str(e)
+                if reason is None:
+                    commits[i] = str(commit.get("sha256"))
                 else:
+                    bad.add(i)
                     self.rejected += 1
                     res.skipped[i] = reason
                     log.warning("round %d: skipping replica %d's commit: %s", r, i, reason)
-                bad.add(i)
             now = time.perf_counter()
-            if len(got) >= self.quorum and quorum_at is None:
+            if len(commits) >= self.quorum and quorum_at is None:
                 quorum_at = now
-            everyone = len(got) + len(bad) >= cfg.replicas
+            everyone = len(commits) + len(bad) >= cfg.replicas
             if quorum_at is not None and (everyone or now - quorum_at >= cfg.straggler_wait_s):
-                proposal = {"round": r, "base_hash": base_hash, "sealed_by": self.me,
-                            "sha256": {str(i): got[i][0] for i in sorted(got)}}
-                self.store.create_json(f"{prefix}/seal.json", proposal)
-                seal = self._read_seal(r)
-                if seal is not None:
-                    break
+                self.store.create_json(f"{prefix}/seal.json", {"round": r, "base_hash": base_hash,
+                                                               "sealed_by": self.me, "sha256": {
+                                                                   str(i): commits[i] for i in sorted(commits)}})
+                continue  # read the seal that won
             if now - start > cfg.round_timeout_s:
-                raise DiLoCoError(f"round {r}: {len(got)} of {cfg.replicas} replicas' deltas after "
+                raise DiLoCoError(f"round {r}: {len(commits)} of {cfg.replicas} replicas' deltas after "
                                   f"{cfg.round_timeout_s:.0f}s (diloco.round_timeout_s); the quorum is "
                                   f"{self.quorum}")
             time.sleep(cfg.poll_interval_s)
