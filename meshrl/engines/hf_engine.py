@@ -1,7 +1,9 @@
 """Fallback engine on transformers `generate` for machines without vLLM.
 
 Logprobs are taken from the processed scores (after temperature and top-p), i.e. the distribution
-each token was actually sampled from, matching the vLLM engine's `processed_logprobs`.
+each token was actually sampled from, matching the vLLM engine's `processed_logprobs`. They are
+gathered on the device as generation goes (`SampledLogprobs`, the last logits processor: it keeps one
+step's scores, never the [samples, steps, vocab] stack), and only [samples, steps] floats leave it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,33 @@ import torch
 
 from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, SampleRequest
+
+
+class SampledLogprobs:
+    """A logits processor placed after temperature and top-p: at each step it gathers, on the
+    device, the logprob of the token sampled at the previous step from that step's processed
+    scores (the token is the last column of ``input_ids`` by then); `finish` adds the last step's."""
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        self.steps.append(torch.log_softmax(self.previous, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self._gather(input_ids[:, -1])
+        self.previous = scores
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[samples, steps] logprobs on the device, given the final sequences."""
+        if self.previous is not None:
+            self._gather(sequences[:, -1])
+            self.previous = None
+        return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((len(sequences), 0),
+                                                                                   dtype=torch.float32)
 
 
 class HFEngine:
@@ -44,23 +73,22 @@ class HFEngine:
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention[i, width - len(p):] = 1
         eos = list(request.stop_token_ids) or [self.tokenizer.eos_token_id]
-        kwargs = dict(
-            max_new_tokens=request.max_tokens,
-            eos_token_id=eos,
-            pad_token_id=self.pad_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-        )
-        if request.greedy:
-            kwargs.update(do_sample=False)
-        else:
-            kwargs.update(do_sample=True, temperature=request.temperature, top_p=request.top_p, top_k=0)
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        # the warpers are ours (generate's own would run after any processor we pass), so that
+        # the recorder sees the scores sampled from; generate then adds none (temperature 1, top-p 1)
+        recorder = SampledLogprobs()
+        warpers = [] if request.greedy else \
+            ([TemperatureLogitsWarper(request.temperature)] if request.temperature != 1.0 else []) + \
+            ([TopPLogitsWarper(request.top_p)] if request.top_p < 1.0 else [])
         out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **kwargs
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+            max_new_tokens=request.max_tokens, eos_token_id=eos, pad_token_id=self.pad_id,
+            do_sample=not request.greedy, temperature=1.0, top_p=1.0, top_k=0,
+            logits_processor=LogitsProcessorList([*warpers, recorder]),
         )
-        new_tokens = out.sequences[:, width:].cpu()
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # [N, steps, V] processed scores
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        new_tokens = out[:, width:].cpu()
+        logprobs = recorder.finish(out).cpu()
         result: list[list[Completion]] = []
         for i in range(len(expanded)):
             toks, lps, reason = [], [], "length"
@@ -76,37 +104,42 @@ class HFEngine:
             result[-1].append(Completion(toks, lps, reason, text))
         return result
 
-    @torch.no_grad()
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        out = []
-        for seq in sequences:
-            ids = torch.tensor([seq], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-            out.append(lp.cpu().tolist())
-        return out
-
-    @torch.no_grad()
-    def topk_logprobs(self, sequences: list[list[int]], starts: list[int], lengths: list[int],
-                      k: int) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        """For each sequence, the top-``k`` (indices int32, log-probs float32) of the next-token
-        distribution (temperature 1) at the positions predicting ``seq[start:start+length]``;
-        ``k = 0`` returns the full vocabulary's log-probs with indices None."""
+    def _batched_logits(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One right-padded forward over ``sequences``: (ids, float32 logits), both on the device."""
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
+        ids = ids.to(self.device)
+        return ids, self.model(input_ids=ids, attention_mask=attention.to(self.device)).logits.float()
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each sequence's token logprobs (from its second token), one batched forward on the device."""
+        if not sequences:
+            return []
+        ids, logits = self._batched_logits(sequences)
+        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+        return [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(sequences)]
+
+    @torch.no_grad()
+    def topk_logprobs(self, sequences: list[list[int]], starts: list[int], lengths: list[int],
+                      k: int) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """For each sequence, the top-``k`` (indices int32, log-probs float32) of the next-token
+        distribution (temperature 1) at the positions predicting ``seq[start:start+length]``;
+        ``k = 0`` returns the full vocabulary's log-probs with indices None. One batched forward;
+        the log-softmax and top-k run on the device."""
+        _, logits = self._batched_logits(sequences)
         out = []
         for i, (start, length) in enumerate(zip(starts, lengths)):
-            logp = torch.log_softmax(logits[i, start - 1 : start - 1 + length].float(), dim=-1).cpu()
+            logp = torch.log_softmax(logits[i, start - 1 : start - 1 + length], dim=-1)
             if k == 0:
-                out.append((None, logp))
+                out.append((None, logp.cpu()))
             else:
                 values, indices = logp.topk(k, dim=-1)
-                out.append((indices.to(torch.int32), values))
+                out.append((indices.to(torch.int32).cpu(), values.cpu()))
         return out
 
     @torch.no_grad()
