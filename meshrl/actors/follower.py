@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from meshrl.channels import in_process
+from meshrl.channels.weight_index import WeightSyncError
 from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPuller
 from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
@@ -44,3 +46,28 @@ class PolicyFollower:
         return {"version": result.version, "pull_s": result.stats.seconds,
                 "transfer_s": result.stats.transfer_seconds, "bytes": result.stats.nbytes, "load_s": load_s,
                 "transport": result.stats.transport}
+
+
+class InProcessFollower:
+    """A co-located reader's follower: the learner shares its module in this process
+    (meshrl.channels.in_process). An engine built on that module (``shares``) holds every version
+    the moment it is published: an update moves nothing. Other engines copy the learner's
+    inference weights in-process through their reload."""
+
+    def __init__(self, store: str, timeout_s: float, shares: bool):
+        self.store, self.timeout_s, self.shares = store, timeout_s, shares
+        self.version = 0
+
+    def update(self, engine, min_version: int, exact: bool = False) -> dict:
+        source = in_process.wait_for(self.store, self.timeout_s, min_version)
+        if exact and source.version != min_version:
+            raise WeightSyncError(f"version {min_version} is gone: a co-located engine holds only the learner's "
+                                  f"current weights (version {source.version})")
+        started, nbytes = time.perf_counter(), 0
+        if not self.shares and source.version != self.version:
+            state = source.state()
+            engine.load_weights(state.items())
+            nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+        self.version = source.version
+        return {"version": source.version, "pull_s": 0.0, "transfer_s": 0.0, "bytes": nbytes,
+                "load_s": time.perf_counter() - started, "transport": "shared" if self.shares else "in_process"}

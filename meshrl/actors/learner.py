@@ -9,6 +9,7 @@ from monarch.actor import current_rank, current_size, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
+from meshrl.channels import in_process
 from meshrl.config.channels import WeightSyncConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
@@ -33,19 +34,28 @@ class Learner(MeshrlActor):
         sync_cfg: WeightSyncConfig,
         store: str = POLICY_STORE,
         dist_address: str = "",
+        share_in_process: bool = False,
+        publish_to_store: bool = True,
     ):
+        """``share_in_process``: offer the policy module to co-located readers
+        (meshrl.channels.in_process; a publish then only marks the version). ``publish_to_store``
+        False: no reader pulls from the weight store, so none is created."""
         silence_tcp_fallback_warning()
         parallel = DataParallelSpec(rank=current_rank().rank, world=math.prod(current_size().values()),
                                     mode=learner_cfg.data_parallel, address=dist_address,
                                     timeout_s=learner_cfg.call_timeout_s)
         self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype, parallel)
-        self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 else None
+        self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 and publish_to_store else None
+        self.store = store if share_in_process else None
+        if share_in_process:
+            in_process.share(store, self.trainer.model, self.trainer.inference_state_dict)
 
     def describe(self) -> dict:
         tenants = self.trainer.tenants
         return {"trainable_params": sum(p.numel() for p in self.trainer.model.parameters() if p.requires_grad),
                 "rank": self.trainer.dp.rank, "data_parallel": self.trainer.dp.mode,
-                "adapters": sorted(tenants.states) if tenants else [], "active_adapter": tenants and tenants.active}
+                "adapters": sorted(tenants.states) if tenants else [], "active_adapter": tenants and tenants.active,
+                "weight_store": self.publisher is not None, "shares_in_process": self.store is not None}
 
     def _tenants(self) -> LoraTenants:
         if self.trainer.tenants is None:
@@ -129,8 +139,11 @@ class Learner(MeshrlActor):
         """Publish the current weights (the active LoRA adapter merged, or that adapter only) as
         ``version``. Every rank takes part (under FSDP2 rank 0 gathers the others' shards); rank 0
         publishes."""
+        if self.store is not None:
+            in_process.set_version(self.store, version)
         if self.publisher is None and not self.trainer.dp.sharded:
-            return {}
+            shared = {"version": version, "bytes": 0, "publish_s": 0.0, "pack_s": 0.0}
+            return shared if self.store is not None and self.trainer.dp.rank == 0 else {}
         state = self.trainer.sync_state_dict()
         if self.publisher is None:
             return {}

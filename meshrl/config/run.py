@@ -101,3 +101,23 @@ class RunConfig(Section):
             raise ValueError("learner.data_parallel = 'fsdp2' with learner.lora.enabled is not supported: use "
                              "learner.data_parallel = 'ddp' for a data-parallel LoRA learner")
         return self
+
+    @model_validator(mode="after")
+    def _check_generator_in_learner(self) -> "RunConfig":
+        """A generator co-located with the learner samples with the learner's own parameters: they
+        must not change under a generation (no steps off policy, one optimizer step per step) and
+        each learner process must hold all of them."""
+        if self.meshes.generator.colocate_with != "learner":
+            return self
+        tc = self.trainer
+        if tc.max_steps_off_policy:
+            raise ValueError(f"trainer.max_steps_off_policy = {tc.max_steps_off_policy}: a generator co-located "
+                             "with the learner (meshes.generator.colocate_with) needs 0")
+        if tc.num_substeps > 1:
+            raise ValueError(f"trainer.num_substeps = {tc.num_substeps}: a generator co-located with the learner "
+                             "(meshes.generator.colocate_with) needs 1 (an optimizer step would change the weights "
+                             "it is sampling with)")
+        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2":
+            raise ValueError("learner.data_parallel = 'fsdp2' shards the weights a co-located generator "
+                             "(meshes.generator.colocate_with) samples with: use 'ddp'")
+        return self

@@ -59,9 +59,13 @@ class Runtime:
         self.meshes = MeshGroup(cfg.meshes, self.hosts, plan_run(cfg), actors)
         try:
             path = str(self.model_path)
+            # a generator in the learner's processes samples with (or copies from) its module in-process;
+            # the weight store then serves only the SDPO teacher, if any
+            shared = cfg.meshes.generator.colocate_with == LEARNER
             self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE,
-                              Rendezvous())
-            self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
+                              Rendezvous(), share_in_process=shared, publish_to_store=not shared or cfg.sdpo.alpha > 0)
+            self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync, POLICY_STORE,
+                              in_learner_process=shared)
             strategy.spawn(self.meshes, cfg)
             if cfg.sdpo.alpha > 0:
                 SDPOChannel.spawn(self.meshes, cfg, path)
@@ -103,10 +107,7 @@ class Runtime:
         republish those weights and bring every reader to them. After a learner failure
         (``respawn``) its processes, and any mesh sharing them, are replaced first."""
         self.loop.stop_producer()  # nothing is generated while the learner's state is replaced
-        if respawn:
-            for name in self.meshes.respawn("learner"):
-                if name != "learner" and name in self.supervisor.resync:
-                    self.supervisor.resync[name]()
+        replaced = [name for name in self.meshes.respawn("learner") if name != "learner"] if respawn else []
         if checkpoint is not None:
             self.learner_call("load_checkpoint", str(checkpoint.learner_dir))
             self.loop.load_state_dict(checkpoint.state["loop"])
@@ -115,7 +116,13 @@ class Runtime:
                                        "counters": dataclasses.asdict(self.loop.counters)})
         version = self.loop.version
         self.learner_call("publish", version)
+        # every weight reader (replaced ones included: a generator in the learner's processes can
+        # only follow the new learner) now holds the restored version; then the other replaced
+        # meshes' own re-sync
         self.client.sync_readers(version)
+        for name in replaced:
+            if name not in self.client.readers and name in self.supervisor.resync:
+                self.supervisor.resync[name]()
 
     def close(self) -> None:
         self.loop.close()

@@ -70,10 +70,11 @@ def cpu_share(replicas: int) -> int:
 
 
 def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
-                replicas: int = 1) -> Engine:
+                replicas: int = 1, module: torch.nn.Module | None = None) -> Engine:
     """The engine selected by `generator.backend`, one of ``replicas`` on this host (their threads
     share its cores). Tensor parallelism is checked here, in the process that runs the engine (the
-    controller's host may have no GPU)."""
+    controller's host may have no GPU). ``module``: a policy in this process whose parameters the HF
+    engine samples with (shared storage); the vLLM engine loads its own copy regardless."""
     if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
         where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
         raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
@@ -89,4 +90,4 @@ def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_le
     from meshrl.engines.hf_engine import HFEngine
 
     return HFEngine(model_path, cfg.model_copy(update={"torch_threads": min(cfg.torch_threads, share)}), dtype,
-                    max_model_len, seed)
+                    max_model_len, seed, module=module)

@@ -45,15 +45,22 @@ class SampledLogprobs:
 
 
 class HFEngine:
-    """Batched, left-padded `model.generate` with per-token sampler logprobs."""
+    """Batched, left-padded `model.generate` with per-token sampler logprobs. With ``module`` (a
+    co-located learner's policy, LoRA adapters applied on the fly) it samples with that module's own
+    parameters: no copy of the weights exists."""
 
-    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int):
+    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
+                 module: torch.nn.Module | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(cfg.torch_threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
-        self.model.eval()
+        if module is not None:
+            self.model = module
+            self.device = next(module.parameters()).device
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+            self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.max_model_len = max_model_len

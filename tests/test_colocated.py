@@ -1,0 +1,49 @@
+"""A generator co-located with the learner samples with the learner's own parameters: no weight
+store, no transfer (every sync moves 0 bytes over the `shared` transport), the same first-step
+losses as separate meshes, and a crash of the shared process resumes from the checkpoint."""
+
+import pytest
+
+from meshrl.config.base import ConfigError, load_config
+from meshrl.config.run import RunConfig
+from meshrl.controller.metrics import read_metrics
+from meshrl.controller.train import make_run_dir, run_training
+
+COLOCATED = ["meshes.generator.colocate_with=learner"]
+COMMON = ["generator.backend=hf", "model.dtype=float32", "trainer.eval.every=0", "trainer.eval.at_start=false",
+          "trainer.checkpoint.export_final=false"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.max_steps_off_policy=1", "trainer.max_steps_off_policy = 1: a generator co-located with the learner"),
+    ("trainer.num_substeps=2", "trainer.num_substeps = 2: a generator co-located with the learner"),
+])
+def test_settings_that_would_change_weights_under_a_generation_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, COLOCATED + [override, "trainer.prompts_per_step=4"])
+
+
+def _run(cfg):
+    run_dir = make_run_dir(cfg, overwrite=True)
+    run_training(cfg, run_dir)
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.monarch
+def test_colocated_training_moves_no_weights_matches_separate_meshes_and_survives_a_crash(tiny_run_config):
+    separate = _run(tiny_run_config("output.name=separate", "trainer.steps=1", *COMMON))
+    shared = _run(tiny_run_config(
+        "output.name=colocated", "trainer.steps=3", "trainer.checkpoint.every=2", *COMMON, *COLOCATED,
+        "faults.inject=[{mesh: learner, at_step: 3, action: kill, during: train, seconds: 0}]"))
+    train = [r for r in shared if r["kind"] == "train"]
+    faults = [r for r in shared if r["kind"] == "fault"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert len(faults) == 1 and faults[0]["mesh"] == "learner"
+    assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (3, 2)  # the shared process resumed
+    for r in train:
+        assert r["sync/bytes"] == 0 and r["sync/transport/shared"] == 1, r
+        assert "sync/transport/rdma" not in r and "sync/transport/shm" not in r
+    first_separate = next(r for r in separate if r["kind"] == "train")
+    assert first_separate["sync/bytes"] > 0  # the comparison run did move weights
+    assert train[0]["reward/mean"] == pytest.approx(first_separate["reward/mean"], abs=1e-6)
+    assert train[0]["train/loss"] == pytest.approx(first_separate["train/loss"], rel=1e-4, abs=1e-6)
