@@ -12,7 +12,8 @@ Layout under ``<store_url>/<run_id>/``::
 A round: each replica uploads its delta, then its commit marker. Every replica downloads and
 verifies the committed deltas (sha256 and decode; a bad object is skipped with a log line and
 counted) until all replicas are in, or the quorum is and `straggler_wait_s` has passed; then it
-tries to create the seal with the verified set. The seal is write-once (the first writer wins), so
+verifies its own delta as stored (it would otherwise seal the copy it holds, which the others
+cannot read if the stored one is bad) and tries to create the seal with the verified set. The seal is write-once (the first writer wins), so
 all replicas average exactly the set it names, in replica-id order: identical results everywhere.
 Late deltas: a delta committed after the seal is ignored; its replica averages the sealed set like
 the others and so continues from the same weights (its inner steps of that round are dropped).
@@ -158,6 +159,7 @@ class ObjectStoreAllReduce:
         start = time.perf_counter()
         quorum_at = None
         bad: set[int] = set()
+        own_unverified = self.me in got
         while True:
             seal = self._read_seal(r)
             if seal is not None:
@@ -190,6 +192,14 @@ class ObjectStoreAllReduce:
                 quorum_at = now
             everyone = len(got) + len(bad) >= cfg.replicas
             if quorum_at is not None and (everyone or now - quorum_at >= cfg.straggler_wait_s):
+                if own_unverified:  # the others average our delta as stored, not as we hold it
+                    own_unverified = False
+                    if self._fetch(r, self.me, got[self.me][0], res) is None:
+                        del got[self.me]
+                        bad.add(self.me)
+                        if len(got) < self.quorum:
+                            quorum_at = None
+                        continue
                 proposal = {"round": r, "base_hash": base_hash, "sealed_by": self.me,
                             "sha256": {str(i): got[i][0] for i in sorted(got)}}
                 self.store.create_json(f"{prefix}/seal.json", proposal)
