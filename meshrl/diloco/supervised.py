@@ -117,8 +117,8 @@ def run_replica(replica_id: int, replicas: int, store_url: str, storage_options:
         while sync.round < rounds:
             r = sync.round  # rounds done so far: this round's batches follow them in the stream
             t0 = time.perf_counter()
-            for k in range(inner_steps):
-                x, y = make_batch(teacher, seed, replica_id, r * inner_steps + k, batch_size)
+            for k in range(cfg.inner_steps):
+                x, y = make_batch(teacher, seed, replica_id, r * cfg.inner_steps + k, batch_size)
                 losses.append(_train_step(model, opt, x, y))
             compute_s = time.perf_counter() - t0
             report = {**sync.sync(params), "compute_s": compute_s}
