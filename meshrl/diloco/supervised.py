@@ -49,9 +49,9 @@ def make_teacher(seed: int = 0) -> nn.Module:
     return teacher
 
 
-def make_student(seed: int = 0) -> nn.Module:
-    """The model every replica starts from (identical for a given seed)."""
-    return _mlp(STUDENT_HIDDEN, 20_000 + seed)
+def make_student(seed: int = 0, hidden: int = STUDENT_HIDDEN) -> nn.Module:
+    """The model every replica starts from (identical for a given seed; ``hidden`` sizes it)."""
+    return _mlp(hidden, 20_000 + seed)
 
 
 @torch.no_grad()
@@ -76,19 +76,19 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
     return float(loss.detach())
 
 
-def _setup(seed: int, lr: float, weight_decay: float, threads: int):
+def _setup(seed: int, lr: float, weight_decay: float, threads: int, hidden: int):
     torch.set_num_threads(threads)
-    teacher, model = make_teacher(seed), make_student(seed)
+    teacher, model = make_teacher(seed), make_student(seed, hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     return teacher, model, opt, make_batch(teacher, seed, -1, 0, EVAL_SIZE)
 
 
 def train_single(steps: int, batch_size: int, lr: float, streams: int = 1, eval_every: int = 1, seed: int = 0,
-                 weight_decay: float = 0.0, threads: int = 1) -> dict:
+                 weight_decay: float = 0.0, threads: int = 1, hidden: int = STUDENT_HIDDEN) -> dict:
     """One model, plain AdamW, ``steps`` steps on ``streams`` replicas' batches concatenated (the
     baseline a DiLoCo run of ``streams`` replicas is compared with); eval loss every ``eval_every``
     steps."""
-    teacher, model, opt, evalset = _setup(seed, lr, weight_decay, threads)
+    teacher, model, opt, evalset = _setup(seed, lr, weight_decay, threads, hidden)
     losses, evals = [], []
     for step in range(steps):
         batches = [make_batch(teacher, seed, i, step, batch_size) for i in range(streams)]
@@ -100,7 +100,8 @@ def train_single(steps: int, batch_size: int, lr: float, streams: int = 1, eval_
 
 def run_replica(replica_id: int, replicas: int, store_url: str, storage_options: dict | None = None,
                 rounds: int = 5, inner_steps: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-                weight_decay: float = 0.0, threads: int = 1, run_id: str = "supervised", **diloco) -> dict:
+                weight_decay: float = 0.0, threads: int = 1, hidden: int = STUDENT_HIDDEN, run_id: str = "supervised",
+                **diloco) -> dict:
     """Train replica ``replica_id`` of ``replicas`` for ``rounds`` DiLoCo rounds of ``inner_steps``
     AdamW steps, synchronising through the store at ``store_url``; ``diloco`` are further
     DiLoCoConfig fields (quorum, outer_lr, straggler_wait_s, ...). Returns its losses, the eval
@@ -108,7 +109,7 @@ def run_replica(replica_id: int, replicas: int, store_url: str, storage_options:
     upload/wait/download split) and its bytes exchanged."""
     cfg = DiLoCoConfig(enabled=True, store_url=store_url, storage_options=storage_options or {}, run_id=run_id,
                        replicas=replicas, replica_id=replica_id, inner_steps=inner_steps, **diloco)
-    teacher, model, opt, evalset = _setup(seed, lr, weight_decay, threads)
+    teacher, model, opt, evalset = _setup(seed, lr, weight_decay, threads, hidden)
     params = dict(model.named_parameters())
     sync = DiLoCoSync(cfg)
     try:
@@ -129,6 +130,6 @@ def run_replica(replica_id: int, replicas: int, store_url: str, storage_options:
                   f"eval {evals[-1]:.5f}, hash {report['hash'][:12]}", flush=True)
     finally:
         sync.store.close()
-    return {"replica": replica_id, "joined": joined, "losses": losses, "eval": evals, "hashes": hashes,
-            "rounds": reports, "bytes": [r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in reports],
+    return {"replica": replica_id, "params": sum(p.numel() for p in params.values()), "joined": joined,
+            "losses": losses, "eval": evals, "hashes": hashes, "rounds": reports, "bytes": [r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in reports],
             "samples": len(losses) * batch_size}
