@@ -9,7 +9,9 @@ Two parts:
   endpoint); each round's time is split into compute (H inner steps), upload, wait (for the
   others' deltas and the seal), download and the outer step; bytes up/down per replica and round
   (down: the others' deltas, plus its own read back by a replica that proposes the seal, which
-  seals only deltas verified as stored).
+  seals only deltas verified as stored). The split comes from DiLoCoSync's report, where wait
+  includes the downloads made while waiting (a delta is fetched as soon as it is committed), so
+  download is counted in both; sync is the whole of it, measured once.
   Medians over replicas and rounds 2.. (round 1 also waits for replicas still starting).
 * Convergence. ``--replicas`` replicas with H = ``--inner-steps`` against one model trained on the
   same samples (the replicas' batches concatenated, AdamW, a synchronisation every step), final
