@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import json
+import os
 import uuid
 import zlib
 from typing import Any, Callable, TypeVar
@@ -89,14 +90,25 @@ class ObjectStore:
         self._call(f"put {key}", write)
 
     def create(self, key: str, data: bytes) -> bool:
-        """Write ``data`` at ``key`` only if nothing is there (an exclusive create: local files
-        O_EXCL, S3 If-None-Match); True if this call wrote it."""
+        """Write ``data`` at ``key`` only if nothing is there, atomically (an exclusive create:
+        local files a hard link of a complete temporary file, S3 If-None-Match); True if this call
+        wrote it."""
         final = self.path(key)
 
         def write():
-            if self._local:
-                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(final, data, mode="create")
+            if not self._local:
+                self.fs.pipe_file(final, data, mode="create")
+                return
+            # fsspec's local "create" is an exists() check, then a plain write: two writers could
+            # both win, and a reader could see the object half written
+            folder = final.rsplit("/", 1)[0]
+            self.fs.makedirs(folder, exist_ok=True)
+            tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+            self.fs.pipe_file(tmp, data)
+            try:
+                os.link(tmp, final)  # FileExistsError if there is one
+            finally:
+                os.unlink(tmp)
 
         try:
             self._call(f"create {key}", write)
