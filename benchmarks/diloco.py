@@ -6,12 +6,11 @@ Two parts:
 * Round time split. ``--replicas`` replicas of a wide student (``--hidden``, default 65536 hidden
   units: ~1.2M parameters, a ~4.7 MB fp32 delta) run ``--split-rounds`` rounds through a
   file:// store (and with ``--s3`` through a loopback moto S3 server, a real S3 protocol
-  endpoint); each round's time is split into compute (H inner steps), upload, wait (for the
-  others' deltas and the seal), download and the outer step; bytes up/down per replica and round
-  (down: the others' deltas, plus its own read back by a replica that proposes the seal, which
-  seals only deltas verified as stored). The split comes from DiLoCoSync's report, where wait
-  includes the downloads made while waiting (a delta is fetched as soon as it is committed), so
-  download is counted in both; sync is the whole of it, measured once.
+  endpoint); each round's time is split into compute (H inner steps), upload, wait (listing the
+  others' commits until the round is sealed), download (every sealed delta read back and
+  verified, its own included: all replicas average exactly the bytes in the store) and the outer
+  step; bytes up/down per replica and round. The split comes from DiLoCoSync's report; sync is
+  the whole of it, measured once.
   Medians over replicas and rounds 2.. (round 1 also waits for replicas still starting).
 * Convergence. ``--replicas`` replicas with H = ``--inner-steps`` against one model trained on the
   same samples (the replicas' batches concatenated, AdamW, a synchronisation every step), final
