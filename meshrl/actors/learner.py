@@ -10,9 +10,13 @@ from monarch.actor import current_rank, current_size, endpoint
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
 from meshrl.config.channels import WeightSyncConfig
+from meshrl.config.diloco import DiLoCoConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
+from meshrl.diloco.allreduce import DiLoCoError
+from meshrl.diloco.replica import ModelSync
+from meshrl.diloco.store import StoreError
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
@@ -23,7 +27,9 @@ from meshrl.types import AdamParams, Datum
 class Learner(MeshrlActor):
     """Tinker-style training endpoints over one HF policy. A mesh of N learners trains one policy
     data-parallel (``learner.data_parallel``): the controller calls every rank with its share of
-    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes."""
+    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes. With
+    ``diloco.enabled`` the learner is one replica of a DiLoCo run (meshrl.diloco): it syncs its
+    trainable parameters through the object store when the controller calls `diloco_sync`."""
 
     def __init__(
         self,
@@ -33,6 +39,7 @@ class Learner(MeshrlActor):
         sync_cfg: WeightSyncConfig,
         store: str = POLICY_STORE,
         dist_address: str = "",
+        diloco_cfg: DiLoCoConfig | None = None,
     ):
         silence_tcp_fallback_warning()
         parallel = DataParallelSpec(rank=current_rank().rank, world=math.prod(current_size().values()),
@@ -40,6 +47,12 @@ class Learner(MeshrlActor):
                                     timeout_s=learner_cfg.call_timeout_s)
         self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype, parallel)
         self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 else None
+        self.diloco: ModelSync | None = None
+        if diloco_cfg is not None and diloco_cfg.enabled:
+            if self.trainer.dp.sharded:
+                raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use 'ddp'")
+            # data-parallel ranks hold identical weights: the first uploads, the others follow the seals
+            self.diloco = ModelSync(diloco_cfg, self.trainer.model, writer=parallel.rank == 0)
 
     def describe(self) -> dict:
         tenants = self.trainer.tenants
@@ -113,11 +126,39 @@ class Learner(MeshrlActor):
     def save_checkpoint(self, directory: str) -> dict:
         """Write the full training state (weights or adapter, optimiser, RNG) into ``directory``."""
         save_learner(self.trainer, Path(directory))
+        if self.diloco is not None and self.trainer.dp.rank == 0:
+            self.diloco.save(Path(directory))
         return {"steps_applied": self.trainer.steps_applied}
 
     @endpoint
     def load_checkpoint(self, directory: str) -> dict:
-        return load_learner(self.trainer, Path(directory))
+        """Restore a `save_checkpoint` directory (under DiLoCo, call `diloco_join` next)."""
+        out = load_learner(self.trainer, Path(directory))
+        if self.diloco is not None:
+            self.diloco.load(Path(directory))
+        return out
+
+    # ---- DiLoCo across replicas (meshrl.diloco): a failed round answers {"error": one line}
+    def _diloco(self, what: str, method) -> dict:
+        if self.diloco is None:
+            return {"error": f"{what}: this learner was not spawned with diloco.enabled"}
+        try:
+            return method(self.diloco)
+        except (DiLoCoError, StoreError) as e:
+            return {"error": f"{what}: {e}"}
+
+    @endpoint
+    def diloco_join(self) -> dict:
+        """Take the run's newest outer state (this replica's weights become the run's initial
+        state if there is none; after `load_checkpoint`, see meshrl.diloco.replica):
+        ``{round, hash, rejoined, kept_checkpoint_weights}``."""
+        return self._diloco("diloco join", ModelSync.join)
+
+    @endpoint
+    def diloco_sync(self) -> dict:
+        """End the current DiLoCo round: the trainable parameters become the round's outer-updated
+        weights. The round's report (round, participants, split times, bytes, hash)."""
+        return self._diloco("diloco round", ModelSync.step)
 
     @endpoint
     def export(self, directory: str) -> str:
