@@ -4,6 +4,7 @@ store. With inner_steps = 2 over 4 steps both end 2 rounds together with identic
 same diloco/hash after each round), and the rollout shards both wrote are readable."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -67,3 +68,38 @@ def test_two_concurrent_rl_replicas_end_each_round_with_identical_weights(tmp_pa
         assert len(s.records) == s.manifest["count"] > 0
         assert all(r["tokens"] and len(r["logprobs"]) == len(r["tokens"]) == len(r["mask"]) for r in s.records)
         assert all(r["version"] == s.manifest["step"] - 1 for r in s.records)
+
+
+def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrupted_run(tiny_run_config, tmp_path,
+                                                                                      caplog):
+    """One replica (replicas = 1), inner_steps = 2, checkpoint at step 3 (inside round 2), learner
+    SIGKILLed at step 4: it resumes from the step-3 checkpoint, rejoins the run at round 1 keeping
+    the checkpoint's weights (its step-3 inner step still counts), and ends round 2 with the same
+    weights as an uninterrupted run."""
+    from meshrl.controller.metrics import read_metrics
+    from meshrl.controller.train import make_run_dir, run_training
+
+    def run(name, *extra):
+        cfg = tiny_run_config(
+            f"output.name={name}", "generator.backend=hf", "trainer.steps=5", "trainer.eval.every=0",
+            "trainer.eval.at_start=false", "trainer.checkpoint.every=3", "trainer.checkpoint.export_final=false",
+            "diloco.enabled=true", "diloco.replicas=1", "diloco.inner_steps=2",
+            f"diloco.store_url=file://{tmp_path / name / 'store'}", *extra)
+        run_dir = make_run_dir(cfg, overwrite=True)
+        run_training(cfg, run_dir)
+        return read_metrics(run_dir / "metrics.jsonl")
+
+    clean = run("clean")
+    with caplog.at_level(logging.INFO, logger="meshrl.controller.grpo"):
+        faulty = run("killed", "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]")
+    joins = [r.getMessage() for r in caplog.records if "joined run" in r.getMessage()]
+    assert len(joins) == 2 and "at round 0" in joins[0]
+    assert "at round 1" in joins[1] and "the checkpoint's kept" in joins[1]
+    faults = [r for r in faulty if r["kind"] == "fault"]
+    assert len(faults) == 1 and (faults[0]["step"], faults[0]["resumed_from_step"]) == (4, 3)
+    a, b = ([r for r in records if r["kind"] == "train"] for records in (clean, faulty))
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert [r.get("diloco/round") for r in b] == [None, 1, None, 2, None]
+    assert [r.get("diloco/hash") for r in a] == [r.get("diloco/hash") for r in b]
+    for x, y in zip(a, b):
+        assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
