@@ -231,3 +231,36 @@ def test_diloco_with_fsdp2_is_a_one_line_config_error():
                                       "meshes.learner.procs=2", "learner.data_parallel=fsdp2"])
     with pytest.raises(ConfigError, match="store_url is required"):
         load_config(RunConfig, None, ["diloco.rollout_shards=true"])
+
+
+def test_a_replica_restarted_after_its_delta_was_sealed_ends_the_round_like_the_others(tmp_path):
+    """Replica 0 (the round's leader) dies after round 1 was sealed with its delta but before it
+    published the round's outer state; restarted from the run's initial state with other inner
+    steps, it ends round 1 with the sealed average (no new upload replaces its sealed delta), the
+    same weights as replica 1, and publishes the missing outer state."""
+    import shutil
+
+    store = f"file://{tmp_path}"
+    layers = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    syncs = [ModelSync(_cfg(store, i), layer) for i, layer in enumerate(layers)]
+    for s in syncs:
+        s.join()
+    for layer, shift in zip(layers, (0.1, -0.3)):
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.add_(shift)
+    reports = _in_threads(*[s.step for s in syncs])
+    shutil.rmtree(tmp_path / "diloco" / "outer" / "000001")  # the leader died before publishing it
+
+    restarted = torch.nn.Linear(3, 2)
+    again = ModelSync(_cfg(store, 0), restarted)
+    assert again.join()["round"] == 0
+    with torch.no_grad():
+        for p in restarted.parameters():
+            p.add_(0.5)
+    report = again.step()
+    assert report["round"] == 1 and report["hash"] == reports[1]["hash"] and report["skipped"] == 0
+    assert report["bytes_up"] == 0
+    for k, p in restarted.named_parameters():
+        assert torch.equal(p, dict(layers[1].named_parameters())[k])
+    assert ObjectStore(store).list("diloco/outer") == ["000000", "000001"]
