@@ -79,6 +79,10 @@ class GRPOLoop:
         d = cfg.diloco
         self.shards = (ShardWriter(ObjectStore(d.store_url, d.storage_options, d.op_timeout_s), d.run_id,
                                    f"replica{d.replica_id}", d.shard_compression) if d.rollout_shards else None)
+        if d.enabled and cfg.trainer.steps % d.inner_steps:
+            log.warning("trainer.steps = %d is not a multiple of diloco.inner_steps = %d: the last %d steps end no "
+                        "round, so the replicas finish with different weights", cfg.trainer.steps, d.inner_steps,
+                        cfg.trainer.steps % d.inner_steps)
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
             log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
                         "consider ppo (stale samples destabilise plain importance sampling)",
