@@ -1,4 +1,5 @@
-"""The `meshrl` command line: train, launch, plan, serve, models, teachers, config reference."""
+"""The `meshrl` command line: train, launch, plan, serve, models, teachers, rollout shards, config
+reference."""
 
 from __future__ import annotations
 
@@ -152,6 +153,39 @@ def cmd_teachers_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shards(args: argparse.Namespace) -> int:
+    """`meshrl shards URL`: list the committed rollout shards of a run and verify each one."""
+    import json
+
+    from meshrl.diloco.shards import ShardReader
+    from meshrl.diloco.store import CorruptObject, ObjectStore, StoreError
+
+    try:
+        options = json.loads(args.storage_options) if args.storage_options else {}
+        store = ObjectStore(args.url, options, args.timeout)
+        reader = ShardReader(store, args.run_id)
+        shards = reader.committed()
+    except (ValueError, StoreError) as e:
+        return _fail(str(e))
+    records = bad = 0
+    print(f"{'producer':16s} {'index':>6s} {'step':>6s} {'records':>8s} {'bytes':>10s} {'versions':>10s}  status")
+    for producer, index in shards:
+        try:
+            shard = reader.read(producer, index)
+        except (CorruptObject, StoreError) as e:
+            bad += 1
+            print(f"{producer:16s} {index:6d} {'':>6s} {'':>8s} {'':>10s} {'':>10s}  BAD: {e}")
+            continue
+        m = shard.manifest
+        versions = "-".join(str(v) for v in m["policy_versions"]) if m.get("policy_versions") else ""
+        print(f"{producer:16s} {index:6d} {str(m.get('step', '')):>6s} {m['count']:8d} {m['bytes']:10d} "
+              f"{versions:>10s}  ok")
+        records += m["count"]
+    print(f"{len(shards)} shards under {args.url}/{args.run_id}/shards: {len(shards) - bad} good "
+          f"({records} records), {bad} bad")
+    return 1 if bad else 0
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     print(config_reference_markdown(), end="")
     return 0
@@ -235,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     teachers.add_argument("--name", help="served model name (default: --model)")
     teachers.add_argument("--port", type=int, default=8001)
     teachers.set_defaults(func=cmd_teachers_serve)
+
+    shards = sub.add_parser("shards", help="list the rollout shards of a run in an object store and verify them "
+                            "(exit 1 if any is bad)")
+    shards.add_argument("url", help="the store root (diloco.store_url), e.g. file:///shared/dir or s3://bucket/prefix")
+    shards.add_argument("--run-id", default="diloco", help="the run under the store root (diloco.run_id)")
+    shards.add_argument("--storage-options", metavar="JSON", help="fsspec options as JSON (diloco.storage_options)")
+    shards.add_argument("--timeout", type=float, default=120.0, help="seconds per store operation")
+    shards.set_defaults(func=cmd_shards)
 
     ref = sub.add_parser("config-reference", help="print every config key with its meaning (Markdown)")
     ref.set_defaults(func=cmd_config_reference)

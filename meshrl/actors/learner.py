@@ -11,9 +11,13 @@ from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
 from meshrl.channels import in_process
 from meshrl.config.channels import WeightSyncConfig
+from meshrl.config.diloco import DiLoCoConfig
 from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
+from meshrl.diloco.allreduce import DiLoCoError
+from meshrl.diloco.replica import ModelSync
+from meshrl.diloco.store import StoreError
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
@@ -24,7 +28,9 @@ from meshrl.types import AdamParams, Datum
 class Learner(MeshrlActor):
     """Tinker-style training endpoints over one HF policy. A mesh of N learners trains one policy
     data-parallel (``learner.data_parallel``): the controller calls every rank with its share of
-    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes."""
+    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes. With
+    ``diloco.enabled`` the learner is one replica of a DiLoCo run (meshrl.diloco): it syncs its
+    trainable parameters through the object store when the controller calls `diloco_sync`."""
 
     def __init__(
         self,
@@ -36,10 +42,12 @@ class Learner(MeshrlActor):
         dist_address: str = "",
         share_in_process: bool = False,
         publish_to_store: bool = True,
+        diloco_cfg: DiLoCoConfig | None = None,
     ):
         """``share_in_process``: offer the policy module to co-located readers
         (meshrl.channels.in_process; a publish then only marks the version). ``publish_to_store``
-        False: no reader pulls from the weight store, so none is created."""
+        False: no reader pulls from the weight store, so none is created. ``diloco_cfg`` (enabled):
+        this learner is one replica of a DiLoCo run (meshrl.diloco.replica)."""
         silence_tcp_fallback_warning()
         parallel = DataParallelSpec(rank=current_rank().rank, world=math.prod(current_size().values()),
                                     mode=learner_cfg.data_parallel, address=dist_address,
@@ -49,6 +57,12 @@ class Learner(MeshrlActor):
         self.store = store if share_in_process else None
         if share_in_process:
             in_process.share(store, self.trainer.model, self.trainer.inference_state_dict)
+        self.diloco: ModelSync | None = None
+        if diloco_cfg is not None and diloco_cfg.enabled:
+            if self.trainer.dp.sharded:
+                raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use 'ddp'")
+            # data-parallel ranks hold identical weights: the first uploads, the others follow the seals
+            self.diloco = ModelSync(diloco_cfg, self.trainer.model, writer=parallel.rank == 0)
 
     def describe(self) -> dict:
         tenants = self.trainer.tenants
@@ -123,11 +137,39 @@ class Learner(MeshrlActor):
     def save_checkpoint(self, directory: str) -> dict:
         """Write the full training state (weights or adapter, optimiser, RNG) into ``directory``."""
         save_learner(self.trainer, Path(directory))
+        if self.diloco is not None and self.trainer.dp.rank == 0:
+            self.diloco.save(Path(directory))
         return {"steps_applied": self.trainer.steps_applied}
 
     @endpoint
     def load_checkpoint(self, directory: str) -> dict:
-        return load_learner(self.trainer, Path(directory))
+        """Restore a `save_checkpoint` directory (under DiLoCo, call `diloco_join` next)."""
+        out = load_learner(self.trainer, Path(directory))
+        if self.diloco is not None:
+            self.diloco.load(Path(directory))
+        return out
+
+    # ---- DiLoCo across replicas (meshrl.diloco): a failed round answers {"error": one line}
+    def _diloco(self, what: str, method) -> dict:
+        if self.diloco is None:
+            return {"error": f"{what}: this learner was not spawned with diloco.enabled"}
+        try:
+            return method(self.diloco)
+        except (DiLoCoError, StoreError) as e:
+            return {"error": f"{what}: {e}"}
+
+    @endpoint
+    def diloco_join(self) -> dict:
+        """Take the run's newest outer state (this replica's weights become the run's initial
+        state if there is none; after `load_checkpoint`, see meshrl.diloco.replica):
+        ``{round, hash, rejoined, kept_checkpoint_weights}``."""
+        return self._diloco("diloco join", ModelSync.join)
+
+    @endpoint
+    def diloco_sync(self) -> dict:
+        """End the current DiLoCo round: the trainable parameters become the round's outer-updated
+        weights. The round's report (round, participants, split times, bytes, hash)."""
+        return self._diloco("diloco round", ModelSync.step)
 
     @endpoint
     def export(self, directory: str) -> str:

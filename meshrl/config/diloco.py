@@ -76,7 +76,12 @@ class DiLoCoConfig(Section):
 
     rollout_shards: bool = False
     """Also write every step's trained rollouts (token ids, logprobs, rewards, policy version) as
-    checksummed shards with manifests under `<store_url>/<run_id>/shards/` (meshrl.diloco.shards)."""
+    checksummed shards with manifests under `<store_url>/<run_id>/shards/` (meshrl.diloco.shards),
+    one shard per step, produced as `replica<replica_id>`; works without `enabled` too (needs
+    `store_url`). `meshrl shards URL` lists and verifies them."""
+
+    shard_compression: Literal["none", "zlib"] = "zlib"
+    """Compression of the rollout shards' JSONL records."""
 
     @model_validator(mode="after")
     def _check(self) -> "DiLoCoConfig":
@@ -84,6 +89,7 @@ class DiLoCoConfig(Section):
             raise ValueError(f"replica_id {self.replica_id} must be below replicas ({self.replicas})")
         if self.quorum is not None and self.quorum > self.replicas:
             raise ValueError(f"quorum {self.quorum} exceeds replicas ({self.replicas})")
-        if self.enabled and not self.store_url:
-            raise ValueError("store_url is required when enabled (e.g. file:///tmp/diloco or s3://bucket/prefix)")
+        if (self.enabled or self.rollout_shards) and not self.store_url:
+            raise ValueError("store_url is required when enabled or rollout_shards (e.g. file:///tmp/diloco or "
+                             "s3://bucket/prefix)")
         return self

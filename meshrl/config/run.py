@@ -100,6 +100,9 @@ class RunConfig(Section):
         if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2" and self.learner.lora.enabled:
             raise ValueError("learner.data_parallel = 'fsdp2' with learner.lora.enabled is not supported: use "
                              "learner.data_parallel = 'ddp' for a data-parallel LoRA learner")
+        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2" and self.diloco.enabled:
+            raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use "
+                             "learner.data_parallel = 'ddp' for a data-parallel DiLoCo replica")
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,10 @@ rollout strategy, shapes and filters them and scores SDPO sites, ahead of the le
                 (KL shaping) -> forward_backward on the registered loss (streaming minibatches)
   per substep   the step-wide normaliser on the accumulated gradients -> the SDPO and replay
                 channels' terms -> one optimizer step
-  per step      publish the next weight version (synchronous runs also bring every reader to it)
+  per step      as one replica of a DiLoCo run (`diloco.enabled`), end a round every `inner_steps`
+                steps (the learner's weights become the round's outer-updated ones); publish the
+                next weight version (synchronous runs also bring every reader to it); with
+                `diloco.rollout_shards`, write the step's trained trajectories as one shard
 
 The controller only moves tokens and small records; the actors own the engines and the model, and
 every mesh call goes through the MeshClient (deadlines, supervision, replicas).
@@ -24,12 +27,19 @@ from meshrl.config.run import RunConfig
 from meshrl.controller.mesh_client import MeshClient
 from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
+from meshrl.diloco.shards import ShardWriter, rollout_record
+from meshrl.diloco.store import ObjectStore
 from meshrl.engines import SampleRequest
 from meshrl.losses.aggregation import GlobalCounts, global_scale
 from meshrl.training.policy import combine_metrics
 from meshrl.training.trajectories import Trajectory, group_advantages, kl_shape_datums, rl_datums, uniform_groups
 
 log = logging.getLogger(__name__)
+
+
+class DiLoCoFailed(RuntimeError):
+    """A DiLoCo join or round failed (no quorum in time, diverged replicas, the store); the
+    message is the learner's one-line cause."""
 
 
 @dataclass
@@ -65,6 +75,14 @@ class GRPOLoop:
         self.step_index = 0  # the step being run (1-based once running)
         self.published = 0  # the latest published weight version
         self.producer = Producer(self, cfg.trainer.steps)
+        self.diloco_round = 0  # the DiLoCo round the learner's weights come from (set by diloco_join)
+        d = cfg.diloco
+        self.shards = (ShardWriter(ObjectStore(d.store_url, d.storage_options, d.op_timeout_s), d.run_id,
+                                   f"replica{d.replica_id}", d.shard_compression) if d.rollout_shards else None)
+        if d.enabled and cfg.trainer.steps % d.inner_steps:
+            log.warning("trainer.steps = %d is not a multiple of diloco.inner_steps = %d: the last %d steps end no "
+                        "round, so the replicas finish with different weights", cfg.trainer.steps, d.inner_steps,
+                        cfg.trainer.steps % d.inner_steps)
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
             log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
                         "consider ppo (stale samples destabilise plain importance sampling)",
@@ -288,8 +306,12 @@ class GRPOLoop:
             log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
                         "(trainer.advantage.max_extra_rounds = %d); step %d trains on those",
                         len(trained), tc.prompts_per_step, rounds, tc.advantage.max_extra_rounds, t)
+        if self.diloco_due(t):  # before publishing: version t carries the outer-updated weights
+            self._diloco_sync(metrics)
         self._publish(t, metrics)
         trajectories = [x for g in trained for x in g]
+        if self.shards is not None:
+            self._write_shard(t, trajectories, metrics)
         self._step_metrics(metrics, trajectories, sampled)
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics, trajectories
@@ -332,6 +354,51 @@ class GRPOLoop:
                 "eval/reward_mean": sum(t.reward for t in trajectories) / n,
                 "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
 
+    # ---- DiLoCo across replicas and rollout shards (meshrl.diloco) ------------------------------
+    def _diloco_call(self, endpoint: str, supervised: bool) -> dict:
+        d = self.cfg.diloco
+        # a round may wait round_timeout_s for the other replicas, then up- and download
+        report = self.client.on_learners(endpoint, supervised=supervised,
+                                         timeout_s=d.round_timeout_s + 4 * d.op_timeout_s)
+        if "error" in report:
+            raise DiLoCoFailed(f"diloco replica {d.replica_id}: {report['error']}")
+        return report
+
+    def diloco_join(self) -> None:
+        """Bring the learner to the DiLoCo run's newest outer state and take its round (at start,
+        before the first publish, and after every learner restore); nothing without
+        `diloco.enabled`. See meshrl.diloco.replica for what a resumed checkpoint keeps."""
+        if not self.cfg.diloco.enabled:
+            return
+        report = self._diloco_call("diloco_join", supervised=False)
+        self.diloco_round = int(report["round"])
+        log.info("diloco replica %d joined run %r at round %d (weights %s%s)", self.cfg.diloco.replica_id,
+                 self.cfg.diloco.run_id, self.diloco_round, report["hash"],
+                 ", the checkpoint's kept" if report.get("kept_checkpoint_weights") else "")
+
+    def diloco_due(self, step: int) -> bool:
+        """Whether ``step`` ends a DiLoCo round: round r ends at step r * `inner_steps`, so replicas
+        that rejoined (or fell behind) meet the others at the same round."""
+        d = self.cfg.diloco
+        return d.enabled and step >= (self.diloco_round + 1) * d.inner_steps
+
+    def _diloco_sync(self, metrics: dict) -> None:
+        t0 = time.perf_counter()
+        report = self._diloco_call("diloco_sync", supervised=True)
+        self.diloco_round = int(report["round"])
+        for k, v in report.items():
+            metrics[f"diloco/{k}"] = len(v) if k == "participants" else v
+        metrics["timing/diloco_s"] = time.perf_counter() - t0
+
+    def _write_shard(self, step: int, trajectories: list[Trajectory], metrics: dict) -> None:
+        """The step's trained trajectories as one rollout shard (meshrl.diloco.shards)."""
+        t0 = time.perf_counter()
+        advantages = group_advantages(trajectories, self.cfg.trainer.advantage.std_normalize)
+        manifest = self.shards.write([rollout_record(t, step, a) for t, a in zip(trajectories, advantages)],
+                                     step=step, published_version=self.published)
+        metrics.update({"shards/index": manifest["index"], "shards/records": manifest["count"],
+                        "shards/bytes": manifest["bytes"], "timing/shard_write_s": time.perf_counter() - t0})
+
     # ---- state --------------------------------------------------------------------------------
     def stop_producer(self) -> None:
         self.producer.stop()
@@ -367,3 +434,5 @@ class GRPOLoop:
 
     def close(self) -> None:
         self.producer.stop(wait=False)
+        if self.shards is not None:
+            self.shards.store.close()

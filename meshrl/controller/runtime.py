@@ -63,7 +63,8 @@ class Runtime:
             # the weight store then serves only the SDPO teacher, if any
             shared = cfg.meshes.generator.colocate_with == LEARNER
             self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE,
-                              Rendezvous(), share_in_process=shared, publish_to_store=not shared or cfg.sdpo.alpha > 0)
+                              Rendezvous(), share_in_process=shared, publish_to_store=not shared or cfg.sdpo.alpha > 0,
+                              diloco_cfg=cfg.diloco)
             self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync, POLICY_STORE,
                               in_learner_process=shared)
             strategy.spawn(self.meshes, cfg)
@@ -91,8 +92,20 @@ class Runtime:
             except BaseException:
                 self.meshes.stop()
                 raise
-        self.loop = GRPOLoop(cfg, self.task, strategy(self.client, self.renderer, cfg.model.max_model_len, counters),
-                             self.client, counters, tuple(self.renderer.get_stop_sequences()), sdpo, self.replay)
+        self.loop = None
+        try:
+            self.loop = GRPOLoop(cfg, self.task, strategy(self.client, self.renderer, cfg.model.max_model_len,
+                                                          counters),
+                                 self.client, counters, tuple(self.renderer.get_stop_sequences()), sdpo, self.replay)
+            # a DiLoCo replica starts from the run's weights (its own become the run's if it is the first)
+            self.loop.diloco_join()
+        except BaseException:
+            if self.loop is not None:
+                self.loop.close()
+            if self.replay is not None:
+                self.replay.close()
+            self.meshes.stop()
+            raise
         # version 0 = the initial weights, published so that a replaced generator can always pull
         # the run's current version, even before the first update
         self.client.publish(0)
@@ -103,8 +116,9 @@ class Runtime:
         return self.client.on_learners(endpoint, *args, supervised=False, timeout_s=timeout_s)
 
     def restore_learner(self, checkpoint, respawn: bool = True) -> None:
-        """Load ``checkpoint`` into the learner (None = start over from the initial weights),
-        republish those weights and bring every reader to them. After a learner failure
+        """Load ``checkpoint`` into the learner (None = start over from the initial weights), rejoin
+        the DiLoCo run if there is one (meshrl.diloco.replica: the run's newest round), republish
+        those weights and bring every reader to them. After a learner failure
         (``respawn``) its processes, and any mesh sharing them, are replaced first."""
         self.loop.stop_producer()  # nothing is generated while the learner's state is replaced
         replaced = [name for name in self.meshes.respawn("learner") if name != "learner"] if respawn else []
@@ -114,6 +128,7 @@ class Runtime:
         else:
             self.loop.load_state_dict({"version": 0, "step_index": 0,
                                        "counters": dataclasses.asdict(self.loop.counters)})
+        self.loop.diloco_join()
         version = self.loop.version
         self.learner_call("publish", version)
         # every weight reader (replaced ones included: a generator in the learner's processes can

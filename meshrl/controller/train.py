@@ -56,6 +56,7 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
     except (RunDirError, ConfigError) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 2
+    from meshrl.controller.grpo import DiLoCoFailed
     from meshrl.controller.supervisor import RestartBudgetExceeded
     from meshrl.meshes.group import MeshSpawnError
     from meshrl.meshes.hosts import HostLost
@@ -63,7 +64,7 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
     try:
         with (hosts_for(cfg, run_dir) if hosts_for is not None else contextlib.nullcontext()) as hosts:
             result = run_training(cfg, run_dir, resume=resume is not None, hosts=hosts)
-    except (RestartBudgetExceeded, HostLost, MeshSpawnError) as e:
+    except (RestartBudgetExceeded, HostLost, MeshSpawnError, DiLoCoFailed) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 1
     print(summary_text(result, run_dir))

@@ -81,7 +81,13 @@ class DiLoCoSync:
                 return {"round": self.round, "caught_up": 1, "hash": self.base_hash, "participants": [],
                         "round_s": time.perf_counter() - t0}
         delta = pseudo_gradient(self.start_params, {k: p for k, p in params.items()})
-        if self.writer:
+        # sealed before this call: a late replica, or one restarted after its delta was sealed
+        # (uploading again would replace the sealed delta, and the others' average would differ)
+        sealed = self.writer and self.allreduce.sealed(r)
+        if sealed:
+            log.warning("replica %d: round %d is already sealed; following it without uploading",
+                        self.cfg.replica_id, r)
+        if self.writer and not sealed:
             res = self.allreduce.allreduce(r, delta, self.base_hash)
         else:
             res = self.allreduce.follow(r, self.base_hash)
