@@ -18,21 +18,11 @@ from meshrl.diloco.store import ObjectStore
 from meshrl.models.provision import resolve_model
 from meshrl.training.checkpoint import load_learner, save_learner
 from meshrl.training.policy import PolicyTrainer
-from meshrl.types import Datum
-
-
-def _datums(seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(4):
-        toks = torch.randint(0, 49152, (12,), generator=g).tolist()
-        out.append(Datum.from_sequence(toks, mask=[0] * 6 + [1] * 6, logprobs=[-3.0] * 12,
-                                       advantages=[0.0] * 6 + [0.1 * (i - 1.5)] * 6))
-    return out
+from meshrl.testing.datums import random_datums
 
 
 def _step(trainer, seed):
-    trainer.forward_backward(_datums(seed), "ppo")
+    trainer.forward_backward(random_datums(seed), "ppo")
     trainer.optim_step(trainer.cfg.adam_params())
 
 

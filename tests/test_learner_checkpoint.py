@@ -6,21 +6,11 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner, saved_names
 from meshrl.training.policy import PolicyTrainer
-from meshrl.types import Datum
-
-
-def _datums(seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(4):
-        toks = torch.randint(0, 49152, (12,), generator=g).tolist()
-        out.append(Datum.from_sequence(toks, mask=[0] * 6 + [1] * 6, logprobs=[-3.0] * 12,
-                                       advantages=[0.0] * 6 + [0.1 * (i - 1.5)] * 6))
-    return out
+from meshrl.testing.datums import random_datums
 
 
 def _step(trainer, cfg, seed):
-    metrics = trainer.forward_backward(_datums(seed), "ppo")
+    metrics = trainer.forward_backward(random_datums(seed), "ppo")
     trainer.optim_step(cfg.adam_params())
     return metrics["loss"]
 
