@@ -47,9 +47,9 @@ def decode_tensors(data: bytes, compression: str = "none") -> Tensors:
 
 
 class ObjectStore:
-    """Keys are '/'-separated paths under ``url``. Puts are atomic (a temporary key, then a move:
-    readers see the whole object or none); `create` is write-once (the first writer wins); every
-    call raises StoreError after ``timeout_s``."""
+    """Keys are '/'-separated paths under ``url``. Puts are atomic (readers see the whole object or
+    none); `create` is write-once (the first writer wins); listings bypass fsspec's listing cache
+    (other replicas write meanwhile); every call raises StoreError after ``timeout_s``."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, timeout_s: float = 120.0):
         import fsspec
@@ -77,13 +77,17 @@ class ObjectStore:
             raise StoreError(f"store {what} failed ({self.url}): {type(e).__name__}: {e}") from None
 
     def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` at ``key`` atomically (a temporary key in the same folder, then a move)."""
+        """Write ``data`` at ``key`` atomically: on local files a temporary file in the same folder,
+        then a rename; on object stores one PUT, which is atomic there (a move would be a copy and
+        a delete, and s3fs checks the copy's source against a possibly stale listing cache)."""
         final = self.path(key)
-        tmp = f"{final.rsplit('/', 1)[0]}/.tmp-{uuid.uuid4().hex}"
 
         def write():
-            if self._local:
-                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            if not self._local:
+                self.fs.pipe_file(final, data)
+                return
+            tmp = f"{final.rsplit('/', 1)[0]}/.tmp-{uuid.uuid4().hex}"
+            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(tmp, data)
             self.fs.mv(tmp, final)
 
@@ -161,6 +165,7 @@ class ObjectStore:
     def delete(self, prefix: str) -> None:
         """Remove ``prefix`` and everything under it (absent is fine)."""
         def rm():
+            self.fs.invalidate_cache(self.path(prefix))
             try:
                 self.fs.rm(self.path(prefix), recursive=True)
             except FileNotFoundError:
