@@ -64,9 +64,12 @@ def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_proces
             killer.join()
             assert rt.loop.version == 2 and len(trained) == 16
             # the loss is met by this step's calls, or (when hedging on the surviving replica
-            # finished the step's generation first) by the next step's
-            record, _ = rt.loop.step()
-            assert rt.loop.version == 3
+            # finished the step's generation first, or a loaded machine delays its detection)
+            # by a later step's: within three more steps
+            for _ in range(3):
+                if rt.hosts.events:
+                    break
+                record, _ = rt.loop.step()
             assert rt.hosts.events == [{"host_mesh": "sampler", "host": 1}]
             assert [e["mesh"] for e in rt.supervisor.events] == ["generator"]
             assert rt.meshes.procs_of("generator") == 1
@@ -74,8 +77,9 @@ def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_proces
             everything.add(survivor)
             assert psutil.Process(survivor).ppid() == workers[("sampler", 0)]
 
+            before = rt.loop.version
             record, _ = rt.loop.step()  # the replacement pulls the new version across the host boundary
-            assert rt.loop.version == 4 and record["sync/transport/rdma"] == 1
+            assert rt.loop.version == before + 1 and record["sync/transport/rdma"] == 1
     finally:
         launcher.stop()
     assert _gone(everything, within_s=10), "a worker or actor process outlived the job"
