@@ -29,6 +29,7 @@ def _run(cfg):
     return read_metrics(run_dir / "metrics.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.monarch
 def test_colocated_training_moves_no_weights_matches_separate_meshes_and_survives_a_crash(tiny_run_config):
     separate = _run(tiny_run_config("output.name=separate", "trainer.steps=1", *COMMON))
