@@ -58,9 +58,7 @@ class Learner(MeshrlActor):
         if share_in_process:
             in_process.share(store, self.trainer.model, self.trainer.inference_state_dict)
         self.diloco: ModelSync | None = None
-        if diloco_cfg is not None and diloco_cfg.enabled:
-            if self.trainer.dp.sharded:
-                raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use 'ddp'")
+        if diloco_cfg is not None and diloco_cfg.enabled:  # FSDP2 is refused by RunConfig
             # data-parallel ranks hold identical weights: the first uploads, the others follow the seals
             self.diloco = ModelSync(diloco_cfg, self.trainer.model, writer=parallel.rank == 0)
 

@@ -95,12 +95,17 @@ class RunConfig(Section):
     diloco: DiLoCoConfig = DiLoCoConfig()
     """DiLoCo across replicas (separate jobs) through an object store."""
 
+    @property
+    def _sharded_learner(self) -> bool:
+        """More than one learner process under FSDP2: no process holds all the weights."""
+        return self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2"
+
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "RunConfig":
-        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2" and self.learner.lora.enabled:
+        if self._sharded_learner and self.learner.lora.enabled:
             raise ValueError("learner.data_parallel = 'fsdp2' with learner.lora.enabled is not supported: use "
                              "learner.data_parallel = 'ddp' for a data-parallel LoRA learner")
-        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2" and self.diloco.enabled:
+        if self._sharded_learner and self.diloco.enabled:
             raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use "
                              "learner.data_parallel = 'ddp' for a data-parallel DiLoCo replica")
         return self
@@ -120,7 +125,7 @@ class RunConfig(Section):
             raise ValueError(f"trainer.num_substeps = {tc.num_substeps}: a generator co-located with the learner "
                              "(meshes.generator.colocate_with) needs 1 (an optimizer step would change the weights "
                              "it is sampling with)")
-        if self.meshes.learner.procs > 1 and self.learner.data_parallel == "fsdp2":
+        if self._sharded_learner:
             raise ValueError("learner.data_parallel = 'fsdp2' shards the weights a co-located generator "
                              "(meshes.generator.colocate_with) samples with: use 'ddp'")
         return self

@@ -25,12 +25,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from meshrl.config.diloco import DiLoCoConfig
 from meshrl.diloco.outer import Tensors, average
 from meshrl.diloco.store import CorruptObject, ObjectStore, StoreError, decode_tensors, encode_tensors, sha256
 
 log = logging.getLogger("meshrl.diloco")
+T = TypeVar("T")
 
 
 class DiLoCoError(RuntimeError):
@@ -86,26 +88,33 @@ class ObjectStoreAllReduce:
         cfg = self.cfg
         t0 = time.perf_counter()
         data = encode_tensors(delta, cfg.delta_dtype, cfg.compression)
+        digest = sha256(data)
         mine = decode_tensors(data, cfg.compression)  # what the others will read, rounding included
         self.store.put(self._k(f"{_rkey(r)}/delta-{self.me:04d}"), data)
         self.store.put_json(self._k(f"{_rkey(r)}/commit-{self.me:04d}.json"),
-                            {"replica": self.me, "round": r, "sha256": sha256(data), "bytes": len(data),
+                            {"replica": self.me, "round": r, "sha256": digest, "bytes": len(data),
                              "base_hash": base_hash, "dtype": cfg.delta_dtype, "compression": cfg.compression})
         res = RoundResult(r, {}, [], False, upload_s=time.perf_counter() - t0, bytes_up=len(data))
         seal = self._wait_for_seal(r, base_hash, res)
-        return self._average_sealed(r, seal, base_hash, (sha256(data), mine), res)
+        return self._average_sealed(r, seal, base_hash, (digest, mine), res)
 
     def follow(self, r: int, base_hash: str) -> RoundResult:
         """Round ``r``'s average without taking part (wait for its seal, read the sealed deltas)."""
         res = RoundResult(r, {}, [], False)
         start = time.perf_counter()
-        while (seal := self._read_seal(r)) is None:
-            if time.perf_counter() - start > self.cfg.round_timeout_s:
-                raise DiLoCoError(f"round {r} was not sealed within {self.cfg.round_timeout_s:.0f}s "
-                                  "(diloco.round_timeout_s)")
-            time.sleep(self.cfg.poll_interval_s)
+        seal = self._poll(lambda: self._read_seal(r), f"round {r} was not sealed")
         res.wait_s = time.perf_counter() - start
         return self._average_sealed(r, seal, base_hash, None, res)
+
+    def _poll(self, read: Callable[[], T | None], what: str) -> T:
+        """``read()`` once it returns something, polling every `poll_interval_s`; DiLoCoError
+        ("<what> within ...") after `round_timeout_s`."""
+        start = time.perf_counter()
+        while (found := read()) is None:
+            if time.perf_counter() - start > self.cfg.round_timeout_s:
+                raise DiLoCoError(f"{what} within {self.cfg.round_timeout_s:.0f}s (diloco.round_timeout_s)")
+            time.sleep(self.cfg.poll_interval_s)
+        return found
 
     def _average_sealed(self, r: int, seal: dict, base_hash: str, mine: tuple[str, Tensors] | None,
                         res: RoundResult) -> RoundResult:
@@ -253,13 +262,7 @@ class ObjectStoreAllReduce:
 
     def wait_outer(self, r: int) -> OuterState:
         """The outer state of round ``r`` once it is there (round_timeout_s)."""
-        start = time.perf_counter()
-        while (state := self.read_outer(r)) is None:
-            if time.perf_counter() - start > self.cfg.round_timeout_s:
-                raise DiLoCoError(f"the outer state of round {r} did not appear within "
-                                  f"{self.cfg.round_timeout_s:.0f}s (diloco.round_timeout_s)")
-            time.sleep(self.cfg.poll_interval_s)
-        return state
+        return self._poll(lambda: self.read_outer(r), f"the outer state of round {r} did not appear")
 
     def prune(self, r: int) -> None:
         """Delete rounds and outer states older than the `keep_rounds` newest (up to round ``r``)."""

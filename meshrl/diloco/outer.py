@@ -62,11 +62,11 @@ class OuterOptimizer:
         return out
 
     def state_dict(self) -> Tensors:
-        return {f"momentum.{k}": v for k, v in self.buffers.items()}
+        """The momentum buffers by parameter name (empty before the first step)."""
+        return dict(self.buffers)
 
     def load_state_dict(self, state: Tensors) -> None:
-        self.buffers = {k.removeprefix("momentum."): v.float().clone() for k, v in state.items()
-                        if k.startswith("momentum.")}
+        self.buffers = {k: v.float().clone() for k, v in state.items()}
 
 
 def weights_hash(tensors: Tensors) -> str:

@@ -45,7 +45,7 @@ class DiLoCoSync:
             for name, p in params.items():
                 p.copy_(state.params[name])
         self.start_params = {k: v.clone() for k, v in state.params.items()}
-        self.outer.load_state_dict({f"momentum.{k}": v for k, v in state.momentum.items()})
+        self.outer.load_state_dict(state.momentum)
         self.round = state.round
         self.base_hash = weights_hash(self.start_params)
         if self.base_hash != state.hash:
@@ -101,7 +101,7 @@ class DiLoCoSync:
         outer_s = time.perf_counter() - t1
         if self.writer and self.cfg.replica_id == min(res.participants):  # the round's leader
             t2 = time.perf_counter()
-            self.allreduce.publish_outer(OuterState(r, new, dict(self.outer.buffers), self.base_hash))
+            self.allreduce.publish_outer(OuterState(r, new, self.outer.state_dict(), self.base_hash))
             self.allreduce.prune(r)
             res.upload_s += time.perf_counter() - t2
         return {"round": r, "participants": res.participants, "included": int(res.included),
