@@ -36,10 +36,6 @@ class ModelSync:
         self.sync = DiLoCoSync(cfg, store, writer)
         self._checkpoint: dict | None = None  # the DiLoCo record of the checkpoint just loaded
 
-    @property
-    def round(self) -> int:
-        return self.sync.round
-
     def join(self) -> dict:
         """Align with the run (see the module docstring): ``{round, hash, rejoined,
         kept_checkpoint_weights}``."""
