@@ -25,6 +25,9 @@ def test_rollout_spreads_prompts_and_counts_bad_input():
     assert sum(sum(g.seen) for g in gens) >= 5 and all(g.seen for g in gens)  # hedged chunks count twice
     assert metrics["gen/prompts/replica0"] + metrics["gen/prompts/replica1"] == 5
     assert 0.5 <= metrics["gen/replica_max_share"] < 1
+    # the generators' own engine time: the busiest replica's chunks (10 ms a prompt in the fake)
+    busiest = max(metrics["gen/prompts/replica0"], metrics["gen/prompts/replica1"])
+    assert metrics["timing/generator_engine_s"] == pytest.approx(0.01 * busiest)
     assert len(trajectories) == 15
     assert [t.group for t in trajectories] == [g for g in range(5) for _ in range(3)]
     empties = [t for t in trajectories if not t.tokens]

@@ -89,9 +89,9 @@ class EpisodeRollout:
         return [out[ep.id] for ep, _ in per_episode]
 
     def _play(self, tasks: list, group_size: int, request: SampleRequest,
-              tag: str) -> tuple[list[Trajectory], list[dict], dict[str, int]]:
-        """Play the episodes; their trajectories, the env's records and the prompts each generator
-        replica served (over all turns)."""
+              tag: str) -> tuple[list[Trajectory], list[dict], dict[str, float]]:
+        """Play the episodes; their trajectories, the env's records, and the prompts each generator
+        replica served and the generators' engine time (over all turns)."""
         ranks = self.client.procs(ENV)
         episodes = [_Episode(f"{tag}-{g}-{k}", g, task, (g * group_size + k) % ranks)
                     for g, task in enumerate(tasks) for k in range(group_size)]
@@ -109,7 +109,7 @@ class EpisodeRollout:
         while active:
             prompts = [ep.prompt + ep.tokens for ep in active]
             turn_request = request if request.seed is None else dataclasses.replace(request, seed=request.seed + 7919 * turn)
-            completions = self.client.generate(prompts, turn_request)
+            completions = self.client.generate(prompts, turn_request, served)
             served.update(prompts_by_replica(completions))
             actions = []
             for ep, group in zip(active, completions):

@@ -150,11 +150,14 @@ class MeshClient:
             self.meshes[mesh], self.procs(mesh), n, self.chunks_per_replica, issue, self.timeouts[mesh], what,
             watch=lambda: self.meshes.dead_process(mesh)))
 
-    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], request: SampleRequest,
+                 timings: dict[str, float] | None = None) -> list[list[Completion]]:
         """Completions per prompt, in order, from the generator replicas. Prompt i of the batch is
         sampled with seed + i whichever replica serves it: a chunk from prompt i gets seed + i, and
         the vLLM engine adds each prompt's index in the chunk (the HF engine seeds the chunk once;
-        chunks are cut the same way in every run, see `chunk_bounds`)."""
+        chunks are cut the same way in every run, see `chunk_bounds`). ``timings`` gets
+        `timing/generator_engine_s` added: the engine time of the busiest replica, as timed inside
+        the generators (the rest of the call's time is transport and dispatch)."""
         if not prompts:
             return []
 
@@ -163,6 +166,12 @@ class MeshClient:
             return generator.generate.call_one(prompts[start:stop], part)
 
         batches = self.dispatch(GENERATOR, "generate", len(prompts), chunk, "generator.generate")
+        if timings is not None:
+            busiest = Counter()
+            for b in batches:
+                busiest[next((g[0].meta["replica"] for g in b.completions if g), 0)] += b.seconds
+            key = "timing/generator_engine_s"
+            timings[key] = timings.get(key, 0.0) + max(busiest.values())
         return [group for batch in batches for group in batch.completions]
 
     def score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:

@@ -80,7 +80,8 @@ class SingleTurnRollout:
     def collect(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], dict]:
         t0 = time.perf_counter()
         problems, prompts = self._prompts(tasks, request.max_tokens)
-        completions = self.client.generate(prompts, dataclasses.replace(request, n=group_size))
+        timings: dict[str, float] = {}
+        completions = self.client.generate(prompts, dataclasses.replace(request, n=group_size), timings)
         t1 = time.perf_counter()
         trajectories: list[Trajectory] = []
         for g, (problem, prompt, group) in enumerate(zip(problems, prompts, completions)):
@@ -100,7 +101,7 @@ class SingleTurnRollout:
                 self.counters.reward_errors += 1
                 log.warning("reward for %s failed: %s", t.id, info["error"])
         return trajectories, {"timing/generate_s": t1 - t0, "timing/reward_s": time.perf_counter() - t1,
-                              **prompts_by_replica(completions)}
+                              **timings, **prompts_by_replica(completions)}
 
 
 def strategy_for(task) -> type:

@@ -264,6 +264,7 @@ class PolicyTrainer:
 
     def optim_step(self, adam: AdamParams) -> dict:
         """Apply the accumulated gradients with AdamW, then clear them."""
+        started = time.perf_counter()
         for group in self.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
@@ -278,7 +279,8 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += 1
-        return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate}
+        return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate,
+                "optim_s": time.perf_counter() - started}
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_state_dict(self) -> dict[str, torch.Tensor]:
