@@ -48,3 +48,59 @@ def test_colocated_training_moves_no_weights_matches_separate_meshes_and_survive
     assert first_separate["sync/bytes"] > 0  # the comparison run did move weights
     assert train[0]["reward/mean"] == pytest.approx(first_separate["reward/mean"], abs=1e-6)
     assert train[0]["train/loss"] == pytest.approx(first_separate["train/loss"], rel=1e-4, abs=1e-6)
+
+
+class _RecordingLLM:
+    """Stands in for `vllm.LLM` to record what our engine asks of it on a GPU host (vLLM's CUDA
+    build cannot run here); generation returns nothing."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+
+    def get_tokenizer(self):
+        return None
+
+    def generate(self, *args, **kwargs):
+        self.calls.append("generate")
+        return []
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self):
+        self.calls.append("wake_up")
+
+
+def test_colocated_vllm_on_a_gpu_starts_with_dummy_weights_and_sleeps_between_calls(monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    import torch
+
+    from meshrl.actors.follower import InProcessFollower
+    from meshrl.channels import in_process
+    from meshrl.config.generation import GeneratorConfig
+    from meshrl.engines.base import SampleRequest
+    from meshrl.engines.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm, "LLM", _RecordingLLM)
+    engine = VLLMEngine("model", GeneratorConfig(), "bfloat16", 256, seed=0, colocated=True)
+    assert engine.llm.kwargs["load_format"] == "dummy" and engine.llm.kwargs["enable_sleep_mode"]
+    assert engine.llm.kwargs["distributed_executor_backend"] == "uni" and not engine.holds_weights
+    separate = VLLMEngine("model", GeneratorConfig(), "bfloat16", 256, seed=0)
+    assert "load_format" not in separate.llm.kwargs and separate.holds_weights
+
+    # version 0 is copied too (the engine holds dummy weights), then only new versions
+    in_process.share("test-gpu-colocated", torch.nn.Linear(2, 2), lambda: {"w": torch.ones(3)})
+    in_process.set_version("test-gpu-colocated", 0)
+    follower = InProcessFollower("test-gpu-colocated", 5.0, shares=False, loaded=engine.holds_weights)
+    assert follower.update(engine, 0)["bytes"] == 12 and engine.holds_weights
+    assert follower.update(engine, 0)["bytes"] == 0
+    engine.generate([[1, 2]], SampleRequest(n=1, max_tokens=2))
+    assert engine.llm.calls == ["reload_weights", "reset_prefix_cache", "sleep1",
+                                "wake_up", "generate", "sleep1"]

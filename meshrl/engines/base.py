@@ -48,6 +48,9 @@ class Completion:
 class Engine(Protocol):
     """What the Generator actor needs from an inference engine."""
 
+    holds_weights: bool
+    """Whether the engine holds the model it was built from (False while it has dummy weights)."""
+
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
         """For each prompt, `request.n` completions."""
 
@@ -70,11 +73,12 @@ def cpu_share(replicas: int) -> int:
 
 
 def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
-                replicas: int = 1, module: torch.nn.Module | None = None) -> Engine:
+                replicas: int = 1, module: torch.nn.Module | None = None, colocated: bool = False) -> Engine:
     """The engine selected by `generator.backend`, one of ``replicas`` on this host (their threads
     share its cores). Tensor parallelism is checked here, in the process that runs the engine (the
     controller's host may have no GPU). ``module``: a policy in this process whose parameters the HF
-    engine samples with (shared storage); the vLLM engine loads its own copy regardless."""
+    engine samples with (shared storage); the vLLM engine keeps its own copy regardless, and when
+    ``colocated`` with the learner on a GPU starts from dummy weights and sleeps between calls."""
     if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
         where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
         raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
@@ -86,7 +90,7 @@ def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_le
     if cfg.backend == "vllm":
         from meshrl.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed)
+        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed, colocated=colocated)
     from meshrl.engines.hf_engine import HFEngine
 
     return HFEngine(model_path, cfg.model_copy(update={"torch_threads": min(cfg.torch_threads, share)}), dtype,

@@ -49,6 +49,8 @@ class HFEngine:
     co-located learner's policy, LoRA adapters applied on the fly) it samples with that module's own
     parameters: no copy of the weights exists."""
 
+    holds_weights = True  # the model it was built from, or the co-located learner's module
+
     def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
                  module: torch.nn.Module | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer

