@@ -1,7 +1,12 @@
 """The four ablation arms (baseline, +SDPO, +replay, full) run one after the other with the same
-seed, steps and evals, so their cost per step and their learning can be compared side by side.
+seeds, steps and evals, on the default arithmetic task and on the multi-turn code task, so their
+cost per step and their learning can be compared side by side.
 
-    python benchmarks/ablation.py --steps 16 --eval-every 8
+    python benchmarks/ablation.py --steps 16 --eval-every 8 --tasks arithmetic code --seeds 0 1
+    python benchmarks/ablation.py --quick      # 8 steps, evals every 4 on 100 problems (20 code tasks)
+
+A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The code task runs with
+`task.kind=code`, two turns per episode and the `code` canonicaliser for the teachers.
 
 The replay arms need an OpenAI-compatible teacher at the configs' base_url
 (http://127.0.0.1:8001/v1): unless --no-teacher-server is given, this script starts one
@@ -22,17 +27,36 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
 ARMS = ("baseline", "sdpo", "replay", "full")
 NEEDS_TEACHERS = {"replay", "full"}
 TEACHER_PORT = 8001  # the port the ablation configs point at
 RUNS = Path("benchmarks/results/runs")
 
 
-def run_arm(arm: str, steps: int, eval_every: int) -> float:
+TASK_OVERRIDES = {
+    "arithmetic": [],
+    "code": ["task.kind=code", "task.code.env.code.max_turns=2"],
+}
+
+
+def run_name(arm: str, task: str, seed: int) -> str:
+    return f"ablation-{arm}-{task}-s{seed}"
+
+
+def run_arm(arm: str, task: str, seed: int, args: argparse.Namespace) -> float:
+    overrides = [f"trainer.seed={seed}", f"generator.seed={seed}", *TASK_OVERRIDES[task]]
+    if task == "code":
+        overrides.append(f"task.code.heldout_limit={args.code_eval_size}")
+        if arm in NEEDS_TEACHERS:
+            overrides.append("replay.teachers.canonicaliser=code")
+    else:
+        overrides.append(f"trainer.eval.size={args.eval_size}")
     cmd = [sys.executable, "-m", "meshrl.cli", "train", "-c", f"configs/ablation-{arm}.yaml",
-           f"trainer.steps={steps}", f"trainer.eval.every={eval_every}", f"output.dir={RUNS}",
-           f"output.name=ablation-{arm}", "trainer.progress=false", "trainer.checkpoint.export_final=false",
-           "--overwrite"]
+           f"trainer.steps={args.steps}", f"trainer.eval.every={args.eval_every}", f"output.dir={RUNS}",
+           f"output.name={run_name(arm, task, seed)}", "trainer.progress=false",
+           "trainer.checkpoint.export_final=false", *overrides, "--overwrite"]
     print("$", " ".join(cmd), flush=True)
     started = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -43,15 +67,15 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def summarise(arm: str, wall_s: float) -> dict:
+def summarise(arm: str, task: str, seed: int, wall_s: float) -> dict:
     from meshrl.controller.metrics import read_metrics
 
-    records = read_metrics(ROOT / RUNS / f"ablation-{arm}" / "metrics.jsonl")
+    records = read_metrics(ROOT / RUNS / run_name(arm, task, seed) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     last = train[-1]
     counters = {k: last[k] for k in sorted(last) if k.startswith(("sdpo/", "replay/")) and isinstance(last[k], float)}
     return {
-        "wall_s": wall_s,
+        "arm": arm, "task": task, "seed": seed, "wall_s": wall_s,
         "mean_step_s": mean([r["timing/step_s"] for r in train]),
         "mean_train_s": mean([r["timing/train_s"] for r in train]),
         "mean_loss": {k: mean([r.get(k, 0.0) for r in train])
@@ -64,66 +88,97 @@ def summarise(arm: str, wall_s: float) -> dict:
     }
 
 
+def mean_curve(runs: list[dict]) -> tuple[list[int], list[float]]:
+    """Held-out accuracy per eval step, averaged over the seeds that evaluated there."""
+    steps = sorted({int(k) for r in runs for k in r["eval_accuracy"]})
+    return steps, [100 * mean([r["eval_accuracy"][str(x)] for r in runs if str(x) in r["eval_accuracy"]])
+                   for x in steps]
+
+
+def by_arm(runs: list[dict], task: str) -> dict[str, list[dict]]:
+    return {arm: [r for r in runs if r["arm"] == arm and r["task"] == task]
+            for arm in ARMS if any(r["arm"] == arm and r["task"] == task for r in runs)}
+
+
 def plot(summary: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc_ax, time_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for arm, s in summary["arms"].items():
-        steps = sorted(s["eval_accuracy"], key=int)
-        acc_ax.plot([int(x) for x in steps], [100 * s["eval_accuracy"][x] for x in steps], marker="o", label=arm)
-    acc_ax.set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="learning per arm")
-    acc_ax.legend()
-    arms = list(summary["arms"])
-    time_ax.bar(arms, [summary["arms"][a]["mean_step_s"] for a in arms])
+    tasks = summary["tasks"]
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(5 * (len(tasks) + 1), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for arm, runs in by_arm(summary["runs"], task).items():
+            steps, acc = mean_curve(runs)
+            ax.plot(steps, acc, marker="o", label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        ax.set(xlabel="step", ylabel="held-out greedy accuracy (%), mean over seeds", title=f"{task} task")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    time_ax = axes[0][-1]
+    width = 0.8 / len(tasks)
+    for t, task in enumerate(tasks):
+        arms = by_arm(summary["runs"], task)
+        time_ax.bar([i + t * width for i in range(len(arms))], [mean([r["mean_step_s"] for r in rs]) for rs in arms.values()],
+                    width, label=task)
+        time_ax.set_xticks([i + width * (len(tasks) - 1) / 2 for i in range(len(arms))], list(arms))
     time_ax.set(ylabel="mean seconds per step", title="cost per step")
+    time_ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="the four ablation arms side by side")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--eval-every", type=int, default=8)
+    parser.add_argument("--eval-size", type=int, default=200, help="held-out arithmetic problems per eval")
+    parser.add_argument("--code-eval-size", type=int, default=40, help="held-out code tasks per eval")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--tasks", nargs="+", choices=tuple(TASK_OVERRIDES), default=list(TASK_OVERRIDES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--quick", action="store_true", help="8 steps, evals every 4 on 100 problems / 20 code tasks")
     parser.add_argument("--no-teacher-server", action="store_true",
                         help="a teacher is already listening on the configs' base_url")
     args = parser.parse_args()
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        args.steps, args.eval_every, args.eval_size, args.code_eval_size = 8, 4, 100, 20
 
-    walls: dict[str, float] = {}
-    for arm in [a for a in args.arms if a not in NEEDS_TEACHERS]:
-        walls[arm] = run_arm(arm, args.steps, args.eval_every)
-    replay_arms = [a for a in args.arms if a in NEEDS_TEACHERS]
-    if replay_arms:
+    from benchmarks.common import write_result
+
+    plan = [(arm, task, seed) for task in args.tasks for seed in args.seeds for arm in args.arms]
+    walls: dict[tuple, float] = {}
+    for key in [k for k in plan if k[0] not in NEEDS_TEACHERS]:
+        walls[key] = run_arm(*key, args)
+    replay = [k for k in plan if k[0] in NEEDS_TEACHERS]
+    if replay:
         if args.no_teacher_server:
-            for arm in replay_arms:
-                walls[arm] = run_arm(arm, args.steps, args.eval_every)
+            for key in replay:
+                walls[key] = run_arm(*key, args)
         else:
             from meshrl.models.provision import resolve_model
             from meshrl.teachers.serve import LocalTeacherServer
 
             with LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2-135m-instruct",
                                     port=TEACHER_PORT):
-                for arm in replay_arms:
-                    walls[arm] = run_arm(arm, args.steps, args.eval_every)
+                for key in replay:
+                    walls[key] = run_arm(*key, args)
 
-    summary = {"steps": args.steps, "eval_every": args.eval_every,
-               "arms": {arm: summarise(arm, walls[arm]) for arm in args.arms if arm in walls}}
-    base = summary["arms"].get("baseline")
-    if base:
-        for s in summary["arms"].values():
-            s["step_time_vs_baseline"] = s["mean_step_s"] / base["mean_step_s"]
-    (results / "ablation.json").write_text(json.dumps(summary, indent=1))
-    plot(summary, results / "ablation.png")
-    for arm, s in summary["arms"].items():
-        accs = " -> ".join(f"{100 * v:.1f}%" for _, v in sorted(s["eval_accuracy"].items(), key=lambda kv: int(kv[0])))
-        print(f"{arm:>8}: step {s['mean_step_s']:.1f}s (x{s.get('step_time_vs_baseline', 1.0):.2f} baseline), "
-              f"accuracy {accs}, loss terms {s['mean_loss']}")
-    print(f"wrote {results / 'ablation.json'} and {results / 'ablation.png'}")
+    runs = [summarise(*key, walls[key]) for key in plan]
+    for r in runs:
+        base = [b for b in runs if b["arm"] == "baseline" and b["task"] == r["task"] and b["seed"] == r["seed"]]
+        if base:
+            r["step_time_vs_baseline"] = r["mean_step_s"] / base[0]["mean_step_s"]
+    summary = {"steps": args.steps, "eval_every": args.eval_every, "tasks": args.tasks, "seeds": args.seeds,
+               "runs": runs}
+    write_result("ablation", summary)
+    plot(summary, RESULTS / "ablation.png")
+    for r in runs:
+        accs = " -> ".join(f"{100 * v:.1f}%" for _, v in sorted(r["eval_accuracy"].items(), key=lambda kv: int(kv[0])))
+        print(f"{r['task']:>10} seed {r['seed']} {r['arm']:>8}: step {r['mean_step_s']:.1f}s "
+              f"(x{r.get('step_time_vs_baseline', 1.0):.2f} baseline), accuracy {accs}, loss terms {r['mean_loss']}")
+    print(f"wrote {RESULTS / 'ablation.json'} and {RESULTS / 'ablation.png'}")
 
 
 if __name__ == "__main__":
