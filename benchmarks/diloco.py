@@ -26,11 +26,8 @@ Results: ``benchmarks/results/diloco.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meshrl.diloco.executors import ExecutorError, LocalProcessExecutor, ReplicaSpec  # noqa: E402
 from meshrl.diloco.supervised import train_single  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "diloco.json"
+from common import RESULTS as RESULTS_DIR, write_result  # noqa: E402
+
+RESULTS = RESULTS_DIR / "diloco.json"
 SPLIT = ("compute_s", "upload_s", "wait_s", "download_s", "outer_s", "sync_s", "round_s")
 """Seconds per replica and round: compute (H inner steps) + sync (upload, wait, download, outer step,
 and the leader's outer-state upload) = round."""
@@ -146,15 +145,9 @@ def main() -> None:
         print(f"{row['run']:48}{row['syncs']:>7}{row['samples']:>9}{row['final_eval']:>10.5f}"
               f"{row['ratio_to_one_model']:>8.3f}{row.get('bytes_per_round', 0):>13,.0f}")
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"kind": "diloco", "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work)",
-              "date": time.strftime("%Y-%m-%d"), "commit": commit,
-              "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "round_split": splits, "convergence": conv}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result("diloco", {"kind": "diloco", "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
+                            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                            "round_split": splits, "convergence": conv}, args.out)
 
 
 if __name__ == "__main__":

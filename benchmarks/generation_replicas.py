@@ -28,15 +28,12 @@ Prints a table and writes benchmarks/results/generation_replicas.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import write_result
+
 ROWS = [("1 replica", 1, 4), ("2 replicas", 2, 4), ("2 replicas, 1 chunk per replica", 2, 1)]
 """(row, meshes.generator.procs, meshes.chunks_per_replica)"""
 
@@ -138,16 +135,10 @@ def main() -> None:
     finally:
         for meshes in groups_by_procs.values():
             meshes.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"kind": "generation_replicas", "model": base.model.name_or_path, "backend": base.generator.backend,
-              "prompts": len(prompts), "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens,
-              "rounds": args.rounds, "rows": rows, "loadavg_1min_per_round": load,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work)",
-              "date": time.strftime("%Y-%m-%d"), "commit": commit}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "generation_replicas.json"
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result("generation_replicas", {
+        "kind": "generation_replicas", "model": base.model.name_or_path, "backend": base.generator.backend,
+        "prompts": len(prompts), "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens,
+        "rounds": args.rounds, "rows": rows, "loadavg_1min_per_round": load})
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ The first step (warm-up) is not timed. Writes benchmarks/results/learner_scaling
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
+
+from common import write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-RESULTS = Path(__file__).resolve().parent / "results" / "learner_scaling.json"
 
 
 def _batch(seed: int, seqs: int, length: int, vocab: int):
@@ -104,13 +101,8 @@ def main() -> None:
         arm["ratio_to_1_process"] = arm["tokens_per_s"] / base
         print(f"{arm['arm']:22s} {arm['tokens_per_s']:8.0f} tokens/s  step {arm['step_s_median']:6.2f} s  "
               f"x{arm['ratio_to_1_process']:.2f}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": f"{platform.machine()}, {cores} cores, no GPU", "date": time.strftime("%Y-%m-%d"),
-        "commit": commit, "model": args.model, "steps_timed": args.steps, "seqs_per_step": args.seqs,
-        "max_len": args.len, "arms": arms}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result("learner_scaling", {"model": args.model, "steps_timed": args.steps, "seqs_per_step": args.seqs,
+                                     "max_len": args.len, "arms": arms})
 
 
 if __name__ == "__main__":

@@ -19,23 +19,14 @@ Writes benchmarks/results/pipeline_<mode>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from common import write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _machine() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-            "commit": commit}
 
 
 def simulated_run(k: int, minibatches: int, gen_s: float, train_s: float, steps: int) -> float:
@@ -73,7 +64,7 @@ def simulated(args) -> dict:
     sync = rows[0]["step_s"]
     for r in rows:
         r["speedup_vs_sync"] = sync / r["step_s"]
-    return {"kind": "pipeline_simulated", "gen_s": g, "train_s": t, "steps": args.steps, "rows": rows, **_machine()}
+    return {"kind": "pipeline_simulated", "gen_s": g, "train_s": t, "steps": args.steps, "rows": rows}
 
 
 def real_run(k: int, steps: int, out_dir: str, overrides: list[str]) -> dict:
@@ -111,7 +102,7 @@ def real(args) -> dict:
                   f"staleness {r['staleness']}")
     for r in rows:
         r["speedup_vs_sync"] = rows[0]["step_s"] / r["step_s"]
-    return {"kind": "pipeline_real", "steps": args.steps, "overrides": args.override, "rows": rows, **_machine()}
+    return {"kind": "pipeline_real", "steps": args.steps, "overrides": args.override, "rows": rows}
 
 
 def main() -> int:
@@ -128,10 +119,7 @@ def main() -> int:
     rl.add_argument("--tag", default="", help="suffix of the result file")
     args = parser.parse_args()
     result = simulated(args) if args.mode == "simulated" else real(args)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"pipeline_{args.mode}{getattr(args, 'tag', '')}.json"
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_result(f"pipeline_{args.mode}{getattr(args, 'tag', '')}", result)
     return 0
 
 

@@ -11,11 +11,11 @@ resync, excluding model load, under 3 s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
+
+from common import write_result
 
 
 def main() -> None:
@@ -64,9 +64,7 @@ def main() -> None:
     summary = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
     result = {"model": args.model, "trials": trials, "median": summary, "goal_s": 3.0,
               "supervision_poll_s": cfg.meshes.supervision_poll_s}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = write_result("recovery", result, args.out)
     print(f"median: detect {summary['detect_s']:.2f}s, replace+resync {summary['replace_and_resync_s']:.2f}s "
           f"(engine start {summary['engine_start_s']:.2f}s) -> excluding model load "
           f"{summary['total_excluding_model_load_s']:.2f}s (goal < 3 s); wrote {out}")

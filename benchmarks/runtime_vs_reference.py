@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -66,12 +68,11 @@ def main() -> None:
                           for s in sorted(set(ref_evals) | set(mesh_evals))},
         "wall_s": {"reference": ref_wall, "runtime": mesh_wall},
     }
-    Path(args.out).write_text(json.dumps(summary, indent=1))
+    write_result("runtime_vs_reference", summary, args.out)
     print(f"per-step wall clock: runtime {mesh_step:.2f}s vs reference {ref_step:.2f}s -> ratio "
           f"{summary['step_time_ratio']:.2f} (target <= 1.3)")
     for step, acc in summary["eval_accuracy"].items():
         print(f"  step {step:>3}: held-out accuracy reference {acc['reference']}, runtime {acc['runtime']}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ executions per second; a sequential round gives the one-at-a-time baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
+
+from common import RESULTS, write_result
 
 
 def bench_layer(layer: str, rounds: int, concurrency: int) -> dict:
@@ -79,13 +79,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--layers", default="bwrap,rlimit")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sandbox_throughput.json"))
+    ap.add_argument("--out", default=str(RESULTS / "sandbox_throughput.json"))
     args = ap.parse_args()
 
     results = {
         "benchmark": "sandbox_throughput",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "root": os.geteuid() == 0,
-                    "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "host": {"platform": platform.platform(), "root": os.geteuid() == 0},
         "layers": [bench_layer(layer, args.rounds, args.concurrency) for layer in args.layers.split(",")],
     }
     for r in results["layers"]:
@@ -99,9 +98,7 @@ def main() -> None:
                 f"(round {k['round_s_median']} s, sequential {k['sequential_executions_per_s']}/s, "
                 f"x{k['speedup_vs_sequential']}), all correct"
             )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result("sandbox_throughput", results, args.out)
 
 
 if __name__ == "__main__":

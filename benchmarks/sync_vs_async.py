@@ -10,16 +10,12 @@ K = 0 run is also the default job. Writes benchmarks/results/sync_vs_async.{json
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
-import time
-from pathlib import Path
+
+from common import RESULTS, write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run(k: int, steps: int, runs_dir: str) -> dict:
@@ -77,13 +73,9 @@ def main() -> int:
         rows.append(run(k, args.steps, args.runs_dir))
         print(f"K={k}: " + " -> ".join(f"{e['accuracy']:.1%} (step {e['step']})" for e in rows[-1]["eval"])
               + f"; mean step {rows[-1]['mean_step_s']:.1f}s, wall {rows[-1]['wall_s']:.0f}s")
-    RESULTS.mkdir(exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"kind": "sync_vs_async", "steps": args.steps, "rows": rows, "commit": commit,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d")}
-    (RESULTS / "sync_vs_async.json").write_text(json.dumps(result, indent=1))
+    write_result("sync_vs_async", {"kind": "sync_vs_async", "steps": args.steps, "rows": rows})
     plot(rows, RESULTS / "sync_vs_async.png")
-    print(f"wrote {RESULTS / 'sync_vs_async.json'} and .png")
+    print(f"wrote {RESULTS / 'sync_vs_async.png'}")
     return 0
 
 

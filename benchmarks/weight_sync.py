@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -210,12 +209,11 @@ def main() -> None:
         "repeats": args.repeats,
         "sweep": rows,
         "rdma_backend_config": {k: v for k, v in get_global_config().items() if k.startswith("rdma")},
-        "cpus": os.cpu_count(),
         "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    from common import write_result  # imported here: actor processes import this module too
+
+    write_result(Path(args.out).stem, report, args.out)
 
     print(f"\n{nbytes / 1e6:.0f} MB per version; memcpy {memcpy['median_gbps']:.2f} GB/s (median, same bytes)")
     print("load: model.load_state_dict(views) / copy_tensors(model.state_dict(), views)")
@@ -227,7 +225,6 @@ def main() -> None:
               f"{r['load_state_dict_s']:>6.3f}/{r['copy_load_s']:.3f}")  # fmt: skip
     print(f"host load average (1 min) {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"best: K={best['chunks']} {best['pull_gbps']:.2f} GB/s; weights identical after load: {same}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,8 @@ sys.path.insert(0, _HERE)
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -247,13 +245,12 @@ def main() -> None:
         gc.collect()
     report = {
         "cases": cases,
-        "cpus": os.cpu_count(),
         "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
         "mem_available_gib": {"start": available_before / 2**30, "lowest": watch.stop() / 2**30},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    from common import write_result  # imported here: actor processes import this module too
+
+    write_result(Path(args.out).stem, report, args.out)
 
     print("\npull = lease + transfer + release (median of warm rounds); memcpy = same bytes in the reader")
     header = ("case", "transport", "MB", "pull s", "pull GB/s", "vs memcpy", "xfer vs memcpy", "cold s", "memcpy GB/s")
@@ -264,7 +261,7 @@ def main() -> None:
                   f"{r['pull_gbps']:>9.2f} {r['pull_vs_memcpy']:>9.2f} {r['transfer_vs_memcpy']:>14.2f} "
                   f"{r['cold_pull_s']:>7.2f} {c['memcpy_gbps']:>11.2f}")  # fmt: skip
     print(f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; MemAvailable lowest "
-          f"{report['mem_available_gib']['lowest']:.1f} GiB; wrote {args.out}")  # fmt: skip
+          f"{report['mem_available_gib']['lowest']:.1f} GiB")  # fmt: skip
 
 
 if __name__ == "__main__":
