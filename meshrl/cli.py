@@ -1,5 +1,5 @@
-"""The `meshrl` command line: train, launch, plan, serve, models, teachers, rollout shards, config
-reference."""
+"""The `meshrl` command line: train, launch, plan, serve, models, teachers, rollout shards, run
+reports, config reference."""
 
 from __future__ import annotations
 
@@ -186,6 +186,22 @@ def cmd_shards(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """`meshrl report RUN_DIR` (its dashboard and summary, into the run directory) and `meshrl report
+    RUN_A RUN_B ...` (the runs overlaid and compared, into --out)."""
+    from meshrl.report import ReportError, write_comparison, write_report
+
+    try:
+        if len(args.run_dirs) == 1:
+            png, md, _ = write_report(args.run_dirs[0], args.out)
+        else:
+            png, md, _ = write_comparison(args.run_dirs, args.out or ".")
+    except ReportError as e:
+        return _fail(str(e))
+    print(f"dashboard: {png}\nsummary: {md}")
+    return 0
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     print(config_reference_markdown(), end="")
     return 0
@@ -277,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--storage-options", metavar="JSON", help="fsspec options as JSON (diloco.storage_options)")
     shards.add_argument("--timeout", type=float, default=120.0, help="seconds per store operation")
     shards.set_defaults(func=cmd_shards)
+
+    report = sub.add_parser("report", help="a run's metrics as a dashboard (report.png) and a summary (report.md); "
+                            "with several runs, one overlay and a comparison table (report-compare.png/.md)")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by `meshrl train`")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: the run directory for one run, the "
+                        "current directory for several)")
+    report.set_defaults(func=cmd_report)
 
     ref = sub.add_parser("config-reference", help="print every config key with its meaning (Markdown)")
     ref.set_defaults(func=cmd_config_reference)

@@ -19,7 +19,7 @@ LAYERS = {  # module prefix -> layer (the longest matching prefix decides)
     "meshrl.actors": 3, "meshrl.testing": 3,
     "meshrl.controller": 4, "meshrl.sdpo.channel": 4, "meshrl.replay.channel": 4, "meshrl.testing.fake_meshes": 4,
     "meshrl.cli": 5, "meshrl.teachers.serve": 5, "meshrl.launch": 5, "meshrl.api": 5, "meshrl.serve": 5,
-    "meshrl.testing.fake_api": 5, "meshrl.diloco.executors": 5,
+    "meshrl.testing.fake_api": 5, "meshrl.diloco.executors": 5, "meshrl.report": 5,
 }
 TRANSPORT_MAY_IMPORT = ("meshrl.channels", "meshrl.config", "meshrl.types")
 

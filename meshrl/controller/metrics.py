@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per step (plus optional TensorBoard / W&B) and PNG curves."""
+"""Run metrics: one JSON line per step (plus optional TensorBoard / W&B), reading them back, and
+the reward/accuracy curves (`curves.png`; also the first panel of `meshrl report`)."""
 
 from __future__ import annotations
 
@@ -65,28 +66,56 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class MetricsFileError(ValueError):
+    """A line of a metrics.jsonl file is not a JSON object; the message names file:line."""
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """All records of a metrics.jsonl file."""
+    """All records of a metrics.jsonl file (blank lines skipped); a line that is not a JSON object
+    raises `MetricsFileError` naming ``path:line``."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MetricsFileError(f"{path}:{lineno}: malformed line ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise MetricsFileError(f"{path}:{lineno}: malformed line (a JSON {type(record).__name__}, "
+                                       "not an object)")
+            records.append(record)
+    return records
+
+
+def draw_reward_accuracy(ax, records: list[dict], color: str | None = None) -> list:
+    """Train reward (mean over the step's samples) and held-out greedy accuracy against step on
+    ``ax``, in ``color`` (default: one colour each); returns the lines drawn (none when neither is
+    logged). `curves.png`, and the reward panel of `meshrl report` (one colour per run)."""
+    train = [(r["step"], r["reward/mean"]) for r in records
+             if r.get("kind") == "train" and r.get("reward/mean") is not None]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records
+             if r.get("kind") == "eval" and r.get("eval/accuracy") is not None]
+    lines = []
+    if train:
+        lines += ax.plot(*zip(*train), color=color, alpha=0.7, label="train reward (mean)")
+    if evals:
+        lines += ax.plot(*zip(*evals), "o-", color=color, label="held-out greedy accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    return lines
 
 
 def plot_curves(records: list[dict], out_png: Path, title: str = "") -> Path:
-    """Reward (training samples) and held-out accuracy against step, as a PNG."""
+    """`draw_reward_accuracy` alone, as a PNG (a run's `curves.png`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], label="train reward (mean)", alpha=0.7)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out greedy accuracy")
+    draw_reward_accuracy(ax, records)
     ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     ax.set_title(title)

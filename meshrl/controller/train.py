@@ -192,7 +192,8 @@ def summary_text(result: dict, run_dir: Path) -> str:
              + (f", recovered from {result['faults']} failure(s)" if result.get("faults") else "")]
     if evals:
         lines.append("held-out accuracy: " + " -> ".join(f"{e['eval/accuracy']:.1%} (step {e['step']})" for e in evals))
-    lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}")
+    lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; curves: {run_dir / 'curves.png'}; "
+                 f"dashboard and summary: meshrl report {run_dir}")
     if result.get("export"):
         lines.append(f"final policy (HF format): {result['export']}")
     return "\n".join(lines)
