@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BENCH_QUICK ?= 1
 ifeq ($(BENCH_QUICK),1)
 QUICK := --quick
-ABLATION_ARGS ?= --steps 8 --eval-every 4
+ABLATION_ARGS ?= --quick --tasks arithmetic --seeds 0
 else
 QUICK :=
 ABLATION_ARGS ?=

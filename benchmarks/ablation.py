@@ -3,7 +3,7 @@ seeds, steps and evals, on the default arithmetic task and on the multi-turn cod
 cost per step and their learning can be compared side by side.
 
     python benchmarks/ablation.py --steps 16 --eval-every 8 --tasks arithmetic code --seeds 0 1
-    python benchmarks/ablation.py --quick      # 8 steps, evals every 4 on 100 problems (20 code tasks)
+    python benchmarks/ablation.py --quick      # 6 steps, evals every 3 on 100 problems (20 code tasks)
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The code task runs with
 `task.kind=code`, two turns per episode and the `code` canonicaliser for the teachers.
@@ -138,12 +138,12 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--tasks", nargs="+", choices=tuple(TASK_OVERRIDES), default=list(TASK_OVERRIDES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--quick", action="store_true", help="8 steps, evals every 4 on 100 problems / 20 code tasks")
+    parser.add_argument("--quick", action="store_true", help="6 steps, evals every 3 on 100 problems / 20 code tasks")
     parser.add_argument("--no-teacher-server", action="store_true",
                         help="a teacher is already listening on the configs' base_url")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.eval_every, args.eval_size, args.code_eval_size = 8, 4, 100, 20
+        args.steps, args.eval_every, args.eval_size, args.code_eval_size = 6, 3, 100, 20
 
     from benchmarks.common import write_result
 

@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--learning-steps", type=int, default=24, help="steps of the learning run (0: skip it)")
     parser.add_argument("--eval-every", type=int, default=8)
     parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--quick", action="store_true", help="3 timed steps per arm; a learning run of 12 steps with evals every 4 on 100 problems")
+    parser.add_argument("--quick", action="store_true", help="2 timed steps per arm; a learning run of 8 steps with evals every 4 on 100 problems")
     parser.add_argument("--no-learning", action="store_true")
     parser.add_argument("--backend", choices=("vllm", "hf"), default=None, help="meshrl's generator backend")
     parser.add_argument("--runs-dir", default="runs/bench")
@@ -316,7 +316,7 @@ def main() -> None:
         Path(args.child_out).write_text(json.dumps(result))
         return
     if args.quick:
-        args.steps, args.learning_steps, args.eval_every, args.eval_size = 4, 12, 4, 100
+        args.steps, args.learning_steps, args.eval_every, args.eval_size = 3, 8, 4, 100
     if args.no_learning:
         args.learning_steps = 0
 
