@@ -92,7 +92,8 @@ def run_meshrl(arm: str, steps: int, eval_every: int, eval_size: int, backend: s
         steps_out.append({
             "step": r["step"], "step_s": r["timing/step_s"],
             "parts": {"generate_s": r.get("timing/generate_s", 0.0), "reward_s": r.get("timing/reward_s", 0.0),
-                      "train_s": r.get("timing/train_s", 0.0), "sync_s": r.get("timing/publish_s", 0.0),
+                      "train_s": r.get("timing/train_s", 0.0),
+                      "sync_s": r.get("timing/publish_s", 0.0) + r.get("timing/sync_s", 0.0),
                       "learner_idle_s": r.get("timing/learner_idle_s", 0.0)},
             "actor_compute_s": actor,
             "sampled_tokens": r.get("gen/tokens", 0), "trained_tokens": r.get("train/tokens", 0.0),

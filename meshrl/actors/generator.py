@@ -58,7 +58,10 @@ class Generator(MeshrlActor):
         self.rank = here.rank
         self.cfg = gen_cfg
         shares = in_learner_process and gen_cfg.backend == "hf"
-        module = in_process.wait_for(store, sync_cfg.transfer_timeout_s).module if shares else None
+        # co-located: build the engine once the learner has shared its policy, never beside the
+        # learner's own start-up (concurrent first imports of transformers in one process fail)
+        source = in_process.wait_for(store, sync_cfg.transfer_timeout_s) if in_learner_process else None
+        module = source.module if shares else None
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
             replicas=here.size("procs"),  # the replicas on this host share its cores
