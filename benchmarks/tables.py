@@ -135,7 +135,8 @@ def runtime_vs_reference(d: dict) -> str:
     return table(["", "single-process reference loop", "meshrl (separate meshes)"], body)
 
 
-ARM_NAMES = {"trl": "TRL", "meshrl_separate": "meshrl, separate meshes", "meshrl_colocated": "meshrl, co-located"}
+ARM_NAMES = {"trl": "TRL", "meshrl_separate": "meshrl, separate meshes", "meshrl_colocated": "meshrl, co-located",
+             "meshrl_async": "meshrl, async K=1"}
 
 
 def _part(key: str, value: float | None) -> str:
@@ -148,13 +149,20 @@ def vs_trl(d: dict) -> str:
     names = [ARM_NAMES.get(a, a) for a in arms]
     parts = list(dict.fromkeys(k for a in arms.values() for k in a.get("parts", {})))
     ratios = {a: d.get("ratios", {}).get(f"{a}_vs_trl") for a in arms}
-    body = [["median step"] + [num(a["step_s_median"], 2, " s") for a in arms.values()],
+    body = [["generation backend"] + [a.get("backend", "—") for a in arms.values()],
+            ["median step"] + [num(a["step_s_median"], 2, " s") for a in arms.values()],
             ["step time vs TRL"] + ["1.00x" if a == "trl" else num(ratios[a], 2, "x") for a in arms],
             ["tokens/s"] + [num(a["tokens_per_s"], 1) for a in arms.values()],
             ["sampled tokens per step"] + [num(a.get("sampled_tokens_per_step"), 0) for a in arms.values()],
             ["trained tokens per step"] + [num(a.get("trained_tokens_per_step"), 0) for a in arms.values()]]
     body += [[f"per step: {p}"] + [_part(p, a.get("parts", {}).get(p)) for a in arms.values()] for p in parts]
-    out = [", ".join(f"{k} {v}" for k, v in d.get("settings", {}).items()), table([""] + names, body)]
+    body.append(["controller overhead (step outside actor compute)"]
+                + [pct(a["overhead_share"]) if "overhead_share" in a else "—" for a in arms.values()])
+    body.append(["weight bytes moved per step"]
+                + [num(a["sync_bytes_per_step"] / 1e6, 0, " MB") if "sync_bytes_per_step" in a else "—"
+                   for a in arms.values()])
+    device = f"Device: {d['device']}. " if "device" in d else ""
+    out = [device + ", ".join(f"{k} {v}" for k, v in d.get("settings", {}).items()), table([""] + names, body)]
     goal = [f"{ARM_NAMES.get(a, a)} {r:.2f}x ({'met' if r <= 0.7 else 'not met'})" for a, r in ratios.items()
             if a != "trl" and r is not None]
     if goal:
@@ -165,7 +173,8 @@ def vs_trl(d: dict) -> str:
         steps = sorted({s for c in curves.values() for s in c})
         rows = [[str(s)] + [f"{pct(c[s]['accuracy'])} at {c[s]['elapsed_s']:.0f} s" if s in c else "—"
                             for c in curves.values()] for s in steps]
-        out.append("Held-out accuracy by step (and elapsed seconds):\n\n"
+        out.append("Held-out accuracy by step (and training seconds so far, evaluations excluded; curves in "
+                   "`benchmarks/results/vs_trl.png`):\n\n"
                    + table(["step"] + [ARM_NAMES.get(k, k) for k in curves], rows))
     return "\n\n".join(o for o in out if o)
 

@@ -32,8 +32,8 @@ ABLATION = {**PROVENANCE, "runs": [
 VS_TRL = {**PROVENANCE, "settings": {"steps": 4}, "arms": {
     "trl": {"step_s_median": 10.0, "parts": {"generate_s": 6.0, "train_s": 4.0}, "tokens_per_s": 100.0,
             "sampled_tokens_per_step": 1000, "trained_tokens_per_step": 1500},
-    "meshrl_separate": {"step_s_median": 6.0, "parts": {"generate_s": 3.0, "train_s": 2.5, "sync_s": 0.5,
-                                                        "overhead_share": 0.05},
+    "meshrl_separate": {"step_s_median": 6.0, "parts": {"generate_s": 3.0, "train_s": 2.5, "sync_s": 0.5},
+                        "overhead_share": 0.05, "sync_bytes_per_step": 269e6,
                         "tokens_per_s": 160.0, "sampled_tokens_per_step": 1000, "trained_tokens_per_step": 1500}},
     "ratios": {"meshrl_separate_vs_trl": 0.6},
     "learning": {"trl": [{"step": 4, "elapsed_s": 40.0, "accuracy": 0.1}],
@@ -77,7 +77,9 @@ def test_the_section_has_the_figures_of_the_json(repo):
     assert "| sdpo | arithmetic | 1 | 50.0% (step 8) | 15.0 s | 1.50x |" in out
     # vs TRL: step time ratio, parts, goal line, learning
     assert "| step time vs TRL | 1.00x | 0.60x |" in out
-    assert "| per step: sync_s | — | 0.50 s |" in out and "| per step: overhead_share | — | 5.0% |" in out
+    assert "| per step: sync_s | — | 0.50 s |" in out
+    assert "| controller overhead (step outside actor compute) | — | 5.0% |" in out
+    assert "| weight bytes moved per step | — | 269 MB |" in out
     assert "Goal: meshrl's step time ≤ 0.7x TRL's: meshrl, separate meshes 0.60x (met)." in out
     assert "| 4 | 10.0% at 40 s | 15.0% at 24 s |" in out
 
