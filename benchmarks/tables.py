@@ -158,7 +158,7 @@ def vs_trl(d: dict) -> str:
     body += [[f"per step: {p}"] + [_part(p, a.get("parts", {}).get(p)) for a in arms.values()] for p in parts]
     body.append(["controller overhead (step outside actor compute)"]
                 + [pct(a["overhead_share"]) if "overhead_share" in a else "—" for a in arms.values()])
-    body.append(["weight bytes moved per step"]
+    body.append(["weight bytes sent between processes per step"]
                 + [num(a["sync_bytes_per_step"] / 1e6, 0, " MB") if "sync_bytes_per_step" in a else "—"
                    for a in arms.values()])
     device = f"Device: {d['device']}. " if "device" in d else ""
@@ -167,6 +167,9 @@ def vs_trl(d: dict) -> str:
             if a != "trl" and r is not None]
     if goal:
         out.append("Goal: meshrl's step time ≤ 0.7x TRL's: " + "; ".join(goal) + ".")
+    if any(a.get("trained_tokens_per_step", 0) < a.get("sampled_tokens_per_step", 0) for a in arms.values()):
+        out.append("Trained tokens: meshrl leaves out the samples of groups whose rewards are all equal (zero "
+                   "advantage, so no gradient); TRL runs them through the learner with zero weight.")
     learning = d.get("learning", {})
     if learning:
         curves = {side: {p["step"]: p for p in points} for side, points in learning.items()}

@@ -79,7 +79,7 @@ def test_the_section_has_the_figures_of_the_json(repo):
     assert "| step time vs TRL | 1.00x | 0.60x |" in out
     assert "| per step: sync_s | — | 0.50 s |" in out
     assert "| controller overhead (step outside actor compute) | — | 5.0% |" in out
-    assert "| weight bytes moved per step | — | 269 MB |" in out
+    assert "| weight bytes sent between processes per step | — | 269 MB |" in out
     assert "Goal: meshrl's step time ≤ 0.7x TRL's: meshrl, separate meshes 0.60x (met)." in out
     assert "| 4 | 10.0% at 40 s | 15.0% at 24 s |" in out
 
