@@ -119,3 +119,33 @@ def test_colocated_vllm_on_a_gpu_starts_with_dummy_weights_and_sleeps_between_ca
     engine.generate([[1, 2]], SampleRequest(n=1, max_tokens=2))
     assert engine.llm.calls == ["reload_weights", "reset_prefix_cache", "sleep1",
                                 "wake_up", "generate", "sleep1"]
+
+
+def test_a_colocated_hf_engine_samples_with_the_learners_lora_adapters_without_a_copy():
+    """LoRA in co-located mode: the HF engine runs on the learner's own (adapter-wrapped) module, so
+    a change of the adapters is what the engine scores with at once, equal to the merged weights a
+    separate engine would load, and no parameter is copied."""
+    import torch
+
+    from meshrl.config.generation import GeneratorConfig
+    from meshrl.config.learner import LearnerConfig
+    from meshrl.engines.hf_engine import HFEngine
+    from meshrl.models.provision import resolve_model
+    from meshrl.training.policy import PolicyTrainer
+
+    path = resolve_model("tiny")
+    trainer = PolicyTrainer(path, LearnerConfig(torch_threads=1, autocast_bf16=False, lora={"enabled": True, "rank": 4}))
+    shared = HFEngine(path, GeneratorConfig(torch_threads=1), "float32", 256, seed=0, module=trainer.model)
+    assert {p.data_ptr() for p in shared.model.parameters()} == {p.data_ptr() for p in trainer.model.parameters()}
+    sequences = [[1, 5, 9, 13, 17, 21], [2, 7, 3, 4]]
+    before = shared.score(sequences)
+    with torch.no_grad():  # an adapter update (LoRA B starts at zero, so the adapters had no effect yet)
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    after = shared.score(sequences)
+    separate = HFEngine(path, GeneratorConfig(torch_threads=1), "float32", 256, seed=0)
+    separate.load_weights(trainer.inference_state_dict(torch.float32).items())
+    for b, a, s in zip(before, after, separate.score(sequences)):
+        assert max(abs(x - y) for x, y in zip(b, a)) > 1e-3  # the adapters changed what the engine scores
+        assert a == pytest.approx(s, abs=1e-4)  # exactly the merged weights
