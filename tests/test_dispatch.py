@@ -29,7 +29,7 @@ class SeedEcho(FakeGenerator):
         meta = {"replica": self.replica, "version": self.version}
         groups = [[Completion([request.seed + j, k], [0.0, 0.0], "stop", "", dict(meta)) for k in range(request.n)]
                   for j in range(len(prompts))]
-        return GenerationBatch(groups, self.version, self.delay, 0)
+        return GenerationBatch(groups, self.version, self.delay, 0, self.replica)
 
 
 def _client(delays, chunks_per_replica=4, timeout_s=5.0):

@@ -34,7 +34,10 @@ class GenerationBatch:
     completions: list[list[Completion]]
     version: int
     seconds: float
+    """The engine's time for the call, timed inside the generator."""
     tokens: int
+    replica: int
+    """The rank of the generator that served it."""
 
 
 class Generator(MeshrlActor):
@@ -94,7 +97,7 @@ class Generator(MeshrlActor):
                 c.meta["version"] = self.version
                 c.meta["replica"] = self.rank
                 tokens += len(c.tokens)
-        return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens)
+        return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens, self.rank)
 
     @endpoint
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

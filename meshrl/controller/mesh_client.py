@@ -169,7 +169,7 @@ class MeshClient:
         if timings is not None:
             busiest = Counter()
             for b in batches:
-                busiest[next((g[0].meta["replica"] for g in b.completions if g), 0)] += b.seconds
+                busiest[b.replica] += b.seconds
             key = "timing/generator_engine_s"
             timings[key] = timings.get(key, 0.0) + max(busiest.values())
         return [group for batch in batches for group in batch.completions]

@@ -119,7 +119,7 @@ class FakeGenerator:
                 group.append(Completion([p[-1], k], [-0.5, -1.5], "stop", text,
                                         {"version": self.version, "replica": self.replica}))
             groups.append(group)
-        return GenerationBatch(groups, self.version, 0.01 * len(prompts), 0)  # 'engine' seconds: 10 ms a prompt
+        return GenerationBatch(groups, self.version, 0.01 * len(prompts), 0, self.replica)  # 'engine' seconds: 10 ms a prompt
 
     def update_weights(self, version):
         self.version = version
