@@ -131,7 +131,8 @@ def run_trl(steps: int, eval_every: int, eval_size: int) -> dict:
         return [task.grade(problems[i], c[-1]["content"] if isinstance(c, list) else c)[0]
                 for c, i in zip(completions, index)]
 
-    torch.set_num_threads(max(1, lc.torch_threads) if not torch.cuda.is_available() else torch.get_num_threads())
+    if not torch.cuda.is_available():  # the learner's thread count, as meshrl's learner uses
+        torch.set_num_threads(lc.torch_threads)
     micro = min(lc.micro_batch_size, tc.prompts_per_step * tc.group_size)
     accumulation = tc.prompts_per_step * tc.group_size // micro
     wanted = dict(
