@@ -14,7 +14,11 @@ The replay arms need an OpenAI-compatible teacher at the configs' base_url
 On one 2-core machine that server competes with training for the cores, so the replay arms'
 step times include the teachers' compute; with hosted teachers they would not.
 
-Writes benchmarks/results/ablation.json and benchmarks/results/ablation.png.
+Writes benchmarks/results/ablation.json and benchmarks/results/ablation.png. The JSON accumulates:
+the runs recorded there with the same steps, evals and eval sizes are kept unless this invocation
+reruns them (each run carries the commit, date and load it ran at), so `make bench`'s quick run of
+the arithmetic task's seed 0 refreshes those four arms and keeps the code task's and seed 1's;
+`--resume` reruns none of the recorded ones.
 """
 
 from __future__ import annotations
@@ -67,7 +71,21 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def summarise(arm: str, task: str, seed: int, wall_s: float) -> dict:
+def complete(arm: str, task: str, seed: int, args: argparse.Namespace) -> bool:
+    """Whether the arm's run directory holds a finished run with ``args``' steps and evals."""
+    from meshrl.controller.metrics import read_metrics
+
+    path = ROOT / RUNS / run_name(arm, task, seed) / "metrics.jsonl"
+    if not path.exists():
+        return False
+    records = read_metrics(path)
+    evals = {r["step"] for r in records if r["kind"] == "eval"}
+    return (sum(r["kind"] == "train" for r in records) == args.steps
+            and evals == set(range(0, args.steps + 1, args.eval_every)) | {args.steps})
+
+
+def summarise(arm: str, task: str, seed: int, wall_s: float | None) -> dict:
+    """The run's figures; ``wall_s`` None for a run kept by --resume (its process was not timed)."""
     from meshrl.controller.metrics import read_metrics
 
     records = read_metrics(ROOT / RUNS / run_name(arm, task, seed) / "metrics.jsonl")
@@ -109,19 +127,27 @@ def plot(summary: dict, out: Path) -> None:
     tasks = summary["tasks"]
     fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(5 * (len(tasks) + 1), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for arm, runs in by_arm(summary["runs"], task).items():
+        arms = by_arm(summary["runs"], task)
+        for arm, runs in arms.items():
             steps, acc = mean_curve(runs)
             ax.plot(steps, acc, marker="o", label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         ax.set(xlabel="step", ylabel="held-out greedy accuracy (%), mean over seeds", title=f"{task} task")
+        ax.set_ylim(0, max([5.0] + [a for runs in arms.values() for a in mean_curve(runs)[1]]) * 1.1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if arms:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes)
     time_ax = axes[0][-1]
     width = 0.8 / len(tasks)
+    shown = [a for a in ARMS if any(r["arm"] == a for r in summary["runs"])]
     for t, task in enumerate(tasks):
         arms = by_arm(summary["runs"], task)
-        time_ax.bar([i + t * width for i in range(len(arms))], [mean([r["mean_step_s"] for r in rs]) for rs in arms.values()],
-                    width, label=task)
-        time_ax.set_xticks([i + width * (len(tasks) - 1) / 2 for i in range(len(arms))], list(arms))
+        if not arms:
+            continue
+        time_ax.bar([shown.index(arm) + t * width for arm in arms], [mean([r["mean_step_s"] for r in rs])
+                                                                    for rs in arms.values()], width, label=task)
+    time_ax.set_xticks([i + width * (len(tasks) - 1) / 2 for i in range(len(shown))], shown)
     time_ax.set(ylabel="mean seconds per step", title="cost per step")
     time_ax.legend()
     fig.tight_layout()
@@ -138,24 +164,44 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--tasks", nargs="+", choices=tuple(TASK_OVERRIDES), default=list(TASK_OVERRIDES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--code-seeds", nargs="+", type=int,
+                        help="seeds of the code task, when fewer than --seeds (its steps cost 2-3x)")
     parser.add_argument("--quick", action="store_true", help="6 steps, evals every 3 on 100 problems / 20 code tasks")
     parser.add_argument("--no-teacher-server", action="store_true",
                         help="a teacher is already listening on the configs' base_url")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the arms already recorded in benchmarks/results/ablation.json with these steps "
+                             "and evals, or whose run directory holds such a complete run; only the others run")
+    parser.add_argument("--report-only", action="store_true",
+                        help="with --resume: write the JSON and PNG of the complete runs found, run nothing")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.eval_size, args.code_eval_size = 6, 3, 100, 20
 
-    from benchmarks.common import write_result
+    seeds = {task: (args.code_seeds if task == "code" and args.code_seeds else args.seeds) for task in args.tasks}
+    plan = [(arm, task, seed) for task in args.tasks for seed in seeds[task] for arm in args.arms]
+    recorded = recorded_runs(args)
+    done: dict[tuple, dict] = {}
+    if args.resume:
+        done.update({key: run for key, run in recorded.items() if key in plan})
+        done.update({key: summarise(*key, None) for key in plan if key not in done and complete(*key, args)})
+        print(f"kept {len(done)} runs: {sorted(run_name(*k) for k in done)}", flush=True)
+    if args.report_only:
+        record(plan, done, recorded, args)
+        return
 
-    plan = [(arm, task, seed) for task in args.tasks for seed in args.seeds for arm in args.arms]
-    walls: dict[tuple, float] = {}
-    for key in [k for k in plan if k[0] not in NEEDS_TEACHERS]:
-        walls[key] = run_arm(*key, args)
-    replay = [k for k in plan if k[0] in NEEDS_TEACHERS]
+    def run(key: tuple) -> None:
+        wall_s = run_arm(*key, args)
+        done[key] = {**summarise(*key, wall_s), **run_provenance()}
+        record(plan, done, recorded, args)  # a partial set is kept if a later arm fails or the session ends
+
+    for key in [k for k in plan if k[0] not in NEEDS_TEACHERS and k not in done]:
+        run(key)
+    replay = [k for k in plan if k[0] in NEEDS_TEACHERS and k not in done]
     if replay:
         if args.no_teacher_server:
             for key in replay:
-                walls[key] = run_arm(*key, args)
+                run(key)
         else:
             from meshrl.models.provision import resolve_model
             from meshrl.teachers.serve import LocalTeacherServer
@@ -163,23 +209,59 @@ def main() -> None:
             with LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2-135m-instruct",
                                     port=TEACHER_PORT):
                 for key in replay:
-                    walls[key] = run_arm(*key, args)
-
-    runs = [summarise(*key, walls[key]) for key in plan]
-    for r in runs:
-        base = [b for b in runs if b["arm"] == "baseline" and b["task"] == r["task"] and b["seed"] == r["seed"]]
-        if base:
-            r["step_time_vs_baseline"] = r["mean_step_s"] / base[0]["mean_step_s"]
-    summary = {"steps": args.steps, "eval_every": args.eval_every, "tasks": args.tasks, "seeds": args.seeds,
-               "runs": runs}
-    write_result("ablation", summary)
-    plot(summary, RESULTS / "ablation.png")
+                    run(key)
+    runs = record(plan, done, recorded, args)
     for r in runs:
         accs = " -> ".join(f"{100 * v:.1f}%" for _, v in sorted(r["eval_accuracy"].items(), key=lambda kv: int(kv[0])))
         print(f"{r['task']:>10} seed {r['seed']} {r['arm']:>8}: step {r['mean_step_s']:.1f}s "
               f"(x{r.get('step_time_vs_baseline', 1.0):.2f} baseline), accuracy {accs}, loss terms {r['mean_loss']}")
     print(f"wrote {RESULTS / 'ablation.json'} and {RESULTS / 'ablation.png'}")
 
+
+def run_provenance() -> dict:
+    """When, at which commit and under what load an arm ran: runs kept by --resume from the JSON may
+    come from earlier sessions, so each carries its own."""
+    from benchmarks.common import provenance
+
+    return {k: v for k, v in provenance().items() if k != "machine"}
+
+
+SETTINGS = ("steps", "eval_every", "eval_size", "code_eval_size")
+
+
+def recorded_runs(args: argparse.Namespace) -> dict[tuple, dict]:
+    """The runs already in benchmarks/results/ablation.json, when it was written with the same
+    steps, evals and eval sizes (run directories are not committed; the JSON is)."""
+    path = RESULTS / "ablation.json"
+    if not path.exists():
+        return {}
+    previous = json.loads(path.read_text())
+    if any(previous.get(name) != getattr(args, name) for name in SETTINGS):
+        print(f"{path} was written with other settings; its runs are not kept", flush=True)
+        return {}
+    return {(r["arm"], r["task"], r["seed"]): r for r in previous["runs"]}
+
+
+def record(plan: list[tuple], done: dict, recorded: dict, args: argparse.Namespace) -> list[dict]:
+    """Write the JSON and the PNG: the arms of ``plan`` done so far (``done``; the others are listed
+    as `missing`) over the runs ``recorded`` earlier with the same settings, which are kept (each
+    run carries its own commit, date and load); returns the runs written."""
+    from benchmarks.common import write_result
+
+    merged = {**recorded, **done}
+    keys = sorted(merged, key=lambda k: (list(TASK_OVERRIDES).index(k[1]), k[2], ARMS.index(k[0])))
+    runs = [merged[key] for key in keys]
+    for r in runs:
+        base = [b for b in runs if b["arm"] == "baseline" and b["task"] == r["task"] and b["seed"] == r["seed"]]
+        if base:
+            r["step_time_vs_baseline"] = r["mean_step_s"] / base[0]["mean_step_s"]
+    tasks = [t for t in TASK_OVERRIDES if any(k[1] == t for k in keys)]
+    summary = {**{name: getattr(args, name) for name in SETTINGS}, "tasks": tasks,
+               "seeds": {t: sorted({k[2] for k in keys if k[1] == t}) for t in tasks},
+               "missing": [run_name(*key) for key in plan if key not in merged], "runs": runs}
+    write_result("ablation", summary)
+    plot(summary, RESULTS / "ablation.png")
+    return runs
 
 if __name__ == "__main__":
     main()

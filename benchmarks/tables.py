@@ -39,18 +39,21 @@ class Renderer:
     """The command (from the repository root) that writes the file."""
     title: str
     render: Callable[[dict], str]
+    flags: tuple[str, ...] = ()
+    """Settings recorded in the JSON that the command was given, as `--flag value` (key `eval_every`
+    is flag `--eval-every`), so the source line shows the run's real command."""
 
 
 REGISTRY: list[Renderer] = []
 """Renderers in the order their subsections appear."""
 
 
-def renders(result: str, command: str, title: str):
+def renders(result: str, command: str, title: str, flags: tuple[str, ...] = ()):
     """Register the decorated function as the renderer of ``result``.json (stackable: one function
     may render several files of the same schema)."""
 
     def register(fn: Callable[[dict], str]) -> Callable[[dict], str]:
-        REGISTRY.append(Renderer(result, command, title, fn))
+        REGISTRY.append(Renderer(result, command, title, fn, flags))
         return fn
 
     return register
@@ -78,7 +81,8 @@ def source_line(r: Renderer, data: dict) -> str:
     machine = data.get("machine") or (f"{data['cpus']} cores" if "cpus" in data else "machine not recorded")
     date = data.get("date") or str(data.get("when", ""))[:10] or "date not recorded"
     commit = f", commit {data['commit']}" if data.get("commit") else ""
-    return f"`{r.command}` → `benchmarks/results/{r.result}.json`; {machine}; {date}{commit}."
+    command = " ".join([r.command, *(f"--{k.replace('_', '-')} {data[k]}" for k in r.flags)])
+    return f"`{command}` → `benchmarks/results/{r.result}.json`; {machine}; {date}{commit}."
 
 
 def render_section(results: Path) -> str:
@@ -121,7 +125,8 @@ def sync_vs_async(d: dict) -> str:
             f"`benchmarks/results/sync_vs_async.png`.\n\n" + table([""] + names, body))
 
 
-@renders("runtime_vs_reference", "python benchmarks/runtime_vs_reference.py --steps 40", "meshrl against the single-process reference loop")
+@renders("runtime_vs_reference", "python benchmarks/runtime_vs_reference.py", "meshrl against the single-process reference loop",
+         flags=("steps",))
 def runtime_vs_reference(d: dict) -> str:
     evals = d["eval_accuracy"]
     body = [[f"held-out greedy accuracy, step {s}", pct(evals[s]["reference"]), pct(evals[s]["runtime"])]
@@ -292,16 +297,19 @@ def diloco(d: dict) -> str:
             + table(["run", "syncs", "samples", "eval MSE", "vs one model"], conv))
 
 
-def _ablation_runs(d: dict) -> list[dict]:
-    """One dict per run: the `runs` list, or the older one-seed `arms` mapping."""
-    if "runs" in d:
-        return d["runs"]
-    return [{"arm": arm, "task": d.get("task", "arithmetic"), "seed": d.get("seed"), **s} for arm, s in d["arms"].items()]
+def _vs_baseline(runs: list[dict], step: float, base_step: float | None) -> float | None:
+    """Step time against the baseline's: the mean of each seed's ratio to its own baseline run
+    where the JSON has it (seeds run under different loads), else the ratio of the means."""
+    paired = [r["step_time_vs_baseline"] for r in runs if "step_time_vs_baseline" in r]
+    if len(paired) == len(runs):
+        return statistics.mean(paired)
+    return step / base_step if base_step else None
 
 
-@renders("ablation", "python benchmarks/ablation.py", "Ablation: baseline, +SDPO, +replay, full")
+@renders("ablation", "python benchmarks/ablation.py", "Ablation: baseline, +SDPO, +replay, full",
+         flags=("steps", "eval_every", "eval_size", "code_eval_size"))
 def ablation(d: dict) -> str:
-    runs = _ablation_runs(d)
+    runs = d["runs"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["arm"], r["task"]), []).append(r)
@@ -309,14 +317,31 @@ def ablation(d: dict) -> str:
                  if arm == "baseline"}
     rows = []
     for (arm, task), rs in groups.items():
-        last = [r["eval_accuracy"][max(r["eval_accuracy"], key=int)] for r in rs if r.get("eval_accuracy")]
+        evals = [r["eval_accuracy"] for r in rs if r.get("eval_accuracy")]
+        first = [e[min(e, key=int)] for e in evals]
+        last = [e[max(e, key=int)] for e in evals]
         step = statistics.mean(r["mean_step_s"] for r in rs)
-        at = {max((int(s) for s in r["eval_accuracy"]), default=None) for r in rs if r.get("eval_accuracy")}
-        rows.append([arm, task, str(len(rs)), (pct(statistics.mean(last)) if last else "—")
-                     + (f" (step {at.pop()})" if len(at) == 1 else ""), num(step, 1, " s"),
-                     num(step / base_step[task], 2, "x") if task in base_step else "—"])
-    return ("Held-out greedy accuracy at the last evaluation (mean over seeds) and mean step time per arm and "
-            "task.\n\n" + table(["arm", "task", "seeds", "accuracy, last eval", "mean step", "step vs baseline"], rows))
+        at = {max(int(s) for s in e) for e in evals}
+        accuracy = (f"{pct(statistics.mean(first))} → {pct(statistics.mean(last))}" if last else "—") \
+            + (f" (step {at.pop()})" if len(at) == 1 else "")
+        rows.append([arm, task, str(len(rs)), accuracy, ", ".join(pct(x) for x in last) or "—", num(step, 1, " s"),
+                     num(_vs_baseline(rs, step, base_step.get(task)), 2, "x")])
+    return ("Held-out greedy accuracy at the first and the last evaluation (mean over seeds; the last per seed "
+            "beside it), mean step time per arm and task, and step time against the same seed's baseline run.\n\n"
+            + table(["arm", "task", "seeds", "accuracy, first → last eval", "last eval per seed", "mean step",
+                     "step vs baseline"], rows)
+            + _earlier_runs(runs, d["commit"])
+            + (f"\n\nPlanned but not run yet: {', '.join(d['missing'])}." if d.get("missing") else ""))
+
+
+def _earlier_runs(runs: list[dict], commit: str) -> str:
+    """The runs kept from earlier sessions (`ablation.py --resume`), by the commit and date they ran at."""
+    earlier: dict[tuple[str, str], list[str]] = {}
+    for r in runs:
+        if r.get("commit", commit) != commit:
+            earlier.setdefault((r["commit"], r["date"]), []).append(f"{r['arm']}-{r['task']}-s{r['seed']}")
+    return "".join(f"\n\nRan at commit {c} on {date} (1-minute load recorded per run in the JSON): {', '.join(names)}."
+                   for (c, date), names in earlier.items())
 
 
 # ---------------------------------------------------------------------------------------- entry point

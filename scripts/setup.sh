@@ -30,6 +30,8 @@ python_packages() {
         "$PYTHON" -m venv "$VENV"
     fi
     local pip="$VENV/bin/python -m pip"
+    # a registry download cut short (seen: a wheel stopping at 11.5 of 14 MB) is resumed and retried
+    export PIP_RETRIES=10 PIP_RESUME_RETRIES=10
     $pip install -q --upgrade pip
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         log "CUDA device found: installing the GPU set (vllm)"

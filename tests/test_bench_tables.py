@@ -25,10 +25,11 @@ GENERATION = {**PROVENANCE, "prompts": 8, "samples_per_prompt": 8, "max_new_toke
               "rows": [{"backend": "vllm", "tokens_per_s": 300.0, "tokens": 3000, "seconds": 10.0},
                        {"backend": "hf", "tokens_per_s": 100.0, "tokens": 2900, "seconds": 29.0}],
               "ratio_vllm_vs_hf": 3.0}
-ABLATION = {**PROVENANCE, "runs": [
+ABLATION = {**PROVENANCE, "steps": 8, "eval_every": 8, "eval_size": 100, "code_eval_size": 20, "missing": ["ablation-full-code-s1"], "runs": [
     {"arm": "baseline", "task": "arithmetic", "seed": 0, "mean_step_s": 10.0, "eval_accuracy": {"0": 0.1, "8": 0.2}},
     {"arm": "baseline", "task": "arithmetic", "seed": 1, "mean_step_s": 10.0, "eval_accuracy": {"0": 0.1, "8": 0.4}},
-    {"arm": "sdpo", "task": "arithmetic", "seed": 0, "mean_step_s": 15.0, "eval_accuracy": {"0": 0.1, "8": 0.5}}]}
+    {"arm": "sdpo", "task": "arithmetic", "seed": 0, "mean_step_s": 15.0, "eval_accuracy": {"0": 0.1, "8": 0.5},
+     "commit": "0ld0ld0", "date": "2029-12-31"}]}
 VS_TRL = {**PROVENANCE, "settings": {"steps": 4}, "arms": {
     "trl": {"step_s_median": 10.0, "parts": {"generate_s": 6.0, "train_s": 4.0}, "tokens_per_s": 100.0,
             "sampled_tokens_per_step": 1000, "trained_tokens_per_step": 1500},
@@ -72,9 +73,13 @@ def test_the_section_has_the_figures_of_the_json(repo):
     # generation: tokens/s per backend and the ratio
     assert "| vllm | 300.0 | 3000 | 10.00 s |" in out and "| hf | 100.0 | 2900 | 29.00 s |" in out
     assert "vLLM / HF generate: 3.00x tokens/s." in out
-    # ablation: mean over seeds at the last eval, step time vs the baseline of the same task
-    assert "| baseline | arithmetic | 2 | 30.0% (step 8) | 10.0 s | 1.00x |" in out
-    assert "| sdpo | arithmetic | 1 | 50.0% (step 8) | 15.0 s | 1.50x |" in out
+    # ablation: mean over seeds at the first and last eval, each seed's last, step time vs the baseline
+    assert "| baseline | arithmetic | 2 | 10.0% → 30.0% (step 8) | 20.0%, 40.0% | 10.0 s | 1.00x |" in out
+    assert "| sdpo | arithmetic | 1 | 10.0% → 50.0% (step 8) | 50.0% | 15.0 s | 1.50x |" in out
+    assert "Planned but not run yet: ablation-full-code-s1." in out
+    assert ("`python benchmarks/ablation.py --steps 8 --eval-every 8 --eval-size 100 --code-eval-size 20` → "
+            "`benchmarks/results/ablation.json`") in out
+    assert "Ran at commit 0ld0ld0 on 2029-12-31 (1-minute load recorded per run in the JSON): sdpo-arithmetic-s0." in out
     # vs TRL: step time ratio, parts, goal line, learning
     assert "| step time vs TRL | 1.00x | 0.60x |" in out
     assert "| per step: sync_s | — | 0.50 s |" in out

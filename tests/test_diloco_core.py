@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrl.config.diloco import DiLoCoConfig
-from meshrl.diloco.allreduce import DiLoCoError, ObjectStoreAllReduce
+from meshrl.diloco.allreduce import DiLoCoError, ObjectStoreAllReduce, OuterState
 from meshrl.diloco.outer import OuterOptimizer, average, pseudo_gradient, weights_hash
 from meshrl.diloco.store import CorruptObject, ObjectStore, StoreError, decode_tensors, encode_tensors
 from meshrl.diloco.sync import DiLoCoSync
@@ -312,3 +312,22 @@ def test_a_corrupt_outer_state_is_skipped_for_an_older_one(tmp_path, caplog):
     state = ObjectStoreAllReduce(store, _cfg(url, {}, 0, 2)).latest_outer()
     assert state.round == 1
     assert "skipping the outer state of round 2" in caplog.text
+
+
+def test_waiting_for_a_round_needs_its_committed_outer_state_not_just_its_folder(tmp_path):
+    """An outer state's object is written before its manifest: a round whose folder is already
+    listed is not reached until the manifest commits it (a generation job polled in between and
+    joined the round before)."""
+    url = f"file://{tmp_path}"
+    store = ObjectStore(url)
+    ar = ObjectStoreAllReduce(store, _cfg(url, {}, 0, 1, round_timeout_s=0.3))
+    state = lambda r: OuterState(r, {"w": torch.full((2,), float(r))}, {}, f"h{r}")  # noqa: E731
+    assert ar.publish_outer(state(0))
+    assert ar.wait_round(0) == 0
+    store.put("diloco/outer/000001/state-pending", b"not committed yet")  # the object, no manifest yet
+    assert ar.outer_rounds() == [0, 1]
+    with pytest.raises(DiLoCoError, match="the run did not reach round 1 within"):
+        ar.wait_round(1)
+    assert ar.latest_outer().round == 0
+    assert ar.publish_outer(state(1))
+    assert ar.wait_round(1) == 1 and ar.latest_outer().round == 1

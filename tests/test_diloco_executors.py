@@ -116,10 +116,11 @@ def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     assert [0, 1, 2] in parts and parts[-1] == [0, 1]  # the last rounds go on without replica 2
 
 
-def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(tmp_path):
+@pytest.mark.parametrize("store", ["file", "s3"], indirect=True)
+def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(store, tmp_path):
     """Replica 1 uploads a truncated delta in round 2 and commits it: the others (and replica 1
     itself, which verifies its stored delta before sealing) reject it; all average the rest."""
-    spec = _spec((f"file://{tmp_path}/store", {}), "meshrl.testing.diloco_faults:truncated_delta_replica",
+    spec = _spec(store, "meshrl.testing.diloco_faults:truncated_delta_replica",
                  truncate_replica=1, truncate_round=2, rounds=4, quorum=2, straggler_wait_s=20)
     # (a long straggler wait: a replica that starts late would otherwise miss round 1 and catch up)
     with LocalProcessExecutor(tmp_path / "work") as ex:

@@ -177,7 +177,7 @@ def test_grpo_loops_sync_every_inner_steps_before_publishing_and_write_shards(tm
         loops.append(make_loop(learner=DiLoCoFakeLearner(cfg.diloco), **overrides))
     for loop, _, _ in loops:
         loop.diloco_join()
-        assert loop.diloco_round == 0
+        assert loop.diloco.round == 0
 
     def run(loop):
         return [loop.step()[0] for _ in range(4)]

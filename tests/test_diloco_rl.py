@@ -31,27 +31,34 @@ def _replica_cmd(tmp_path, store, replica):
             "diloco.poll_interval_s=0.1"]
 
 
-def test_two_concurrent_rl_replicas_end_each_round_with_identical_weights(tmp_path):
-    store = f"file://{tmp_path / 'store'}"
-    procs = []
+def _run_jobs(tmp_path, commands: dict[str, list[str]], timeout=540) -> dict[str, list[dict]]:
+    """Run the `meshrl train` jobs concurrently (each in its own process group, killed if still
+    running at the end); their train records by name."""
+    procs = {}
     try:
-        for replica in (0, 1):
-            log = open(tmp_path / f"replica{replica}.log", "w")
-            procs.append(subprocess.Popen(_replica_cmd(tmp_path, store, replica), cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        codes = [p.wait(timeout=540) for p in procs]
+        for name, cmd in commands.items():
+            with open(tmp_path / f"{name}.log", "w") as log:
+                procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+        codes = {name: p.wait(timeout=timeout) for name, p in procs.items()}
     finally:
-        for p in procs:  # a replica still running (the other failed, or the wait ran out): its process group
+        for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=60)
-    logs = [(tmp_path / f"replica{r}.log").read_text() for r in (0, 1)]
-    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    logs = "\n".join((tmp_path / f"{name}.log").read_text()[-3000:] for name in commands)
+    assert set(codes.values()) == {0}, logs
+    return {name: [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                   if r["kind"] == "train"] for name in commands}
+
+
+def test_two_concurrent_rl_replicas_end_each_round_with_identical_weights(tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    jobs = _run_jobs(tmp_path, {f"replica{r}": _replica_cmd(tmp_path, store, r) for r in (0, 1)})
 
     rounds = []
     for replica in (0, 1):
-        records = [json.loads(line) for line in (tmp_path / f"replica{replica}" / "metrics.jsonl").read_text().splitlines()]
-        train = [r for r in records if r["kind"] == "train"]
+        train = jobs[f"replica{replica}"]
         assert [r["step"] for r in train] == [1, 2, 3, 4]
         assert [r.get("diloco/round") for r in train] == [None, 1, None, 2]
         assert all(train[i]["diloco/participants"] == 2 and train[i]["diloco/included"] == 1 for i in (1, 3))
@@ -68,6 +75,42 @@ def test_two_concurrent_rl_replicas_end_each_round_with_identical_weights(tmp_pa
         assert len(s.records) == s.manifest["count"] > 0
         assert all(r["tokens"] and len(r["logprobs"]) == len(r["tokens"]) == len(r["mask"]) for r in s.records)
         assert all(r["version"] == s.manifest["step"] - 1 for r in s.records)
+
+
+def test_a_generation_job_feeds_a_learner_of_shards_and_follows_its_rounds(tmp_path):
+    """Generation as a separate job: `diloco.role=generate` (generator + rewarder + a learner that
+    only holds the run's weights) and `diloco.role=learn` (trains on its shards), two concurrent
+    `meshrl train` jobs sharing only a file:// store. The learner is a one-replica DiLoCo run with
+    outer_lr 1 and no momentum (each round's outer state is its own weights), so the generation job
+    follows its weights every 2 steps."""
+    store = f"file://{tmp_path / 'store'}"
+    common = [*TINY_RUN, "generator.backend=hf", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
+              "trainer.checkpoint.every=0", "trainer.checkpoint.export_final=false", f"output.dir={tmp_path}",
+              "diloco.enabled=true", "diloco.replicas=1", f"diloco.store_url={store}", "diloco.inner_steps=2",
+              "diloco.round_timeout_s=300", "diloco.poll_interval_s=0.1"]
+    train = [sys.executable, "-m", "meshrl.cli", "train", *common]
+    jobs = _run_jobs(tmp_path, {
+        "learn": [*train, "output.name=learn", "diloco.role=learn", "diloco.outer_lr=1", "diloco.outer_momentum=0",
+                  "diloco.shard_wait_s=300"],
+        # every group is written (the tiny model rarely scores, so most groups are uniform)
+        "generate": [*train, "output.name=generate", "diloco.role=generate", "trainer.advantage.drop_uniform_groups=false"],
+    })
+    learn, generate = jobs["learn"], jobs["generate"]
+    assert [r["step"] for r in learn] == [1, 2, 3, 4]
+    assert all(r["shards/groups_read"] == 4 and r["batch/groups"] == 4 for r in learn)  # prompts_per_step groups
+    assert learn[-1]["count/stale_dropped"] == 0  # the generation job kept within max_rounds_behind = 1
+    assert [r.get("diloco/round") for r in learn] == [None, 1, None, 2]
+    assert all("timing/generate_s" not in r for r in learn)  # it sampled nothing itself
+    assert [r["shards/index"] for r in generate] == [0, 1, 2, 3]
+    rounds = [generate[i]["diloco/round"] for i in (1, 3)]
+    # it followed the learner's rounds, waiting at step 4 for round 4 / 2 - max_rounds_behind = 1
+    assert rounds == sorted(rounds) and rounds[1] >= 1 and generate[3]["version"] == 4
+    assert all("train/loss" not in r for r in generate)  # and trained nothing
+
+    reader = ShardReader(ObjectStore(store), "diloco")
+    shards = list(reader.shards())
+    assert reader.rejected == 0 and [s.producer for s in shards] == ["gen0"] * 4
+    assert sum(len({r["group"] for r in s.records}) for s in shards) == 16  # all trained by the learner
 
 
 def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrupted_run(tiny_run_config, tmp_path,
@@ -90,7 +133,7 @@ def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrup
         return read_metrics(run_dir / "metrics.jsonl")
 
     clean = run("clean")
-    with caplog.at_level(logging.INFO, logger="meshrl.controller.grpo"):
+    with caplog.at_level(logging.INFO, logger="meshrl.controller.diloco_link"):
         faulty = run("killed", "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]")
     joins = [r.getMessage() for r in caplog.records if "joined run" in r.getMessage()]
     assert len(joins) == 2 and "at round 0" in joins[0]

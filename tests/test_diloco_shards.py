@@ -98,10 +98,10 @@ def test_a_bad_shard_is_skipped_logged_and_counted_and_the_cli_reports_it(tmp_pa
 def test_rollout_record_keeps_token_ids_and_drops_unserialisable_info(tmp_path):
     t = Trajectory(id="p1-s0", group=3, problem=object(), prompt_tokens=[1, 2], tokens=[5, 6, 2], logprobs=[-0.1, -0.2, 0.0],
                    mask=[1, 1, 0], version=4, finish_reason="stop", reward=1.0, info={"correct": True, "x": object()})
-    record = rollout_record(t, step=5, advantage=0.5)
+    record = rollout_record(t, step=5, advantage=0.5, diloco_round=2)
     assert record == {"step": 5, "id": "p1-s0", "group": 3, "version": 4, "prompt_tokens": [1, 2], "tokens": [5, 6, 2],
                       "logprobs": [-0.1, -0.2, 0.0], "mask": [1, 1, 0], "reward": 1.0, "advantage": 0.5,
-                      "finish_reason": "stop", "info": {"correct": True}}
+                      "diloco_round": 2, "finish_reason": "stop", "info": {"correct": True}}
     store = ObjectStore(f"file://{tmp_path}")
     ShardWriter(store, "r", "replica0").write([record])
     assert list(ShardReader(store, "r").records()) == [record]

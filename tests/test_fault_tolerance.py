@@ -85,7 +85,7 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
         steps = [rt.loop.step()[0] for _ in range(2)]
         took = time.monotonic() - started
         # replica 1 sleeps through both steps: replica 0 served every prompt (replica 1's chunk hedged)
-        assert took < delay / 2, took  # ~2.5 s here; without hedging step 1 alone takes the delay
+        assert took < delay, took  # ~2.5 s on an idle machine; without hedging step 1 alone takes the delay
         assert [m["version"] for m in steps] == [1, 2]
         assert all(m["batch/groups"] == cfg.trainer.prompts_per_step for m in steps)
         assert [m["gen/replica_max_share"] for m in steps] == [1.0, 1.0]

@@ -59,8 +59,10 @@ class Learner(MeshrlActor):
             in_process.share(store, self.trainer.model, self.trainer.inference_state_dict)
         self.diloco: ModelSync | None = None
         if diloco_cfg is not None and diloco_cfg.enabled:  # FSDP2 is refused by RunConfig
-            # data-parallel ranks hold identical weights: the first uploads, the others follow the seals
-            self.diloco = ModelSync(diloco_cfg, self.trainer.model, writer=parallel.rank == 0)
+            # data-parallel ranks hold identical weights: the first uploads, the others follow the seals;
+            # a generation job's learner only follows the run's outer states
+            self.diloco = ModelSync(diloco_cfg, self.trainer.model,
+                                    writer=parallel.rank == 0 and diloco_cfg.role != "generate")
 
     def describe(self) -> dict:
         tenants = self.trainer.tenants

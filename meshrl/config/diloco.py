@@ -83,13 +83,35 @@ class DiLoCoConfig(Section):
     shard_compression: Literal["none", "zlib"] = "zlib"
     """Compression of the rollout shards' JSONL records."""
 
+    role: Literal["train", "generate", "learn"] = "train"
+    """What this job does with rollouts. `train`: sample and train on them (a whole RL replica).
+    `generate`: a generation job: sample with the run's weights and write every step's groups as
+    rollout shards (`rollout_shards` implied, produced as `gen<replica_id>`), never train; with
+    `enabled` it follows the run's newest outer state every `inner_steps` steps (it reads rounds,
+    never uploads, and is not counted in `replicas`). `learn`: train on the shards of the run's
+    generation jobs instead of sampling (its generators only evaluate); with `enabled` a replica of
+    the run like `train`. See meshrl.controller.shard_source."""
+
+    shard_wait_s: float = Field(600.0, gt=0)
+    """`role: learn`: how long a step waits for new rollout shards before failing with a one-line
+    error."""
+
+    max_rounds_behind: int = Field(1, ge=0)
+    """Staleness of split jobs, in DiLoCo rounds. `role: learn`: train only on groups sampled with
+    weights at most this many rounds older than the learner's (older ones are dropped, logged and
+    counted in `stale_dropped`). `role: generate` with `enabled`: at the end of its round r, wait
+    (up to `round_timeout_s`) until the run has reached round r - max_rounds_behind, so it does not
+    sample further ahead of the learners."""
+
     @model_validator(mode="after")
     def _check(self) -> "DiLoCoConfig":
-        if self.replica_id >= self.replicas:
+        if self.role != "generate" and self.replica_id >= self.replicas:
             raise ValueError(f"replica_id {self.replica_id} must be below replicas ({self.replicas})")
         if self.quorum is not None and self.quorum > self.replicas:
             raise ValueError(f"quorum {self.quorum} exceeds replicas ({self.replicas})")
-        if (self.enabled or self.rollout_shards) and not self.store_url:
-            raise ValueError("store_url is required when enabled or rollout_shards (e.g. file:///tmp/diloco or "
-                             "s3://bucket/prefix)")
+        if (self.enabled or self.rollout_shards or self.role != "train") and not self.store_url:
+            raise ValueError("store_url is required when enabled, rollout_shards or role generate/learn (e.g. "
+                             "file:///tmp/diloco or s3://bucket/prefix)")
+        if self.role == "learn" and self.rollout_shards:
+            raise ValueError("rollout_shards with role learn would write back the shards it trains on: set one")
         return self

@@ -111,6 +111,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_diloco_role(self) -> "RunConfig":
+        """A generation job trains nothing and a learner of shards samples nothing to train on:
+        the SDPO and replay channels, which need both, are refused there."""
+        role = self.diloco.role
+        if role != "train" and (self.sdpo.alpha > 0 or self.replay.beta > 0):
+            raise ValueError(f"diloco.role = {role!r} with sdpo.alpha or replay.beta > 0 is not supported: the "
+                             "SDPO and replay channels need a job that both samples and trains (role train)")
+        return self
+
+    @model_validator(mode="after")
     def _check_generator_in_learner(self) -> "RunConfig":
         """A generator co-located with the learner samples with the learner's own parameters: they
         must not change under a generation (no steps off policy, one optimizer step per step) and

@@ -11,6 +11,11 @@ rollout strategy, shapes and filters them and scores SDPO sites, ahead of the le
                 next weight version (synchronous runs also bring every reader to it); with
                 `diloco.rollout_shards`, write the step's trained trajectories as one shard
 
+Split jobs (`diloco.role`): a generation job runs the producer only, writes each step's groups as a
+shard and follows the DiLoCo run's newest outer state every `inner_steps` steps; a learner of
+shards builds its units from those shards instead of sampling. The DiLoCo state and calls live in
+meshrl.controller.diloco_link.
+
 The controller only moves tokens and small records; the actors own the engines and the model, and
 every mesh call goes through the MeshClient (deadlines, supervision, replicas).
 """
@@ -24,22 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrl.config.run import RunConfig
+from meshrl.controller.diloco_link import DiLoCoLink
 from meshrl.controller.mesh_client import MeshClient
 from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
-from meshrl.diloco.shards import ShardWriter, rollout_record
-from meshrl.diloco.store import ObjectStore
 from meshrl.engines import SampleRequest
 from meshrl.losses.aggregation import GlobalCounts, global_scale
 from meshrl.training.policy import combine_metrics
 from meshrl.training.trajectories import Trajectory, group_advantages, kl_shape_datums, rl_datums, uniform_groups
 
 log = logging.getLogger(__name__)
-
-
-class DiLoCoFailed(RuntimeError):
-    """A DiLoCo join or round failed (no quorum in time, diverged replicas, the store); the
-    message is the learner's one-line cause."""
 
 
 @dataclass
@@ -75,14 +74,8 @@ class GRPOLoop:
         self.step_index = 0  # the step being run (1-based once running)
         self.published = 0  # the latest published weight version
         self.producer = Producer(self, cfg.trainer.steps)
-        self.diloco_round = 0  # the DiLoCo round the learner's weights come from (set by diloco_join)
-        d = cfg.diloco
-        self.shards = (ShardWriter(ObjectStore(d.store_url, d.storage_options, d.op_timeout_s), d.run_id,
-                                   f"replica{d.replica_id}", d.shard_compression) if d.rollout_shards else None)
-        if d.enabled and cfg.trainer.steps % d.inner_steps:
-            log.warning("trainer.steps = %d is not a multiple of diloco.inner_steps = %d: the last %d steps end no "
-                        "round, so the replicas finish with different weights", cfg.trainer.steps, d.inner_steps,
-                        cfg.trainer.steps % d.inner_steps)
+        self.role = cfg.diloco.role
+        self.diloco = DiLoCoLink(cfg, client)
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
             log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
                         "consider ppo (stale samples destabilise plain importance sampling)",
@@ -92,6 +85,10 @@ class GRPOLoop:
     def version(self) -> int:
         """The latest published weight version."""
         return self.published
+
+    def diloco_join(self) -> None:
+        """Bring the learner to the DiLoCo run's newest outer state (DiLoCoLink.join)."""
+        self.diloco.join(self.published)
 
     @property
     def cursor(self) -> int:
@@ -133,7 +130,11 @@ class GRPOLoop:
         self.client.step = st.step
         if st.units == 0 and self.client.faults is not None:  # a step begins with its rollout
             self.client.faults.before_call(st.step, "*", "step_start")
+        if self.diloco.source is not None:
+            return self._unit_from_shards(st)
         metrics: dict[str, Any] = {}
+        # the newest weights published (a generation job admits steps without publishing weights)
+        version = min(version, self.published)
         if self.client.version < version:
             metrics.update(self._sync(version))
         tasks = self.task.train_batch(st.cursor, u)
@@ -159,6 +160,19 @@ class GRPOLoop:
         st.groups += len(groups)
         if st.cursor - st.round_cursor >= tc.prompts_per_step:
             st.round_cursor = st.cursor
+        return unit
+
+    def _unit_from_shards(self, st: ProductionState) -> Unit:
+        """`diloco.role: learn`: the next `unit_size` groups from the generation jobs' shards."""
+        u = self.unit_size
+        groups, metrics = self.diloco.take(u, st.shards, self.published)
+        self.counters.stale_dropped += metrics["shards/stale_dropped"]
+        for i, group in enumerate(groups):
+            for t in group:
+                t.group = st.units * u + i
+        unit = Unit(st.step, st.units, groups, [t for g in groups for t in g], metrics=metrics)
+        st.units += 1
+        st.groups += len(groups)
         return unit
 
     def step_complete(self, st: ProductionState) -> bool:
@@ -253,6 +267,7 @@ class GRPOLoop:
     def _publish(self, version: int, metrics: dict) -> None:
         t0 = time.perf_counter()
         pub = self.client.publish(version)
+        self.diloco.published(version)
         self.published = version
         metrics.update({"version": version, "sync/bytes": pub["bytes"], "sync/publish_s": pub["publish_s"],
                         "timing/publish_s": time.perf_counter() - t0})
@@ -284,6 +299,9 @@ class GRPOLoop:
             _add(metrics, {k: v for k, v in unit.metrics.items() if not k.startswith(("sdpo/", "sync/"))})
             metrics.update({k: v for k, v in unit.metrics.items() if k.startswith(("sdpo/", "sync/"))})
             sampled += unit.sampled
+            if self.role == "generate":  # a generation job writes its groups and trains nothing
+                trained += unit.groups
+                continue
             if self.replay is not None and unit.sampled:
                 self.replay.submit(unit.sampled, min(s.version for s in unit.sampled))
             pending += self._fresh(unit.groups, t, metrics)
@@ -295,6 +313,9 @@ class GRPOLoop:
                 if sub.groups >= per_substep:
                     self._finish_substep(sub, metrics)
                     sub, updates = Substep(), updates + 1
+        if self.role == "generate":
+            self.producer.feed.release(t)
+            return self._end_generation_step(t, trained, sampled, metrics, t0)
         if pending:
             trained += pending
             self._minibatch(sub, pending)
@@ -306,12 +327,26 @@ class GRPOLoop:
             log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
                         "(trainer.advantage.max_extra_rounds = %d); step %d trains on those",
                         len(trained), tc.prompts_per_step, rounds, tc.advantage.max_extra_rounds, t)
-        if self.diloco_due(t):  # before publishing: version t carries the outer-updated weights
-            self._diloco_sync(metrics)
+        if self.diloco.due(t):  # before publishing: version t carries the outer-updated weights
+            self.diloco.sync(metrics)
         self._publish(t, metrics)
         trajectories = [x for g in trained for x in g]
-        if self.shards is not None:
-            self._write_shard(t, trajectories, metrics)
+        if self.diloco.shards is not None:
+            self.diloco.write_shard(t, trajectories, self.published, metrics)
+        self._step_metrics(metrics, trajectories, sampled)
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics, trajectories
+
+    def _end_generation_step(self, t: int, groups: list[list[Trajectory]], sampled: list[Trajectory],
+                             metrics: dict, t0: float) -> tuple[dict, list[Trajectory]]:
+        """A generation job's step: its groups as one shard, then (every `inner_steps` steps, under
+        `diloco.enabled`) the run's newest outer state, published to the generators if it is new;
+        the producer may then start the next step (admission counts written steps here)."""
+        trajectories = [x for g in groups for x in g]
+        self.diloco.write_shard(t, trajectories, self.published, metrics)
+        if self.diloco.follow(t, self.published, metrics):
+            self._publish(t, metrics)
+        self.producer.publish(t)
         self._step_metrics(metrics, trajectories, sampled)
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics, trajectories
@@ -327,13 +362,14 @@ class GRPOLoop:
             "reward/std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
             "accuracy": sum(bool(t.info.get("correct")) for t in sampled) / n,
             "gen/tokens": gen_tokens,
-            "gen/tokens_per_s": gen_tokens / max(metrics.get("timing/generate_s", 0.0), 1e-9),
             "gen/mean_length": gen_tokens / n,
             "gen/stopped_fraction": sum(t.finish_reason == "stop" for t in sampled) / n,
             "batch/uniform_groups": len(uniform_groups(sampled)),
             "batch/trajectories": len(trajectories),
             "batch/missing_groups": self.cfg.trainer.prompts_per_step - metrics.get("batch/groups", 0),
         })
+        if "timing/generate_s" in metrics:  # not in a learner of shards: it samples nothing
+            metrics["gen/tokens_per_s"] = gen_tokens / max(metrics["timing/generate_s"], 1e-9)
         served = [v for k, v in metrics.items() if k.startswith("gen/prompts/replica")]
         if served:  # 1/N when the generator replicas shared the step's prompts evenly
             metrics["gen/replica_max_share"] = max(served) / sum(served)
@@ -354,51 +390,6 @@ class GRPOLoop:
                 "eval/reward_mean": sum(t.reward for t in trajectories) / n,
                 "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
 
-    # ---- DiLoCo across replicas and rollout shards (meshrl.diloco) ------------------------------
-    def _diloco_call(self, endpoint: str, supervised: bool) -> dict:
-        d = self.cfg.diloco
-        # a round may wait round_timeout_s for the other replicas, then up- and download
-        report = self.client.on_learners(endpoint, supervised=supervised,
-                                         timeout_s=d.round_timeout_s + 4 * d.op_timeout_s)
-        if "error" in report:
-            raise DiLoCoFailed(f"diloco replica {d.replica_id}: {report['error']}")
-        return report
-
-    def diloco_join(self) -> None:
-        """Bring the learner to the DiLoCo run's newest outer state and take its round (at start,
-        before the first publish, and after every learner restore); nothing without
-        `diloco.enabled`. See meshrl.diloco.replica for what a resumed checkpoint keeps."""
-        if not self.cfg.diloco.enabled:
-            return
-        report = self._diloco_call("diloco_join", supervised=False)
-        self.diloco_round = int(report["round"])
-        log.info("diloco replica %d joined run %r at round %d (weights %s%s)", self.cfg.diloco.replica_id,
-                 self.cfg.diloco.run_id, self.diloco_round, report["hash"],
-                 ", the checkpoint's kept" if report.get("kept_checkpoint_weights") else "")
-
-    def diloco_due(self, step: int) -> bool:
-        """Whether ``step`` ends a DiLoCo round: round r ends at step r * `inner_steps`, so replicas
-        that rejoined (or fell behind) meet the others at the same round."""
-        d = self.cfg.diloco
-        return d.enabled and step >= (self.diloco_round + 1) * d.inner_steps
-
-    def _diloco_sync(self, metrics: dict) -> None:
-        t0 = time.perf_counter()
-        report = self._diloco_call("diloco_sync", supervised=True)
-        self.diloco_round = int(report["round"])
-        for k, v in report.items():
-            metrics[f"diloco/{k}"] = len(v) if k == "participants" else v
-        metrics["timing/diloco_s"] = time.perf_counter() - t0
-
-    def _write_shard(self, step: int, trajectories: list[Trajectory], metrics: dict) -> None:
-        """The step's trained trajectories as one rollout shard (meshrl.diloco.shards)."""
-        t0 = time.perf_counter()
-        advantages = group_advantages(trajectories, self.cfg.trainer.advantage.std_normalize)
-        manifest = self.shards.write([rollout_record(t, step, a) for t, a in zip(trajectories, advantages)],
-                                     step=step, published_version=self.published)
-        metrics.update({"shards/index": manifest["index"], "shards/records": manifest["count"],
-                        "shards/bytes": manifest["bytes"], "timing/shard_write_s": time.perf_counter() - t0})
-
     # ---- state --------------------------------------------------------------------------------
     def stop_producer(self) -> None:
         self.producer.stop()
@@ -408,7 +399,8 @@ class GRPOLoop:
         position and every rolled-out unit not yet trained (taken between units)."""
         with self.producer.paused():
             state = {"version": self.published, "step_index": self.step_index,
-                     "counters": dataclasses.asdict(self.counters), "producer": self.producer.state_dict()}
+                     "counters": dataclasses.asdict(self.counters), "producer": self.producer.state_dict(),
+                     "version_rounds": self.diloco.state_dict()}
         if self.sdpo is not None:
             state["sdpo"] = self.sdpo.state_dict()
         if self.replay is not None:
@@ -420,6 +412,7 @@ class GRPOLoop:
         self.producer.stop()
         self.published = int(state["version"])
         self.step_index = int(state["step_index"])
+        self.diloco.load_state_dict(state.get("version_rounds"), self.published)
         for k, v in state["counters"].items():
             setattr(self.counters, k, v)
         if "producer" in state:
@@ -434,5 +427,4 @@ class GRPOLoop:
 
     def close(self) -> None:
         self.producer.stop(wait=False)
-        if self.shards is not None:
-            self.shards.store.close()
+        self.diloco.close()

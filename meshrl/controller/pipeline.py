@@ -123,6 +123,9 @@ class ProductionState:
     """Groups kept for `step` so far."""
     sdpo_sites: int = 0
     """SDPO error sites scored for `step` so far."""
+    shards: dict = field(default_factory=dict)
+    """`diloco.role: learn`: the position in the rollout shards, {producer: [shard index, groups of
+    it used]} (meshrl.controller.shard_source); carried from step to step."""
 
 
 class Producer:
@@ -174,7 +177,8 @@ class Producer:
 
     # ---- the thread ------------------------------------------------------------------------
     def _admit(self, step: int) -> float:
-        """Wait until producing ``step`` respects the staleness bound; returns the seconds waited."""
+        """Wait until producing ``step`` respects the staleness bound (a generation job's
+        `publish` marks the steps it has written); returns the seconds waited."""
         started = time.perf_counter()
         k = self.loop.cfg.trainer.max_steps_off_policy
         with self.published:
@@ -194,7 +198,8 @@ class Producer:
                     self.feed.put(unit)
                     if self.loop.step_complete(self.state):
                         self.feed.end(self.state.step)
-                        self.state = ProductionState(self.state.step + 1, self.state.cursor, self.state.cursor)
+                        self.state = ProductionState(self.state.step + 1, self.state.cursor, self.state.cursor,
+                                                     shards=self.state.shards)
         except BaseException as e:  # noqa: BLE001 - handed to the learner side, which raises it
             log.error("producer failed: %s", e)
             self.feed.fail(e)

@@ -56,7 +56,7 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
     except (RunDirError, ConfigError) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 2
-    from meshrl.controller.grpo import DiLoCoFailed
+    from meshrl.controller.diloco_link import DiLoCoFailed
     from meshrl.controller.supervisor import RestartBudgetExceeded
     from meshrl.meshes.group import MeshSpawnError
     from meshrl.meshes.hosts import HostLost

