@@ -41,7 +41,9 @@ RUNS = Path("benchmarks/results/runs")
 
 TASK_OVERRIDES = {
     "arithmetic": [],
-    "code": ["task.kind=code", "task.code.env.code.max_turns=2"],
+    # two-turn code episodes are long: a token budget per learner micro-batch keeps the SDPO arms'
+    # logits within this machine's memory (16 such sequences at once ran the learner to 17 GB)
+    "code": ["task.kind=code", "task.code.env.code.max_turns=2", "learner.micro_batch_tokens=4096"],
 }
 
 
@@ -192,7 +194,7 @@ def main() -> None:
 
     def run(key: tuple) -> None:
         wall_s = run_arm(*key, args)
-        done[key] = {**summarise(*key, wall_s), **run_provenance()}
+        done[key] = {**summarise(*key, wall_s), **run_provenance(), "task_overrides": TASK_OVERRIDES[key[1]]}
         record(plan, done, recorded, args)  # a partial set is kept if a later arm fails or the session ends
 
     for key in [k for k in plan if k[0] not in NEEDS_TEACHERS and k not in done]:

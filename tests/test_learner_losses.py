@@ -23,8 +23,9 @@ def model_path():
     return resolve_model("tiny")
 
 
-def _trainer(model_path, micro_batch_size=8, **lora):
-    cfg = LearnerConfig(lr=1e-2, torch_threads=1, micro_batch_size=micro_batch_size, autocast_bf16=False,
+def _trainer(model_path, micro_batch_size=8, micro_batch_tokens=0, **lora):
+    cfg = LearnerConfig(lr=1e-2, torch_threads=1, micro_batch_size=micro_batch_size,
+                        micro_batch_tokens=micro_batch_tokens, autocast_bf16=False,
                         **({"lora": {"enabled": True, **lora}} if lora else {}))
     return PolicyTrainer(model_path, cfg)
 
@@ -91,7 +92,13 @@ def test_micro_batch_size_does_not_change_the_gradient(model_path, name):
     out_many = many.forward_backward(datums, name)
     assert out_one["loss"] == pytest.approx(out_many["loss"], rel=1e-4, abs=1e-7)
     assert out_one["tokens"] == out_many["tokens"] == 20
-    _assert_same_grads(_grads(one), _grads(many))
+    reference = _grads(one)
+    _assert_same_grads(reference, _grads(many))
+    capped = _trainer(model_path, micro_batch_size=8, micro_batch_tokens=2 * max(d.length for d in datums))
+    assert len(list(capped._passes(datums, None))) == 3  # 5 datums, at most 2 of them a pass
+    out_capped = capped.forward_backward(datums, name)
+    assert out_one["loss"] == pytest.approx(out_capped["loss"], rel=1e-4, abs=1e-7)
+    _assert_same_grads(reference, _grads(capped))
 
 
 def test_per_sequence_advantages_equal_per_token_advantages(model_path):

@@ -67,6 +67,18 @@ def test_micro_batches_keep_items_together_sorted_by_length():
         split_micro_batches(d[:5], size=4, per_item=2)
 
 
+def test_micro_batches_stay_within_a_padded_token_budget():
+    d = [Datum.from_sequence(list(range(n + 1))) for n in (6, 2, 5, 3, 4, 1)]  # lengths 6, 2, 5, 3, 4, 1
+    lengths = lambda batches: [[x.length for x in b] for b in batches]  # noqa: E731
+    # padded tokens = datums x the longest: [1, 2] 4, [3, 4] 8, [5] and [6] alone (a pair would be 10, 12)
+    assert lengths(split_micro_batches(d, size=4, max_tokens=8)) == [[1, 2], [3, 4], [5], [6]]
+    assert lengths(split_micro_batches(d, size=4, max_tokens=3)) == [[1], [2], [3], [4], [5], [6]]  # longer: alone
+    assert lengths(split_micro_batches(d, size=2, max_tokens=100)) == [[1, 2], [3, 4], [5, 6]]  # the count caps too
+    assert lengths(split_micro_batches(d, size=4, max_tokens=0)) == [[1, 2, 3, 4], [5, 6]]  # 0: no budget
+    # pairs stay together: (4,1) (5,3) (6,2) by their longest; 4 datums x 5 = 20 fit, 6 x 6 = 36 do not
+    assert lengths(split_micro_batches(d, size=4, per_item=2, max_tokens=20)) == [[4, 1, 5, 3], [6, 2]]
+
+
 def test_param_validation():
     assert AdamParams().beta2 == 0.95
     with pytest.raises(ValueError, match="beta1"):

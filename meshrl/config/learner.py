@@ -54,6 +54,11 @@ class LearnerConfig(Section):
     """Sequences per forward/backward micro-batch; gradients accumulate over micro-batches with the
     global normaliser, so the result equals one big batch."""
 
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Also cap a micro-batch's padded tokens (sequences x its longest one) at this many, so long
+    multi-turn episodes do not multiply the logits' memory by `micro_batch_size` (0: no cap; a
+    sequence longer than the cap is a micro-batch of its own). The result is unchanged."""
+
     autocast_bf16: bool = True
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
 

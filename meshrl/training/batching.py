@@ -43,13 +43,23 @@ def pad_datums(datums: list[Datum], pad_id: int) -> MicroBatch:
     return MicroBatch(ids, attention, inputs, lengths)
 
 
-def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1) -> list[list[Datum]]:
+def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1, max_tokens: int = 0) -> list[list[Datum]]:
     """Micro-batches of at most ``size`` Datums (at least one item), sorted by length to limit
-    padding. Datums come in items of ``per_item`` consecutive Datums (e.g. a DPO pair) that stay
-    together and in order."""
+    padding, and (``max_tokens`` > 0) of at most ``max_tokens`` padded tokens (Datums x the
+    longest) unless one item alone is longer. Datums come in items of ``per_item`` consecutive
+    Datums (e.g. a DPO pair) that stay together and in order."""
     if len(datums) % per_item:
         raise ValueError(f"{len(datums)} datums do not form items of {per_item}")
     items = [datums[i : i + per_item] for i in range(0, len(datums), per_item)]
     items.sort(key=lambda item: max(d.length for d in item))
     per_batch = max(1, size // per_item)
-    return [[d for item in items[i : i + per_batch] for d in item] for i in range(0, len(items), per_batch)]
+    batches: list[list[list[Datum]]] = []
+    for item in items:
+        batch = batches[-1] if batches else None
+        longest = max(d.length for d in item)  # items come shortest first: the batch's padded length
+        if (batch is None or len(batch) == per_batch
+                or (max_tokens and (len(batch) + 1) * per_item * longest > max_tokens)):
+            batches.append([item])
+        else:
+            batch.append(item)
+    return [[d for item in batch for d in item] for batch in batches]

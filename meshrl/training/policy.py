@@ -182,7 +182,8 @@ class PolicyTrainer:
         drops the outputs of passes whose scale is 0. Those are ``padding`` datums (sent to a
         data-parallel rank only to keep it in step) and, under FSDP2, repeats of a rank's last
         micro-batch until it has run as many passes as the busiest rank (the collectives match)."""
-        groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item) if datums else []
+        groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item,
+                                     self.cfg.micro_batch_tokens) if datums else []
         extra = self.dp.padding_passes(len(groups))
         if extra and not groups:
             raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
