@@ -146,3 +146,42 @@ def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrup
     assert [r.get("diloco/hash") for r in a] == [r.get("diloco/hash") for r in b]
     for x, y in zip(a, b):
         assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
+
+
+def test_a_generation_job_writes_teacher_pairs_and_a_learner_of_shards_trains_its_dpo_term_on_them(
+        tiny_run_config, tmp_path):
+    """The replay channel split across jobs: a generation job (`role: generate`, replay.beta > 0)
+    replays its samples to three real HTTP teachers on loopback and writes the pairs that arrive
+    into its shards; a learner of shards (`role: learn`, no teachers of its own) trains the DPO
+    term on exactly those pairs."""
+    from meshrl.controller.metrics import read_metrics
+    from meshrl.controller.train import make_run_dir, run_training
+    from meshrl.testing.fake_openai import FakeOpenAIServer
+
+    store = f"file://{tmp_path / 'store'}"
+
+    def run(name, *extra):
+        cfg = tiny_run_config(f"output.name={name}", "generator.backend=hf", "trainer.steps=3", "trainer.eval.every=0",
+                              "trainer.eval.at_start=false", "trainer.checkpoint.every=0",
+                              "trainer.checkpoint.export_final=false", f"diloco.store_url={store}", "replay.beta=0.5",
+                              *extra)
+        run_dir = make_run_dir(cfg, overwrite=True)
+        run_training(cfg, run_dir)
+        return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+    with FakeOpenAIServer({f"m{i}": "42" for i in range(3)}) as server:
+        teachers = ", ".join(f"{{name: t{i}, base_url: '{server.base_url}', model: m{i}, timeout_s: 5}}" for i in range(3))
+        generate = run("generate", "diloco.role=generate", "trainer.advantage.drop_uniform_groups=false",
+                       "replay.select=all", "replay.channel.procs=1", f"replay.teachers.teachers=[{teachers}]")
+        assert server.chat_requests("m0")  # the generation job's samples went to the teachers
+    written = sum(r["shards/pairs_written"] for r in generate)
+    assert written > 0 and all("train/loss" not in r for r in generate)
+    records = [r for s in ShardReader(ObjectStore(store), "diloco").shards() for r in s.records]
+    pairs = [r for r in records if r.get("kind") == "preference"]
+    assert len(pairs) == written and all(p["chosen"] and p["rejected"] and p["prompt_tokens"] for p in pairs)
+
+    learn = run("learn", "diloco.role=learn", "diloco.shard_wait_s=60", "replay.max_pairs_per_step=64")
+    assert [r["shards/groups_read"] for r in learn] == [4, 4, 4]
+    assert sum(r["shards/pairs_read"] for r in learn) == written  # every shard used up, each pair once
+    assert learn[-1]["replay/dpo_items"] == written
+    assert any(r["loss/replay_dpo"] > 0 for r in learn)

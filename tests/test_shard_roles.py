@@ -4,6 +4,7 @@ on exactly those tokens (in (index, producer) order, resumable from its checkpoi
 bad shards skipped and counted, stale groups dropped, a one-line error when no shard comes); a
 generation job of a DiLoCo run follows the run's newest outer state every `inner_steps` steps."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,11 @@ import torch
 from meshrl.config.base import load_config
 from meshrl.config.diloco import DiLoCoConfig
 from meshrl.config.run import RunConfig
-from meshrl.controller.shard_source import ShardSource, ShardsTimeout, trajectory_from_record
+from meshrl.controller.shard_source import ShardPairs, ShardSource, ShardsTimeout, trajectory_from_record
 from meshrl.diloco.replica import ModelSync
-from meshrl.diloco.shards import ShardReader, ShardWriter, rollout_record
+from meshrl.diloco.shards import ShardReader, ShardWriter, preference_record, rollout_record
 from meshrl.diloco.store import ObjectStore
+from meshrl.replay.channel import PreferenceItem
 from meshrl.testing.fake_meshes import make_loop
 from meshrl.training.trajectories import Trajectory
 from tests.test_diloco_learner import DiLoCoFakeLearner
@@ -114,13 +116,76 @@ def test_bad_shards_are_skipped_and_stale_groups_dropped_and_counted(tmp_path, c
                                       poll_interval_s=0.01, max_rounds_behind=1))
     position = {}
     with caplog.at_level("WARNING"):
-        groups, metrics = source.take(2, position, learner_round=3, version=7)
-    assert [[t.id for t in g] for g in groups] == [["gen0/t2"], ["gen0/t4", "gen0/t5"]]
+        groups, pairs, metrics = source.take(2, position, learner_round=3, version=7)
+    assert [[t.id for t in g] for g in groups] == [["gen0/t2"], ["gen0/t4", "gen0/t5"]] and pairs == []
     assert all(t.version == 7 for g in groups for t in g)
     assert metrics["shards/stale_dropped"] == 2 and metrics["shards/rejected_total"] == 2 == source.rejected
     assert position == {"gen0": [4, 1]}
     assert "checksum mismatch" in caplog.text and "malformed record (KeyError" in caplog.text
     assert "sampled at round 0 for a learner at round 3" in caplog.text
+
+
+def _sequence(datum):
+    """The whole token sequence of a Datum (its inputs and the last target)."""
+    return datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"][-1])]
+
+
+def _pair(i):
+    return PreferenceItem(f"v0/t{i}/0", prompt=[1, 2, i], chosen=[50 + i, 2], rejected=[60 + i, 2])
+
+
+def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_is_used_up(tmp_path):
+    """A generation job with the replay channel writes the teachers' pairs beside its groups; a
+    learner of shards gets a shard's pairs when it has used up the shard's groups (so a resumed
+    position never hands them out twice), a shard of pairs alone at once, and trains them as the
+    replay channel's DPO term: at most max_pairs_per_step a step, weighted beta / pairs."""
+    store = ObjectStore(f"file://{tmp_path}")
+    writer = ShardWriter(store, "diloco", "gen0", compression="none")
+    writer.write([rollout_record(_traj(0, 0, 1.0), 1), rollout_record(_traj(1, 1, 0.0), 1),
+                  preference_record(_pair(0), 1)])
+    writer.write([preference_record(_pair(1), 2)])  # a step whose groups all went elsewhere
+    writer.write([rollout_record(_traj(2, 0, 1.0), 3), preference_record(_pair(2), 3),
+                  {**preference_record(_pair(3), 3), "chosen": []}])  # an empty answer: a malformed shard
+    writer.write([rollout_record(_traj(3, 0, 1.0), 4), preference_record(_pair(4), 4)])
+    source = ShardSource(DiLoCoConfig(store_url=f"file://{tmp_path}", role="learn", shard_wait_s=1,
+                                      poll_interval_s=0.01))
+    position = {}
+    groups, pairs, metrics = source.take(1, position, learner_round=0, version=0)
+    assert [g[0].id for g in groups] == ["gen0/t0"] and pairs == [] and position == {"gen0": [0, 1]}
+    groups, pairs, metrics = source.take(1, position, learner_round=0, version=0)
+    assert [g[0].id for g in groups] == ["gen0/t1"] and [p.key for p in pairs] == ["gen0/v0/t0/0"]
+    assert metrics["shards/pairs_read"] == 1
+    groups, pairs, _ = source.take(1, position, learner_round=0, version=0)
+    # shard 1 (pairs alone) at once, shard 2 skipped as malformed (its pairs with it), shard 3 used up
+    assert [g[0].id for g in groups] == ["gen0/t3"] and [p.key for p in pairs] == ["gen0/v0/t1/0", "gen0/v0/t4/0"]
+    assert source.rejected == 1
+    assert (pairs[0].prompt, pairs[0].chosen, pairs[0].rejected) == ([1, 2, 1], [51, 2], [61, 2])
+
+    cfg = load_config(RunConfig, None, ["replay.beta=0.5", "replay.max_pairs_per_step=2", "diloco.role=learn",
+                                        f"diloco.store_url=file://{tmp_path}"])  # no teachers of its own
+    channel = ShardPairs(cfg.replay)
+    channel.add([_pair(0), _pair(1), _pair(2)])
+    datums, counts = channel.datums(version=3)
+    assert [_sequence(d) for d in datums] == [[1, 2, 0, 50, 2], [1, 2, 0, 60, 2], [1, 2, 1, 51, 2], [1, 2, 1, 61, 2]]
+    assert all(float(d.loss_fn_inputs["weight"]) == 0.25 for d in datums)  # beta / pairs
+    assert counts == {"replay/dpo_items": 2.0, "replay/buffered_pairs": 1.0}
+    restored = ShardPairs(channel.cfg)
+    restored.load_state_dict(json.loads(json.dumps(channel.state_dict())))
+    assert [d.model_input.to_ints()[:3] for d in restored.datums(version=4)[0]] == [[1, 2, 2], [1, 2, 2]]
+
+
+def test_a_learner_of_shards_trains_its_dpo_term_on_the_pairs(tmp_path):
+    store = f"file://{tmp_path}"
+    writer = ShardWriter(ObjectStore(store), "diloco", "gen0", compression="none")
+    writer.write([rollout_record(_traj(0, 0, 1.0), 1), rollout_record(_traj(1, 0, 0.0), 1),
+                  preference_record(_pair(7), 1)])
+    learn, _, learner = _loop(store, "learn", **{"trainer.prompts_per_step": 1, "replay.beta": 0.5})
+    learn.replay = ShardPairs(learn.cfg.replay)  # what the runtime builds for role learn with replay.beta > 0
+    metrics, _ = learn.step()
+    dpo = [call for call in learner.calls if call[0] == "fb" and call[2] == "dpo"]
+    assert len(dpo) == 1 and [_sequence(d) for d in dpo[0][1]] == [[1, 2, 7, 57, 2], [1, 2, 7, 67, 2]]
+    assert metrics["replay/dpo_items"] == 1 and "loss/replay_dpo" in metrics
+    learn.close()
 
 
 def test_record_to_trajectory_checks_its_lengths():
@@ -183,8 +248,8 @@ def test_a_generation_job_waits_for_the_run_within_max_rounds_behind_then_fails_
 @pytest.mark.parametrize("config, overrides, message", [
     (None, ["diloco.role=generate"], "store_url is required"),
     (None, ["diloco.role=learn", "diloco.store_url=file:///tmp/x", "diloco.rollout_shards=true"], "write back the shards"),
-    (None, ["diloco.role=learn", "diloco.store_url=file:///tmp/x", "sdpo.alpha=0.1"], "need a job that both samples"),
-    ("configs/ablation-replay.yaml", ["diloco.role=generate", "diloco.store_url=file:///tmp/x"], "need a job that both"),
+    (None, ["diloco.role=learn", "diloco.store_url=file:///tmp/x", "sdpo.alpha=0.1"], "SDPO channel needs a job that"),
+    ("configs/ablation-sdpo.yaml", ["diloco.role=generate", "diloco.store_url=file:///tmp/x"], "SDPO channel needs"),
 ])
 def test_role_config_errors_are_one_line(config, overrides, message):
     with pytest.raises(ValueError, match=message):

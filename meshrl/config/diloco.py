@@ -88,9 +88,11 @@ class DiLoCoConfig(Section):
     `generate`: a generation job: sample with the run's weights and write every step's groups as
     rollout shards (`rollout_shards` implied, produced as `gen<replica_id>`), never train; with
     `enabled` it follows the run's newest outer state every `inner_steps` steps (it reads rounds,
-    never uploads, and is not counted in `replicas`). `learn`: train on the shards of the run's
-    generation jobs instead of sampling (its generators only evaluate); with `enabled` a replica of
-    the run like `train`. See meshrl.controller.shard_source."""
+    never uploads, and is not counted in `replicas`); with `replay.beta` > 0 it replays its samples
+    to the teachers and writes the pairs that arrive into its shards. `learn`: train on the shards
+    of the run's generation jobs instead of sampling (its generators only evaluate), its DPO term
+    (`replay.beta` > 0) on their teacher pairs; with `enabled` a replica of the run like `train`.
+    SDPO (`sdpo.alpha` > 0) needs role `train`. See meshrl.controller.shard_source."""
 
     shard_wait_s: float = Field(600.0, gt=0)
     """`role: learn`: how long a step waits for new rollout shards before failing with a one-line

@@ -72,10 +72,3 @@ class ReplayChannelConfig(Section):
 
     channel: DelayedChannelConfig = DelayedChannelConfig()
     """The replay actor pool and the delayed-result channel."""
-
-    @model_validator(mode="after")
-    def _need_teachers(self) -> "ReplayChannelConfig":
-        if self.beta > 0 and len(self.teachers.teachers) < self.teachers.agreement_k:
-            raise ValueError(f"beta = {self.beta} needs at least teachers.agreement_k = "
-                             f"{self.teachers.agreement_k} teachers, got {len(self.teachers.teachers)}")
-        return self

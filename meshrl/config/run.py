@@ -112,12 +112,18 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_diloco_role(self) -> "RunConfig":
-        """A generation job trains nothing and a learner of shards samples nothing to train on:
-        the SDPO and replay channels, which need both, are refused there."""
+        """A generation job trains nothing and a learner of shards samples nothing: SDPO, which
+        scores the job's own samples with the policy being trained, needs both and is refused
+        there. The replay channel splits: a generation job replays its samples to the teachers and
+        writes their pairs into its shards; a learner of shards trains its DPO term on them."""
         role = self.diloco.role
-        if role != "train" and (self.sdpo.alpha > 0 or self.replay.beta > 0):
-            raise ValueError(f"diloco.role = {role!r} with sdpo.alpha or replay.beta > 0 is not supported: the "
-                             "SDPO and replay channels need a job that both samples and trains (role train)")
+        if role != "train" and self.sdpo.alpha > 0:
+            raise ValueError(f"diloco.role = {role!r} with sdpo.alpha > 0 is not supported: the SDPO channel needs "
+                             "a job that both samples and trains (role train)")
+        teachers = self.replay.teachers
+        if self.replay.beta > 0 and role != "learn" and len(teachers.teachers) < teachers.agreement_k:
+            raise ValueError(f"replay.beta = {self.replay.beta} needs at least replay.teachers.agreement_k = "
+                             f"{teachers.agreement_k} teachers, got {len(teachers.teachers)}")
         return self
 
     @model_validator(mode="after")

@@ -16,8 +16,9 @@ from meshrl.config.run import RunConfig
 from meshrl.controller.mesh_client import MeshClient
 from meshrl.controller.shard_source import ShardSource
 from meshrl.diloco.allreduce import DiLoCoError, ObjectStoreAllReduce
-from meshrl.diloco.shards import ShardWriter, rollout_record
+from meshrl.diloco.shards import ShardWriter, preference_record, rollout_record
 from meshrl.diloco.store import ObjectStore
+from meshrl.replay.channel import PreferenceItem
 from meshrl.training.trajectories import Trajectory, group_advantages
 
 log = logging.getLogger(__name__)
@@ -109,20 +110,25 @@ class DiLoCoLink:
         """Weight version ``version`` carries the current round's weights."""
         self.version_round[version] = self.round
 
-    def take(self, n: int, position: dict, published: int) -> tuple[list[list[Trajectory]], dict]:
-        """A learner of shards: the next ``n`` groups (meshrl.controller.shard_source)."""
+    def take(self, n: int, position: dict, published: int) -> tuple[list[list[Trajectory]], list[PreferenceItem], dict]:
+        """A learner of shards: the next ``n`` groups and the teacher pairs of the shards they used
+        up (meshrl.controller.shard_source)."""
         return self.source.take(n, position, self.round, published)
 
-    def write_shard(self, step: int, trajectories: list[Trajectory], published: int, metrics: dict) -> None:
+    def write_shard(self, step: int, trajectories: list[Trajectory], published: int, metrics: dict,
+                    pairs: list[PreferenceItem] = ()) -> None:
         """The step's trajectories as one rollout shard (meshrl.diloco.shards), each stamped with
-        the round of the weights that sampled it."""
+        the round of the weights that sampled it, and (a generation job with the replay channel)
+        the teacher preference pairs that arrived during the step."""
         t0 = time.perf_counter()
         advantages = group_advantages(trajectories, self.cfg.trainer.advantage.std_normalize)
-        manifest = self.shards.write([rollout_record(t, step, a, self.version_round.get(t.version, 0))
-                                      for t, a in zip(trajectories, advantages)],
-                                     step=step, published_version=published)
+        records = [rollout_record(t, step, a, self.version_round.get(t.version, 0))
+                   for t, a in zip(trajectories, advantages)]
+        records += [preference_record(item, step, self.round) for item in pairs]
+        manifest = self.shards.write(records, step=step, published_version=published, pairs=len(pairs))
         metrics.update({"shards/index": manifest["index"], "shards/records": manifest["count"],
-                        "shards/bytes": manifest["bytes"], "timing/shard_write_s": time.perf_counter() - t0})
+                        "shards/pairs_written": len(pairs), "shards/bytes": manifest["bytes"],
+                        "timing/shard_write_s": time.perf_counter() - t0})
 
     def state_dict(self) -> list:
         return sorted(self.version_round.items())

@@ -165,7 +165,9 @@ class GRPOLoop:
     def _unit_from_shards(self, st: ProductionState) -> Unit:
         """`diloco.role: learn`: the next `unit_size` groups from the generation jobs' shards."""
         u = self.unit_size
-        groups, metrics = self.diloco.take(u, st.shards, self.published)
+        groups, pairs, metrics = self.diloco.take(u, st.shards, self.published)
+        if self.replay is not None:  # ShardPairs: the DPO term from the generation jobs' teacher pairs
+            self.replay.add(pairs)
         self.counters.stale_dropped += metrics["shards/stale_dropped"]
         for i, group in enumerate(groups):
             for t in group:
@@ -299,11 +301,11 @@ class GRPOLoop:
             _add(metrics, {k: v for k, v in unit.metrics.items() if not k.startswith(("sdpo/", "sync/"))})
             metrics.update({k: v for k, v in unit.metrics.items() if k.startswith(("sdpo/", "sync/"))})
             sampled += unit.sampled
+            if self.replay is not None and unit.sampled and self.role != "learn":
+                self.replay.submit(unit.sampled, min(s.version for s in unit.sampled))
             if self.role == "generate":  # a generation job writes its groups and trains nothing
                 trained += unit.groups
                 continue
-            if self.replay is not None and unit.sampled:
-                self.replay.submit(unit.sampled, min(s.version for s in unit.sampled))
             pending += self._fresh(unit.groups, t, metrics)
             sub.sdpo += unit.sdpo
             while len(pending) >= self.unit_size:
@@ -343,7 +345,11 @@ class GRPOLoop:
         `diloco.enabled`) the run's newest outer state, published to the generators if it is new;
         the producer may then start the next step (admission counts written steps here)."""
         trajectories = [x for g in groups for x in g]
-        self.diloco.write_shard(t, trajectories, self.published, metrics)
+        pairs = []
+        if self.replay is not None:  # the teachers' pairs that arrived go into the shard
+            metrics.update(self.replay.drain(self.published))
+            pairs = self.replay.take(len(self.replay.buffer))
+        self.diloco.write_shard(t, trajectories, self.published, metrics, pairs)
         if self.diloco.follow(t, self.published, metrics):
             self._publish(t, metrics)
         self.producer.publish(t)

@@ -84,7 +84,11 @@ class Runtime:
         counters = Counters()
         sdpo = SDPOChannel(cfg.sdpo, self.client, self.renderer) if cfg.sdpo.alpha > 0 else None
         self.replay = None
-        if cfg.replay.beta > 0:
+        if cfg.replay.beta > 0 and cfg.diloco.role == "learn":  # pairs come in the shards
+            from meshrl.controller.shard_source import ShardPairs
+
+            self.replay = ShardPairs(cfg.replay)
+        elif cfg.replay.beta > 0:
             from meshrl.replay.channel import ReplayChannel
 
             try:

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from meshrl.config.diloco import DiLoCoConfig
+from meshrl.config.replay import ReplayChannelConfig
 from meshrl.diloco.shards import Shard, ShardReader
 from meshrl.diloco.store import CorruptObject, ObjectStore
+from meshrl.replay.channel import PreferenceItem, dpo_datums
 from meshrl.training.trajectories import Trajectory
+from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +47,36 @@ def trajectory_from_record(record: dict, producer: str, version: int = 0) -> Tra
                       finish_reason=str(record.get("finish_reason") or ""), reward=float(record["reward"]), info=info)
 
 
-def _groups(shard: Shard) -> list[tuple[int, list[Trajectory]]]:
-    """(sampling round: its oldest sample's, trajectories) per group of ``shard``, in the order
-    written."""
+def pair_from_record(record: dict, producer: str) -> PreferenceItem:
+    """A `preference` shard record (meshrl.diloco.shards.preference_record) as a PreferenceItem;
+    KeyError/TypeError/ValueError on a malformed record."""
+    chosen, rejected = [int(t) for t in record["chosen"]], [int(t) for t in record["rejected"]]
+    if not chosen or not rejected:
+        raise ValueError(f"pair {record.get('key')}: an empty answer")
+    return PreferenceItem(f"{producer}/{record['key']}", [int(t) for t in record["prompt_tokens"]], chosen, rejected)
+
+
+@dataclass
+class ParsedShard:
+    groups: list[tuple[int, list[Trajectory]]]
+    """(sampling round: its oldest sample's, trajectories) per group, in the order written."""
+    pairs: list[PreferenceItem]
+    """The teacher preference pairs written with the groups."""
+
+
+def _parse(shard: Shard) -> ParsedShard:
     groups: dict[int, list[Trajectory]] = {}
     rounds: dict[int, int] = {}
+    pairs = []
     for record in shard.records:
+        if record.get("kind") == "preference":
+            pairs.append(pair_from_record(record, shard.producer))
+            continue
         t = trajectory_from_record(record, shard.producer)
         groups.setdefault(t.group, []).append(t)
         round_ = int(record.get("diloco_round", 0))
         rounds[t.group] = min(rounds[t.group], round_) if t.group in rounds else round_
-    return [(rounds[g], members) for g, members in groups.items()]
+    return ParsedShard([(rounds[g], members) for g, members in groups.items()], pairs)
 
 
 class ShardSource:
@@ -61,54 +84,61 @@ class ShardSource:
         self.cfg = cfg
         self.reader = ShardReader(store or ObjectStore(cfg.store_url, cfg.storage_options, cfg.op_timeout_s),
                                   cfg.run_id)
-        self._cache: tuple[tuple[str, int], list] | None = None  # the shard being used up, parsed
+        self._cache: tuple[tuple[str, int], ParsedShard] | None = None  # the shard being used up, parsed
 
     @property
     def rejected(self) -> int:
         """Shards skipped because they were bad."""
         return self.reader.rejected
 
-    def _parsed(self, producer: str, index: int) -> list | None:
-        """The groups of shard (producer, index); None (logged, counted) if it is bad."""
+    def _parsed(self, producer: str, index: int) -> ParsedShard | None:
+        """Shard (producer, index) parsed; None (logged, counted) if it is bad."""
         if self._cache is not None and self._cache[0] == (producer, index):
             return self._cache[1]
         try:
             shard = self.reader.read(producer, index)
-            groups = _groups(shard)
+            parsed = _parse(shard)
         except CorruptObject as e:
             self.reader.skip(e)
             return None
         except (KeyError, TypeError, ValueError) as e:
             self.reader.skip(CorruptObject(f"shard {producer}.{index:08d}: malformed record ({type(e).__name__}: {e})"))
             return None
-        self._cache = ((producer, index), groups)
-        return groups
+        self._cache = ((producer, index), parsed)
+        return parsed
 
-    def _next(self, position: dict[str, list[int]]) -> tuple[str, int, list] | None:
-        """The first shard (in (index, producer) order) with unused groups: (producer, index, its
-        groups not used yet); None when there is none yet."""
+    def _next(self, position: dict[str, list[int]], pairs: list[PreferenceItem]) -> tuple[str, int, ParsedShard,
+                                                                                            int] | None:
+        """The first shard (in (index, producer) order) with unused groups: (producer, index, the
+        shard, groups of it used); None when there is none yet. A shard of pairs and no groups
+        is used up at once (its pairs into ``pairs``)."""
         committed = self.reader.committed({p: idx for p, (idx, _) in position.items()})
         for producer, index in sorted(committed, key=lambda s: (s[1], s[0])):
-            groups = self._parsed(producer, index)
+            shard = self._parsed(producer, index)
             pos = position.get(producer)
             used = pos[1] if pos is not None and pos[0] == index else 0
-            if groups is None or used >= len(groups):
+            if shard is None or used >= len(shard.groups):
+                if shard is not None and not shard.groups:
+                    pairs += shard.pairs
                 position[producer] = [index + 1, 0]
                 continue
             position[producer] = [index, used]
-            return producer, index, groups[used:]
+            return producer, index, shard, used
         return None
 
     def take(self, n: int, position: dict[str, list[int]], learner_round: int,
-             version: int) -> tuple[list[list[Trajectory]], dict]:
+             version: int) -> tuple[list[list[Trajectory]], list[PreferenceItem], dict]:
         """The next ``n`` fresh groups, advancing ``position``; waits for new shards up to
-        `shard_wait_s` (ShardsTimeout past it). Returns the groups and their metrics."""
+        `shard_wait_s` (ShardsTimeout past it). Returns the groups, the teacher pairs of every
+        shard whose last group this call used (so a pair is handed out once, with the position
+        past its shard), and their metrics."""
         started = time.perf_counter()
         out: list[list[Trajectory]] = []
+        pairs: list[PreferenceItem] = []
         stale, shards_met = 0, set()
         last_new = time.monotonic()
         while len(out) < n:
-            found = self._next(position)
+            found = self._next(position, pairs)
             if found is None:
                 if time.monotonic() - last_new > self.cfg.shard_wait_s:
                     raise ShardsTimeout(
@@ -118,12 +148,14 @@ class ShardSource:
                 time.sleep(self.cfg.poll_interval_s)
                 continue
             last_new = time.monotonic()
-            producer, index, groups = found
+            producer, index, shard, used = found
             shards_met.add((producer, index))
-            for round_, group in groups:
+            for round_, group in shard.groups[used:]:
                 if len(out) == n:
                     break
                 position[producer][1] += 1
+                if position[producer][1] == len(shard.groups):
+                    pairs += shard.pairs
                 if learner_round - round_ > self.cfg.max_rounds_behind:
                     stale += len(group)
                     log.warning("dropping a group of shard %s.%08d sampled at round %d for a learner at round %d "
@@ -131,11 +163,45 @@ class ShardSource:
                                 self.cfg.max_rounds_behind)
                     continue
                 out.append([_copy(t, version) for t in group])
-        return out, {"shards/groups_read": len(out), "shards/stale_dropped": stale, "shards/read": len(shards_met),
-                     "shards/rejected_total": self.rejected, "timing/shard_read_s": time.perf_counter() - started}
+        return out, pairs, {"shards/groups_read": len(out), "shards/pairs_read": len(pairs), "shards/stale_dropped": stale,
+                            "shards/read": len(shards_met), "shards/rejected_total": self.rejected,
+                            "timing/shard_read_s": time.perf_counter() - started}
 
 
 def _copy(t: Trajectory, version: int) -> Trajectory:
     """A trajectory of its own stamped ``version`` (the cached shard's objects are not handed out:
     the loop renumbers groups in place)."""
     return Trajectory(**{**vars(t), "version": version, "info": dict(t.info)})
+
+
+class ShardPairs:
+    """The replay channel of a learner of shards (`diloco.role: learn` with `replay.beta` > 0): the
+    DPO term comes from the teacher pairs that generation jobs with the replay channel wrote into
+    their shards, instead of a teacher pool of its own. Pairs are buffered as the shards they came
+    in are used up and taken oldest first, at most `max_pairs_per_step` a step, each weighted
+    beta / pairs (as ReplayChannel.datums); the buffer is checkpointed with the loop."""
+
+    def __init__(self, cfg: ReplayChannelConfig):
+        self.cfg = cfg
+        self.buffer: list[PreferenceItem] = []
+        self.used = 0
+
+    def add(self, pairs: list[PreferenceItem]) -> None:
+        self.buffer += pairs
+
+    def datums(self, version: int) -> tuple[list[Datum], dict]:
+        """The step's `dpo` Datums (``version`` is not needed: shards carry no delivery lag)."""
+        items, self.buffer = self.buffer[: self.cfg.max_pairs_per_step], self.buffer[self.cfg.max_pairs_per_step:]
+        self.used += len(items)
+        metrics = {"replay/dpo_items": float(self.used), "replay/buffered_pairs": float(len(self.buffer))}
+        return (dpo_datums(items, self.cfg.beta / len(items)) if items else []), metrics
+
+    def state_dict(self) -> dict:
+        return {"buffer": [vars(i) for i in self.buffer], "used": self.used}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
+        self.used = int(state["used"])
+
+    def close(self) -> None:
+        pass

@@ -164,3 +164,11 @@ def rollout_record(trajectory, step: int, advantage: float | None = None, diloco
             "logprobs": list(trajectory.logprobs), "mask": list(trajectory.mask), "reward": trajectory.reward,
             "advantage": advantage, "diloco_round": diloco_round, "finish_reason": trajectory.finish_reason,
             "info": info}
+
+
+def preference_record(item, step: int, diloco_round: int = 0) -> dict:
+    """One teacher preference pair (meshrl.replay.channel.PreferenceItem: token ids of the exact
+    context the student saw, the teachers' agreed answer and the student's) as a shard record of
+    kind `preference`, beside the step's rollout records."""
+    return {"kind": "preference", "step": step, "key": item.key, "prompt_tokens": list(item.prompt),
+            "chosen": list(item.chosen), "rejected": list(item.rejected), "diloco_round": diloco_round}
