@@ -105,6 +105,11 @@ def summarise(arm: str, task: str, seed: int, wall_s: float | None) -> dict:
         "reward_mean": mean([r["reward/mean"] for r in train]),
         "eval_accuracy": {str(r["step"]): r["eval/accuracy"] for r in records if r["kind"] == "eval"},
         "final_counters": counters,
+        # recoveries during the run (e.g. a learner killed for memory and resumed): its step times
+        # include the recovery and the steps redone
+        "faults": [f"{r['mesh']} lost at step {r['step']}, {r['action']}"
+                   + (f" of step {r['resumed_from_step']}" if "resumed_from_step" in r else "")
+                   for r in records if r["kind"] == "fault"],
     }
 
 
@@ -132,7 +137,9 @@ def plot(summary: dict, out: Path) -> None:
         arms = by_arm(summary["runs"], task)
         for arm, runs in arms.items():
             steps, acc = mean_curve(runs)
-            ax.plot(steps, acc, marker="o", label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+            style = ARMS.index(arm)  # arms with the same curve stay visible: each its own marker and dashes
+            ax.plot(steps, acc, marker="osD^"[style], linestyle=("-", "--", "-.", ":")[style], markersize=9 - 2 * style,
+                    label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         ax.set(xlabel="step", ylabel="held-out greedy accuracy (%), mean over seeds", title=f"{task} task")
         ax.set_ylim(0, max([5.0] + [a for runs in arms.values() for a in mean_curve(runs)[1]]) * 1.1)
         ax.grid(alpha=0.3)

@@ -331,6 +331,8 @@ def ablation(d: dict) -> str:
             + table(["arm", "task", "seeds", "accuracy, first → last eval", "last eval per seed", "mean step",
                      "step vs baseline"], rows)
             + _earlier_runs(runs, d["commit"])
+            + "".join(f"\n\nFault during ablation-{r['arm']}-{r['task']}-s{r['seed']}: {'; '.join(r['faults'])}; its "
+                      "step time includes the recovery and the steps redone." for r in runs if r.get("faults"))
             + (f"\n\nPlanned but not run yet: {', '.join(d['missing'])}." if d.get("missing") else ""))
 
 

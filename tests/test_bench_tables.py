@@ -135,3 +135,15 @@ def test_the_committed_readme_matches_the_committed_results():
     """Fails when a result JSON changed without `python benchmarks/tables.py`, or someone edited a
     figure in the generated section by hand."""
     assert tables.main(["--check"]) == 0, "run python benchmarks/tables.py and commit README.md"
+
+
+def test_the_ablation_table_names_a_run_that_recovered_from_a_fault():
+    runs = [{"arm": arm, "task": "code", "seed": 0, "mean_step_s": step, "eval_accuracy": {"0": 0.0, "6": 0.0},
+             "commit": "abc", "date": "2030-01-01", **extra}
+            for arm, step, extra in (("baseline", 40.0, {}),
+                                     ("full", 90.0, {"faults": ["learner lost at step 4, learner resumed from "
+                                                                "checkpoint of step 0"]}))]
+    text = tables.ablation({"commit": "abc", "runs": runs})
+    assert ("Fault during ablation-full-code-s0: learner lost at step 4, learner resumed from checkpoint of step 0; "
+            "its step time includes the recovery and the steps redone.") in text
+    assert "ablation-baseline-code-s0:" not in text
