@@ -28,7 +28,7 @@ class MetricsLogger:
         if wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir))
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: _jsonable(v) for k, v in record.items()}
