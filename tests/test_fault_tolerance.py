@@ -34,7 +34,8 @@ def _faults(records):
     return [r for r in records if r["kind"] == "fault"]
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+# two replicas (hedging, then replacement) in the slow tier: ~80 s on 2 cores
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config, replicas):
     cfg = tiny_run_config(
         "output.name=gen-kill", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
@@ -112,6 +113,7 @@ def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_co
         assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
 
 
+@pytest.mark.slow  # ~70 s on 2 cores; one-process learner resume stays in the default suite
 def test_killed_rank_of_a_two_process_learner_resumes(tiny_run_config):
     """A data-parallel learner (2 processes, FSDP2) loses rank 1: both are replaced, the process
     group forms again, and training resumes from the checkpoint (DCP, written by both ranks)."""
