@@ -75,7 +75,7 @@ def mean(values: list[float]) -> float:
 
 def complete(arm: str, task: str, seed: int, args: argparse.Namespace) -> bool:
     """Whether the arm's run directory holds a finished run with ``args``' steps and evals."""
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
 
     path = ROOT / RUNS / run_name(arm, task, seed) / "metrics.jsonl"
     if not path.exists():
@@ -88,7 +88,7 @@ def complete(arm: str, task: str, seed: int, args: argparse.Namespace) -> bool:
 
 def summarise(arm: str, task: str, seed: int, wall_s: float | None) -> dict:
     """The run's figures; ``wall_s`` None for a run kept by --resume (its process was not timed)."""
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
 
     records = read_metrics(ROOT / RUNS / run_name(arm, task, seed) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]

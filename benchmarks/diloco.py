@@ -1,5 +1,5 @@
 """DiLoCo across replicas that share only an object store, on the synthetic supervised task
-(meshrl.diloco.supervised), each replica a separate process launched by an executor.
+(benchmarks.diloco_toy), each replica a separate process launched by an executor.
 
 Two parts:
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.diloco_toy import train_single  # noqa: E402
 from meshrl.diloco.executors import ExecutorError, LocalProcessExecutor, ReplicaSpec  # noqa: E402
-from meshrl.diloco.supervised import train_single  # noqa: E402
 
 from common import RESULTS as RESULTS_DIR, write_result  # noqa: E402
 
@@ -49,14 +49,15 @@ and the leader's outer-state upload) = round."""
 def make_executor(kind: str, work_dir: Path):
     if kind == "monarch":
         from meshrl.diloco.executors.monarch_job import MonarchJobExecutor
+        from meshrl.launch.process import replica_job
 
-        return MonarchJobExecutor(work_dir)
+        return MonarchJobExecutor(work_dir, replica_job)
     return LocalProcessExecutor(work_dir)
 
 
 def run_replicas(args, work: Path, url: str, options: dict, **kwargs) -> list[dict]:
     """Every replica's result dict (ExecutorError naming the first failure)."""
-    spec = ReplicaSpec("meshrl.diloco.supervised:run_replica",
+    spec = ReplicaSpec("benchmarks.diloco_toy:run_replica",
                        {"store_url": url, "storage_options": options, "inner_steps": args.inner_steps,
                         "batch_size": args.batch_size, "lr": args.lr, "poll_interval_s": 0.02, **kwargs})
     with make_executor(args.executor, work) as ex:

@@ -81,8 +81,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from meshrl.actors.generator import Generator
-    from meshrl.controller.mesh_client import GENERATOR, MeshClient
-    from meshrl.controller.supervisor import Supervisor
+    from meshrl.config.meshes import GENERATOR
+    from meshrl.meshes.client import MeshClient
+    from meshrl.meshes.supervisor import Supervisor
     from meshrl.engines import SampleRequest
     from meshrl.envs.task_sets import make_task
     from meshrl.meshes.group import MeshGroup

@@ -41,8 +41,8 @@ def _batch(seed: int, seqs: int, length: int, vocab: int):
 def run_arm(name: str, procs: int, mode: str, threads: int, args, model_path, cfg) -> dict:
     from meshrl.actors.learner import Learner
     from meshrl.config.meshes import MeshesConfig
-    from meshrl.controller.mesh_client import MeshClient
-    from meshrl.controller.supervisor import Supervisor
+    from meshrl.meshes.client import MeshClient
+    from meshrl.meshes.supervisor import Supervisor
     from meshrl.meshes.group import MeshGroup
     from meshrl.config.launch import LaunchConfig
     from meshrl.meshes.hosts import Hosts

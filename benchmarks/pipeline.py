@@ -70,7 +70,7 @@ def simulated(args) -> dict:
 def real_run(k: int, steps: int, out_dir: str, overrides: list[str]) -> dict:
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
 
     cfg = load_config(RunConfig, "configs/default.yaml", [

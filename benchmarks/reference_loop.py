@@ -29,6 +29,7 @@ def run_reference(cfg, steps: int, eval_every: int, eval_size: int, on_eval=None
     from meshrl.models.provision import resolve_model
     from meshrl.renderers import renderer_for_tokenizer
     from meshrl.training.policy import PolicyTrainer
+    from meshrl.losses import get_loss
     from meshrl.training.trajectories import Trajectory, group_advantages, rl_datums
 
     started = time.perf_counter()
@@ -64,8 +65,7 @@ def run_reference(cfg, steps: int, eval_every: int, eval_size: int, on_eval=None
                                                [1] * len(c.tokens), step - 1, c.text, c.finish_reason, reward))
         datums, _ = rl_datums(trajectories, group_advantages(trajectories, False), tc.loss.normalize)
         if datums:
-            trainer.forward_backward(datums, tc.loss.name, {"eps_low": tc.loss.eps_low, "eps_high": tc.loss.eps_high}
-                                     if tc.loss.name == "ppo" else {})
+            trainer.forward_backward(datums, tc.loss.name, get_loss(tc.loss.name).config(tc.loss.params))
         trainer.optim_step(cfg.learner.adam_params())
         engine.load_weights(trainer.inference_state_dict().items())
         step_times.append(time.perf_counter() - t0)

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def run(k: int, steps: int, runs_dir: str) -> dict:
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
 
     cfg = load_config(RunConfig, "configs/default.yaml", [

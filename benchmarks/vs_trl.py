@@ -72,7 +72,7 @@ def median(values: list[float]) -> float:
 
 # ---- meshrl arms --------------------------------------------------------------------------------
 def run_meshrl(arm: str, steps: int, eval_every: int, eval_size: int, backend: str, runs_dir: str) -> dict:
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
 
     overrides = [f"trainer.steps={steps}", f"generator.backend={backend}", "trainer.progress=false",
@@ -113,6 +113,7 @@ def run_trl(steps: int, eval_every: int, eval_size: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from meshrl.envs.task_sets import make_task
+    from meshrl.losses import get_loss
     from meshrl.models.provision import resolve_model
     from meshrl.renderers import renderer_for_tokenizer
 
@@ -134,6 +135,7 @@ def run_trl(steps: int, eval_every: int, eval_size: int) -> dict:
     if not torch.cuda.is_available():  # the learner's thread count, as meshrl's learner uses
         torch.set_num_threads(lc.torch_threads)
     micro = min(lc.micro_batch_size, tc.prompts_per_step * tc.group_size)
+    clip = get_loss("ppo").config(tc.loss.params)  # both sides train the PPO-clipped loss
     accumulation = tc.prompts_per_step * tc.group_size // micro
     wanted = dict(
         output_dir=tempfile.mkdtemp(prefix="vs-trl-"), max_steps=steps, per_device_train_batch_size=micro,
@@ -141,7 +143,7 @@ def run_trl(steps: int, eval_every: int, eval_size: int) -> dict:
         max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
         learning_rate=lc.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=lc.weight_decay,
         adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], adam_epsilon=lc.eps, max_grad_norm=lc.grad_clip,
-        beta=0.0, epsilon=tc.loss.eps_low, epsilon_high=tc.loss.eps_high, loss_type="dapo",
+        beta=0.0, epsilon=clip["eps_low"], epsilon_high=clip["eps_high"], loss_type="dapo",
         scale_rewards="none", num_iterations=1, shuffle_dataset=False, gradient_checkpointing=False,
         bf16=True, use_cpu=not torch.cuda.is_available(), logging_steps=1, save_strategy="no",
         report_to="none", seed=tc.seed, disable_dropout=True)

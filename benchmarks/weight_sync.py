@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from monarch.actor import Actor, endpoint, this_host  # noqa: E402
 from monarch.config import get_global_config  # noqa: E402
 
-from meshrl.channels.arena import copy_tensors  # noqa: E402
-from meshrl.config.channels import WeightSyncConfig  # noqa: E402
-from meshrl.channels.weight_store import WeightPublisher, WeightPuller, silence_tcp_fallback_warning  # noqa: E402
+from meshrl.transport.arena import copy_tensors  # noqa: E402
+from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
+from meshrl.transport.weight_store import WeightPublisher, WeightPuller, silence_tcp_fallback_warning  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"

@@ -39,9 +39,9 @@ import torch  # noqa: E402
 from monarch.actor import Actor, endpoint, this_host  # noqa: E402
 from weight_sync import build_model, memcpy_gbps, resolve_source  # noqa: E402
 
-from meshrl.channels.arena import ArenaLayout  # noqa: E402
-from meshrl.channels.weight_store import WeightPublisher, WeightPuller, silence_tcp_fallback_warning  # noqa: E402
-from meshrl.config.channels import WeightSyncConfig  # noqa: E402
+from meshrl.transport.arena import ArenaLayout  # noqa: E402
+from meshrl.transport.weight_store import WeightPublisher, WeightPuller, silence_tcp_fallback_warning  # noqa: E402
+from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
 
 RESULTS = Path(_HERE) / "results" / "weight_sync_transports.json"
 STORE = "bench-transports"

@@ -40,6 +40,9 @@ def _plan(args: argparse.Namespace):
     if getattr(args, "launcher", None):
         overrides.append(f"launch.launcher={args.launcher}")
     cfg = load_config(RunConfig, path, overrides)
+    from meshrl.terms import check_config
+
+    check_config(cfg)  # the plugins, the loss and the terms a run names exist
     remote = remote_host_gpus(cfg.launch)
     if args.host_gpus is not None:
         placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))

@@ -33,7 +33,7 @@ METRICS = ("loss/grpo", "loss/sdpo_jsd", "loss/total", "reward/mean", "train/gra
 def run_arm(name: str, overrides: list[str], out_dir: Path) -> list[dict]:
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
 
     cfg = load_config(RunConfig, None, TINY + [f"output.dir={out_dir}", f"output.name={name}", *overrides])

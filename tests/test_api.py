@@ -154,7 +154,7 @@ def test_closing_a_training_client_frees_its_adapter(service):
     client.forward_backward(_sl_data(), "cross_entropy").result(timeout=120)  # its adapter is the active one
 
     def adapters():
-        return service.engine.client.on_learners("info", supervised=False)["adapters"]
+        return service.backend.client.on_learners("info", supervised=False)["adapters"]
 
     assert client.adapter in adapters()
     client.close()
@@ -166,9 +166,9 @@ def test_closing_a_training_client_frees_its_adapter(service):
 def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):
     sampler = service.create_sampling_client(base_model="tiny")
     params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)
-    [pid] = service.engine.meshes.pids["generator"]
+    [pid] = service.backend.session.meshes.pids["generator"]
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
     assert len(response.sequences) == 8
-    assert service.engine.meshes.pids["generator"] != [pid]
-    assert [e["mesh"] for e in service.engine.supervisor.events] == ["generator"]
+    assert service.backend.session.meshes.pids["generator"] != [pid]
+    assert [e["mesh"] for e in service.backend.session.supervisor.events] == ["generator"]

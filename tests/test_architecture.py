@@ -4,30 +4,31 @@ package, including imports inside functions:
   base < math < services and channel data < actors < controller and channel loops < cli
 
 A module may import modules of its own layer or below, never above. The transport layer
-(`meshrl.channels`) knows no roles at all: it imports only configuration and types."""
+(`meshrl.transport`) knows no roles at all: it imports only configuration and types."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "meshrl"
 
-LAYERS = {  # module prefix -> layer (the longest matching prefix decides)
-    "meshrl.types": 0, "meshrl.config": 0, "meshrl.logprobs": 0,
+LAYERS = {  # package (a folder, or a module of its own) -> layer
+    "meshrl.types": 0, "meshrl.config": 0, "meshrl.logprobs": 0, "meshrl.plugins": 0,
     "meshrl.losses": 1, "meshrl.advantages": 1, "meshrl.renderers": 1,
-    "meshrl.training": 2, "meshrl.envs": 2, "meshrl.engines": 2, "meshrl.teachers": 2, "meshrl.channels": 2,
-    "meshrl.models": 2, "meshrl.meshes": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2,
-    "meshrl.actors": 3, "meshrl.testing": 3,
-    "meshrl.controller": 4, "meshrl.sdpo.channel": 4, "meshrl.replay.channel": 4, "meshrl.testing.fake_meshes": 4,
-    "meshrl.cli": 5, "meshrl.teachers.serve": 5, "meshrl.launch": 5, "meshrl.api": 5, "meshrl.serve": 5,
-    "meshrl.testing.fake_api": 5, "meshrl.diloco.executors": 5, "meshrl.report": 5,
+    "meshrl.training": 2, "meshrl.envs": 2, "meshrl.engines": 2, "meshrl.teachers": 2, "meshrl.transport": 2,
+    "meshrl.models": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2, "meshrl.metrics": 2,
+    "meshrl.actors": 3,
+    "meshrl.meshes": 4,
+    "meshrl.terms": 5,
+    "meshrl.controller": 6,
+    "meshrl.cli": 7, "meshrl.launch": 7, "meshrl.api": 7, "meshrl.serve": 7, "meshrl.report": 7, "meshrl.testing": 7,
 }
-TRANSPORT_MAY_IMPORT = ("meshrl.channels", "meshrl.config", "meshrl.types")
+TRANSPORT_MAY_IMPORT = ("meshrl.transport", "meshrl.config", "meshrl.types")
 
 
 def layer(module: str) -> int:
-    matches = [p for p in LAYERS if module == p or module.startswith(p + ".")]
-    assert matches, f"{module} has no layer: add it to LAYERS"
-    return LAYERS[max(matches, key=len)]
+    package = ".".join(module.split(".")[:2])
+    assert package in LAYERS, f"{module} has no layer: add {package} to LAYERS"
+    return LAYERS[package]
 
 
 def imports() -> list[tuple[str, str, int]]:
@@ -54,11 +55,25 @@ def test_imports_only_go_down_the_layers():
 
 def test_transport_knows_no_roles():
     bad = [f"{m}:{line} imports {t}" for m, t, line in imports()
-           if m.startswith("meshrl.channels") and not t.startswith(TRANSPORT_MAY_IMPORT)]
+           if m.startswith("meshrl.transport") and not t.startswith(TRANSPORT_MAY_IMPORT)]
     assert not bad, "\n".join(bad)
 
 
 def test_the_check_sees_imports_inside_functions():
     found = {(m, t) for m, t, _ in imports()}
-    # the runtime imports its actors inside __init__; those count
-    assert ("meshrl.controller.runtime", "meshrl.actors.learner") in found
+    # the mesh session imports the actors it spawns inside its methods; those count
+    assert ("meshrl.meshes.session", "meshrl.actors.learner") in found
+
+
+def test_every_package_has_a_layer():
+    packages = {".".join(m.split(".")[:2]) for m, _, _ in imports() if m != "meshrl"}
+    assert not packages - set(LAYERS), sorted(packages - set(LAYERS))
+
+
+def test_the_front_ends_and_channel_folders_do_not_import_the_controller():
+    below = ("meshrl.sdpo", "meshrl.replay", "meshrl.api", "meshrl.serve", "meshrl.meshes", "meshrl.actors",
+             "meshrl.diloco", "meshrl.terms")
+    bad = [f"{m}:{line} imports {t}" for m, t, line in imports()
+           if m.startswith(below) and (t.startswith("meshrl.controller") or
+                                       (m.startswith("meshrl.diloco") and t.startswith("meshrl.launch")))]
+    assert not bad, "\n".join(bad)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from meshrl.channels.arena import (
+from meshrl.transport.arena import (
     ArenaLayout,
     allocate_arena,
     chunk_ranges,

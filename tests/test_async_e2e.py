@@ -4,7 +4,7 @@ learner is recovered in async mode without losing or repeating a group."""
 
 import pytest
 
-from meshrl.controller.metrics import read_metrics
+from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 
 pytestmark = pytest.mark.monarch
@@ -81,7 +81,7 @@ def test_all_three_channels_train_in_async_mode(tiny_run_config):
     with FakeOpenAIServer({"m0": "The answer is 42.", "m1": "42", "m2": "42"}) as server:
         teachers = ", ".join(f"{{name: t{i}, base_url: '{server.base_url}', model: m{i}, timeout_s: 5}}" for i in range(3))
         cfg = tiny_run_config("output.name=async-full", "trainer.max_steps_off_policy=1", "trainer.steps=4", *QUIET,
-                              "trainer.checkpoint.every=0", "sdpo.alpha=0.5", "replay.beta=0.5", "replay.channel.procs=1",
+                              "trainer.checkpoint.every=0", "sdpo.alpha=0.5", "replay.beta=0.5", "replay.pool.procs=1",
                               f"replay.teachers.teachers=[{teachers}]")
         train, _ = _train_records(cfg)
     assert [r["step"] for r in train] == [1, 2, 3, 4]

@@ -4,7 +4,7 @@ of them failing) replaying traces over the delayed channel."""
 
 import pytest
 
-from meshrl.controller.metrics import read_metrics
+from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 from meshrl.testing.fake_openai import Fault, FakeOpenAIServer
 
@@ -32,7 +32,7 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config):
     with FakeOpenAIServer(script) as server:
         hinter = f"sdpo.hint_generator={{enabled: true, endpoint: {{name: h, base_url: '{server.base_url}', model: hinter}}}}"
         cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "replay.beta=0.5",
-                              "replay.channel.procs=1", _teachers(server.base_url), hinter)
+                              "replay.pool.procs=1", _teachers(server.base_url), hinter)
         train = _run(cfg)
         requests = server.chat_requests("m0")
     assert len(train) == 4

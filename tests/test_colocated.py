@@ -6,7 +6,7 @@ import pytest
 
 from meshrl.config.base import ConfigError, load_config
 from meshrl.config.run import RunConfig
-from meshrl.controller.metrics import read_metrics
+from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 
 COLOCATED = ["meshes.generator.colocate_with=learner"]
@@ -97,7 +97,7 @@ def test_colocated_vllm_on_a_gpu_starts_with_dummy_weights_and_sleeps_between_ca
     import torch
 
     from meshrl.actors.follower import InProcessFollower
-    from meshrl.channels import in_process
+    from meshrl.transport import in_process
     from meshrl.config.generation import GeneratorConfig
     from meshrl.engines.base import SampleRequest
     from meshrl.engines.vllm_engine import VLLMEngine

@@ -10,7 +10,7 @@ rank 0 publishes are the whole policy.
 import torch
 import pytest
 
-from meshrl.controller.mesh_client import split_by_tokens
+from meshrl.meshes.client import split_by_tokens
 from meshrl.types import Datum
 
 
@@ -71,10 +71,10 @@ def test_two_learner_processes_equal_one(tmp_path):
                                         "learner.lr=1e-3", "learner.grad_clip=0.5"])
     prepare_environment(cfg.meshes)
     from meshrl.actors.learner import Learner
-    from meshrl.channels.weight_store import WeightPuller
+    from meshrl.transport.weight_store import WeightPuller
     from meshrl.config.meshes import MeshesConfig
-    from meshrl.controller.mesh_client import MeshClient
-    from meshrl.controller.supervisor import Supervisor
+    from meshrl.meshes.client import MeshClient
+    from meshrl.meshes.supervisor import Supervisor
     from meshrl.meshes.group import MeshGroup
     from meshrl.config.launch import LaunchConfig
     from meshrl.meshes.hosts import Hosts

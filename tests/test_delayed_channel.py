@@ -12,7 +12,8 @@ import monarch.actor  # noqa: E402
 import pytest  # noqa: E402
 from monarch.actor import this_host  # noqa: E402
 
-from meshrl.channels.delayed import DelayedChannelConfig, DelayedInbox, DelayedMessage  # noqa: E402
+from meshrl.config.replay import ReplayPoolConfig
+from meshrl.transport.delayed import DelayedInbox, DelayedMessage  # noqa: E402
 from meshrl.testing.channel_actors import EchoProducer  # noqa: E402
 
 pytestmark = pytest.mark.monarch
@@ -159,7 +160,7 @@ def test_replaced_consumer_gets_every_unacknowledged_message_and_no_acknowledged
 
 
 def test_replaced_producer_gets_its_outstanding_work_again_nothing_lost_or_accepted_twice(inbox):
-    cfg = DelayedChannelConfig(procs=1)
+    cfg = ReplayPoolConfig(procs=1)
     pm = this_host().spawn_procs(per_host={"procs": cfg.procs})
     producer = pm.spawn("echo", EchoProducer, "solo")
     producer.subscribe.call_one(inbox.port).get(timeout=60)

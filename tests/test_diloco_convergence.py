@@ -10,7 +10,7 @@ import torch
 
 from meshrl.diloco.executors import LocalProcessExecutor, ReplicaSpec
 from meshrl.diloco.store import encode_tensors
-from meshrl.diloco.supervised import (DIM_IN, STUDENT_HIDDEN, make_batch, make_student, make_teacher, run_replica,
+from benchmarks.diloco_toy import (DIM_IN, STUDENT_HIDDEN, make_batch, make_student, make_teacher, run_replica,
                                       train_single)
 
 ROUNDS, H, BATCH, LR = 20, 10, 32, 3e-3
@@ -37,7 +37,7 @@ def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(tmp_path)
 
 
 def test_two_replicas_match_one_model_on_the_same_samples_with_h_fold_fewer_syncs(tmp_path):
-    spec = ReplicaSpec("meshrl.diloco.supervised:run_replica",
+    spec = ReplicaSpec("benchmarks.diloco_toy:run_replica",
                        {"store_url": f"file://{tmp_path}/store", "rounds": ROUNDS, "inner_steps": H,
                         "batch_size": BATCH, "lr": LR, "poll_interval_s": 0.01, **OUTER})
     with LocalProcessExecutor(tmp_path / "work") as ex:

@@ -35,7 +35,10 @@ def store(request, tmp_path):
     return server.url(tmp_path.name), server.storage_options
 
 
-def _spec(store, entry="meshrl.diloco.supervised:run_replica", **kw) -> ReplicaSpec:
+TOY = "benchmarks.diloco_toy:run_replica"  # the synthetic supervised task of benchmarks/diloco.py
+
+
+def _spec(store, entry=TOY, **kw) -> ReplicaSpec:
     url, options = store
     return ReplicaSpec(entry, {"store_url": url, "storage_options": options, **FAST, **kw})
 
@@ -49,7 +52,7 @@ def _wait_for_line(ex, replica: int, text: str, timeout_s: float = 60) -> None:
 
 def test_replica_spec_checks_its_entry_and_kwargs():
     with pytest.raises(ValueError, match="pkg.module:function"):
-        ReplicaSpec("meshrl.diloco.supervised.run_replica")
+        ReplicaSpec("benchmarks.diloco_toy.run_replica")
     with pytest.raises(ValueError, match="JSON-able"):
         ReplicaSpec("a.b:c", {"x": object()})
     spec = ReplicaSpec("a.b:c", {"x": [1, 2]})
@@ -120,7 +123,7 @@ def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
 def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(store, tmp_path):
     """Replica 1 uploads a truncated delta in round 2 and commits it: the others (and replica 1
     itself, which verifies its stored delta before sealing) reject it; all average the rest."""
-    spec = _spec(store, "meshrl.testing.diloco_faults:truncated_delta_replica",
+    spec = _spec(store, "meshrl.testing.diloco_faults:truncated_delta_replica", wrapped=TOY,
                  truncate_replica=1, truncate_round=2, rounds=4, quorum=2, straggler_wait_s=20)
     # (a long straggler wait: a replica that starts late would otherwise miss round 1 and catch up)
     with LocalProcessExecutor(tmp_path / "work") as ex:
@@ -155,7 +158,7 @@ def test_cancel_kills_only_the_replicas_process_group(tmp_path):
 
 def test_a_replica_that_raises_fails_with_its_error_line(tmp_path):
     with LocalProcessExecutor(tmp_path / "work") as ex:
-        ex.launch_replicas(ReplicaSpec("meshrl.diloco.supervised:run_replica", {"store_url": ""}), 1)
+        ex.launch_replicas(ReplicaSpec("benchmarks.diloco_toy:run_replica", {"store_url": ""}), 1)
         [result] = ex.collect(timeout_s=60).values()
     assert (result.status.state, result.status.exit_code) == ("failed", 1)
     assert result.error.startswith("ValidationError: 1 validation error for DiLoCoConfig")
@@ -164,8 +167,9 @@ def test_a_replica_that_raises_fails_with_its_error_line(tmp_path):
 @pytest.mark.monarch
 def test_monarch_job_executor_runs_two_replicas_as_hosts_of_a_process_job(tmp_path):
     from meshrl.diloco.executors.monarch_job import MonarchJobExecutor
+    from meshrl.launch.process import replica_job
 
-    with MonarchJobExecutor(tmp_path / "work") as ex:
+    with MonarchJobExecutor(tmp_path / "work", replica_job) as ex:
         assert isinstance(ex, ServerlessExecutor)
         ex.launch_replicas(_spec((f"file://{tmp_path}/store", {}), rounds=3), 2)
         workers = ex.launcher.worker_pids()

@@ -176,8 +176,8 @@ def test_grpo_loops_sync_every_inner_steps_before_publishing_and_write_shards(tm
         cfg = load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
         loops.append(make_loop(learner=DiLoCoFakeLearner(cfg.diloco), **overrides))
     for loop, _, _ in loops:
-        loop.diloco_join()
-        assert loop.diloco.round == 0
+        loop.join()
+        assert loop.hooks[0].round == 0
 
     def run(loop):
         return [loop.step()[0] for _ in range(4)]

@@ -119,7 +119,7 @@ def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrup
     SIGKILLed at step 4: it resumes from the step-3 checkpoint, rejoins the run at round 1 keeping
     the checkpoint's weights (its step-3 inner step still counts), and ends round 2 with the same
     weights as an uninterrupted run."""
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
 
     def run(name, *extra):
@@ -154,7 +154,7 @@ def test_a_generation_job_writes_teacher_pairs_and_a_learner_of_shards_trains_it
     replays its samples to three real HTTP teachers on loopback and writes the pairs that arrive
     into its shards; a learner of shards (`role: learn`, no teachers of its own) trains the DPO
     term on exactly those pairs."""
-    from meshrl.controller.metrics import read_metrics
+    from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
     from meshrl.testing.fake_openai import FakeOpenAIServer
 
@@ -172,7 +172,7 @@ def test_a_generation_job_writes_teacher_pairs_and_a_learner_of_shards_trains_it
     with FakeOpenAIServer({f"m{i}": "42" for i in range(3)}) as server:
         teachers = ", ".join(f"{{name: t{i}, base_url: '{server.base_url}', model: m{i}, timeout_s: 5}}" for i in range(3))
         generate = run("generate", "diloco.role=generate", "trainer.advantage.drop_uniform_groups=false",
-                       "replay.select=all", "replay.channel.procs=1", f"replay.teachers.teachers=[{teachers}]")
+                       "replay.select=all", "replay.pool.procs=1", f"replay.teachers.teachers=[{teachers}]")
         assert server.chat_requests("m0")  # the generation job's samples went to the teachers
     written = sum(r["shards/pairs_written"] for r in generate)
     assert written > 0 and all("train/loss" not in r for r in generate)

@@ -10,9 +10,9 @@ import pytest
 
 from meshrl.actors.generator import GenerationBatch
 from meshrl.config.faults import FaultsConfig
-from meshrl.controller.dispatch import Dispatcher, chunk_bounds
-from meshrl.controller.mesh_client import MeshClient, StepError
-from meshrl.controller.supervisor import CallTimeout, ProcessDied, Supervisor
+from meshrl.meshes.dispatch import Dispatcher, chunk_bounds
+from meshrl.meshes.client import MeshClient, StepError
+from meshrl.meshes.supervisor import CallTimeout, ProcessDied, Supervisor
 from meshrl.engines import Completion, SampleRequest
 from meshrl.testing.fake_meshes import FakeGenerator, FakeMeshGroup, Mesh
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from meshrl.controller.metrics import read_metrics
+from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 
 pytestmark = pytest.mark.monarch

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from meshrl.controller.dispatch import split_evenly
-from meshrl.controller.mesh_client import StepError
-from meshrl.controller.supervisor import CallTimeout, wait_all
+from meshrl.meshes.dispatch import split_evenly
+from meshrl.meshes.client import StepError
+from meshrl.meshes.supervisor import CallTimeout, wait_all
 from meshrl.testing.fake_meshes import FakeLearner, Future, UniformForEvenOperand, make_loop
 
 

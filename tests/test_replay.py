@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from meshrl.teachers.client import SpendMeter, TeacherClient
-from meshrl.config.replay import ReplayConfig
+from meshrl.config.replay import TeacherPanelConfig
 from meshrl.config.teachers import TeacherEndpointConfig
 from meshrl.replay.trace import ReplayResult, Trace, TraceStep, replay_trace, teacher_clients
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault, count_tokens, prompt_tokens
@@ -53,7 +53,7 @@ def teacher(srv: FakeOpenAIServer, model: str, **overrides) -> dict:
     )
 
 
-def run_replay(trace: Trace, cfg: ReplayConfig, meter: SpendMeter | None = None) -> tuple[ReplayResult, list[TeacherClient]]:
+def run_replay(trace: Trace, cfg: TeacherPanelConfig, meter: SpendMeter | None = None) -> tuple[ReplayResult, list[TeacherClient]]:
     async def run():
         clients = teacher_clients(cfg, meter)
         try:
@@ -67,7 +67,7 @@ def run_replay(trace: Trace, cfg: ReplayConfig, meter: SpendMeter | None = None)
 
 def test_three_step_trace_against_three_teachers_one_faulty():
     with FakeOpenAIServer(script=scripted) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "abc"], agreement_k=2)
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "abc"], agreement_k=2)
         started = time.monotonic()
         result, clients = run_replay(TRACE, cfg)
         elapsed = time.monotonic() - started
@@ -125,7 +125,7 @@ def test_three_step_trace_against_three_teachers_one_faulty():
 )
 def test_every_fault_mode_is_counted_and_replay_goes_on(fault, kind):
     with FakeOpenAIServer(script={"a": "5", "b": "5", "c": "5"}, faults={"c": fault}) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "abc"])
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "abc"])
         result, _ = run_replay(Trace("ep", [TraceStep([Q0], "6"), TraceStep([Q2], "5")]), cfg)
     assert [s.reason for s in result.steps] == [None, "all_agree_with_student"]
     assert len(result.pairs) == 1
@@ -136,7 +136,7 @@ def test_wrong_api_key_is_counted_as_auth(monkeypatch):
     monkeypatch.setenv("C_KEY", "sk-wrong")
     with FakeOpenAIServer(script={"a": "5", "b": "5"}) as open_srv, \
             FakeOpenAIServer(script={"c": "5"}, api_key="sk-right") as auth_srv:
-        cfg = ReplayConfig(teachers=[teacher(open_srv, "a"), teacher(open_srv, "b"), teacher(auth_srv, "c", api_key_env="C_KEY")])
+        cfg = TeacherPanelConfig(teachers=[teacher(open_srv, "a"), teacher(open_srv, "b"), teacher(auth_srv, "c", api_key_env="C_KEY")])
         result, _ = run_replay(Trace("ep", [TraceStep([Q0], "6")]), cfg)
     assert len(result.pairs) == 1
     assert result.teacher_failures == Counter({"auth": 1})
@@ -144,7 +144,7 @@ def test_wrong_api_key_is_counted_as_auth(monkeypatch):
 
 def test_unusable_replies_do_not_vote():
     with FakeOpenAIServer(script={"a": "5", "b": "I cannot say", "c": "no idea"}) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "abc"])
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "abc"])
         result, _ = run_replay(Trace("ep", [TraceStep([Q0], "6")]), cfg)
     assert result.pairs == [] and result.unusable_answers == 2
     assert result.no_pair_reasons == Counter({"too_few_answers": 1})
@@ -152,7 +152,7 @@ def test_unusable_replies_do_not_vote():
 
 def test_exhausted_budget_fails_fast_without_stopping_replay():
     with FakeOpenAIServer(script={"a": "5", "b": "5"}) as srv:
-        cfg = ReplayConfig(
+        cfg = TeacherPanelConfig(
             teachers=[teacher(srv, m, max_concurrency=1) for m in "ab"], budget_usd=1e-9,
         )
         meter = SpendMeter(budget_usd=cfg.budget_usd)
@@ -166,7 +166,7 @@ def test_exhausted_budget_fails_fast_without_stopping_replay():
 
 def test_max_steps_per_trace_skips_the_rest():
     with FakeOpenAIServer(script={"a": "5", "b": "5"}) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "ab"], max_steps_per_trace=2)
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "ab"], max_steps_per_trace=2)
         result, _ = run_replay(Trace("ep", [TraceStep([Q0], "6")] * 5), cfg)
         assert len(srv.chat_requests()) == 4
     assert (len(result.steps), result.steps_skipped, len(result.pairs)) == (2, 3, 2)
@@ -174,7 +174,7 @@ def test_max_steps_per_trace_skips_the_rest():
 
 def test_trace_timeout_bounds_the_replay():
     with FakeOpenAIServer(script={"a": "5", "b": "5"}, faults={"a": Fault("slow", 3.0), "b": Fault("slow", 3.0)}) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "ab"], trace_timeout_s=0.3)
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "ab"], trace_timeout_s=0.3)
         started = time.monotonic()
         result, _ = run_replay(Trace("ep", [TraceStep([Q0], "6")] * 3), cfg)
         elapsed = time.monotonic() - started
@@ -196,11 +196,11 @@ def test_cancelling_the_replay_cancels_its_teacher_calls():
         return leftovers
 
     with FakeOpenAIServer(script={"a": "5", "b": "5"}, faults={"a": Fault("slow", 3.0), "b": Fault("slow", 3.0)}) as srv:
-        cfg = ReplayConfig(teachers=[teacher(srv, m) for m in "ab"])
+        cfg = TeacherPanelConfig(teachers=[teacher(srv, m) for m in "ab"])
         assert asyncio.run(run(cfg)) == []
 
 
 def test_empty_trace():
-    cfg = ReplayConfig(teachers=[TeacherEndpointConfig(name="a", base_url="http://127.0.0.1:9/v1", model="a")], agreement_k=1)
+    cfg = TeacherPanelConfig(teachers=[TeacherEndpointConfig(name="a", base_url="http://127.0.0.1:9/v1", model="a")], agreement_k=1)
     result, _ = run_replay(Trace("ep", []), cfg)
     assert (result.steps, result.pairs, result.teacher_calls) == ([], [], 0)

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from meshrl.cli import main
-from meshrl.controller.metrics import MetricsLogger, plot_curves, read_metrics
+from meshrl.metrics.curves import plot_curves
+from meshrl.metrics.records import MetricsLogger, read_metrics
 from meshrl.report import write_comparison, write_report
 from meshrl.report.panels import PANELS
 

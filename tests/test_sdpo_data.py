@@ -8,7 +8,7 @@ from meshrl.sdpo.sites import build_error_site, error_kind, insert_hint, render_
 from meshrl.config.sdpo import DEFAULT_HINTS
 from meshrl.envs.arithmetic import Problem, grade_integer_answer
 from meshrl.renderers import renderer_for_tokenizer
-from meshrl.sdpo.channel import site_datum
+from meshrl.terms.sdpo import site_datum
 from meshrl.training.trajectories import Trajectory
 
 
@@ -116,15 +116,12 @@ def test_missing_hint_template_is_counted_not_fatal(renderer):
 
 
 def test_step_weights_make_the_loss_alpha_times_the_per_token_mean():
-    from meshrl.config.sdpo import SDPOConfig
-    from meshrl.sdpo.channel import SDPOChannel
+    from meshrl.terms import token_mean_weights
     from meshrl.types import Datum
 
-    channel = SDPOChannel.__new__(SDPOChannel)  # weighing needs only the config
-    channel.cfg = SDPOConfig(alpha=0.5)
     datums = [Datum.from_sequence(list(range(8)), mask=[0, 0, 1, 1, 1, 0, 0, 0]),
               Datum.from_sequence(list(range(9)), mask=[0, 1, 1, 1, 1, 1, 0, 0, 0])]
-    for d in channel.weighted(datums):  # 3 + 5 site tokens: each weighs alpha / 8
+    for d in token_mean_weights(datums, 0.5):  # 3 + 5 site tokens: each weighs alpha / 8
         w = d.loss_fn_inputs["mask"]
         assert w[w != 0].tolist() == pytest.approx([0.5 / 8] * int((w != 0).sum()))
         assert (w == 0).sum() == d.length - int((w != 0).sum())

@@ -3,7 +3,7 @@ processes, the real vLLM generator, the tiny model, the learner's frozen referen
 
 import pytest
 
-from meshrl.controller.metrics import read_metrics
+from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 
 pytestmark = pytest.mark.monarch

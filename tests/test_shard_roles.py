@@ -13,11 +13,13 @@ import torch
 from meshrl.config.base import load_config
 from meshrl.config.diloco import DiLoCoConfig
 from meshrl.config.run import RunConfig
-from meshrl.controller.shard_source import ShardPairs, ShardSource, ShardsTimeout, trajectory_from_record
+from meshrl.controller.shard_source import ShardSource, ShardsTimeout, trajectory_from_record
 from meshrl.diloco.replica import ModelSync
 from meshrl.diloco.shards import ShardReader, ShardWriter, preference_record, rollout_record
 from meshrl.diloco.store import ObjectStore
-from meshrl.replay.channel import PreferenceItem
+from meshrl.replay.pairs import PreferenceItem
+from meshrl.terms import TermContext
+from meshrl.terms.replay import ShardPairsTerm
 from meshrl.testing.fake_meshes import make_loop
 from meshrl.training.trajectories import Trajectory
 from tests.test_diloco_learner import DiLoCoFakeLearner
@@ -163,15 +165,29 @@ def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_
 
     cfg = load_config(RunConfig, None, ["replay.beta=0.5", "replay.max_pairs_per_step=2", "diloco.role=learn",
                                         f"diloco.store_url=file://{tmp_path}"])  # no teachers of its own
-    channel = ShardPairs(cfg.replay)
-    channel.add([_pair(0), _pair(1), _pair(2)])
-    datums, counts = channel.datums(version=3)
+    trained = []
+
+    class Client:  # the learner call the term makes, recorded
+        def forward_backward(self, datums, loss_fn, config):
+            trained.append((datums, loss_fn, config))
+            return {"loss": 0.5, "num_pairs": len(datums) / 2}
+
+    class Unit:
+        extras = {"pairs": [_pair(0), _pair(1), _pair(2)]}
+
+    term = ShardPairsTerm(TermContext(cfg, Client(), None))
+    term.receive(Unit())
+    metrics = {}
+    assert term.finish(3, metrics) == 0.5
+    [(datums, loss_fn, config)] = trained
+    assert (loss_fn, config) == ("dpo", {"beta": 0.1})
     assert [_sequence(d) for d in datums] == [[1, 2, 0, 50, 2], [1, 2, 0, 60, 2], [1, 2, 1, 51, 2], [1, 2, 1, 61, 2]]
     assert all(float(d.loss_fn_inputs["weight"]) == 0.25 for d in datums)  # beta / pairs
-    assert counts == {"replay/dpo_items": 2.0, "replay/buffered_pairs": 1.0}
-    restored = ShardPairs(channel.cfg)
-    restored.load_state_dict(json.loads(json.dumps(channel.state_dict())))
-    assert [d.model_input.to_ints()[:3] for d in restored.datums(version=4)[0]] == [[1, 2, 2], [1, 2, 2]]
+    assert metrics == {"replay/dpo_items": 2.0, "replay/buffered_pairs": 1.0, "dpo/num_pairs": 2.0}
+    restored = ShardPairsTerm(TermContext(cfg, Client(), None))
+    restored.load_state_dict(json.loads(json.dumps(term.state_dict())))
+    restored.finish(4, {})
+    assert [d.model_input.to_ints()[:3] for d in trained[1][0]] == [[1, 2, 2], [1, 2, 2]]
 
 
 def test_a_learner_of_shards_trains_its_dpo_term_on_the_pairs(tmp_path):
@@ -180,7 +196,7 @@ def test_a_learner_of_shards_trains_its_dpo_term_on_the_pairs(tmp_path):
     writer.write([rollout_record(_traj(0, 0, 1.0), 1), rollout_record(_traj(1, 0, 0.0), 1),
                   preference_record(_pair(7), 1)])
     learn, _, learner = _loop(store, "learn", **{"trainer.prompts_per_step": 1, "replay.beta": 0.5})
-    learn.replay = ShardPairs(learn.cfg.replay)  # what the runtime builds for role learn with replay.beta > 0
+    assert [type(t).__name__ for t in learn.terms] == ["PolicyGradientTerm", "ShardPairsTerm"]  # no teachers of its own
     metrics, _ = learn.step()
     dpo = [call for call in learner.calls if call[0] == "fb" and call[2] == "dpo"]
     assert len(dpo) == 1 and [_sequence(d) for d in dpo[0][1]] == [[1, 2, 7, 57, 2], [1, 2, 7, 67, 2]]
@@ -205,11 +221,11 @@ def test_a_generation_job_follows_the_runs_newest_outer_state(tmp_path):
     follower_learner = DiLoCoFakeLearner(cfg.diloco)
     follower_learner.sync = ModelSync(cfg.diloco, follower_learner.layer, writer=False)
     gen, _, _ = _loop(store, "generate", follower_learner, **common)
-    trainer.diloco_join()
+    trainer.join()
     for _ in range(2):
         trainer.step()  # round 1
-    gen.diloco_join()
-    assert gen.diloco.round == 1
+    gen.join()
+    assert gen.hooks[0].round == 1
     metrics = [gen.step()[0] for _ in range(2)]
     assert metrics[1]["diloco/followed"] == 0 and "version" not in metrics[1]  # nothing new: no publish
     for _ in range(2):
@@ -237,7 +253,7 @@ def test_a_generation_job_waits_for_the_run_within_max_rounds_behind_then_fails_
     gen, _, _ = _loop(store, "generate", follower, **{"diloco.enabled": "true", "diloco.replicas": 1,
                                                       "diloco.inner_steps": 1, "diloco.max_rounds_behind": 1,
                                                       "diloco.round_timeout_s": 0.5})
-    gen.diloco_join()
+    gen.join()
     assert gen.step()[0]["diloco/round"] == 0  # round 1 - 1 = 0 is there
     with pytest.raises(DiLoCoFailed, match=r"generation job 0: the run did not reach round 1 within 0s "
                                            r"\(diloco.round_timeout_s\) \(max_rounds_behind = 1\)"):

@@ -3,7 +3,7 @@
 import pytest
 
 from meshrl.config.faults import FaultsConfig
-from meshrl.controller.supervisor import CallTimeout, LearnerLost, RestartBudgetExceeded, Supervisor
+from meshrl.meshes.supervisor import CallTimeout, LearnerLost, RestartBudgetExceeded, Supervisor
 
 
 class Group:

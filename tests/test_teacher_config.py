@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from meshrl.config.base import ConfigError, describe_fields, load_config
-from meshrl.config.replay import ReplayConfig
+from meshrl.config.replay import TeacherPanelConfig
 from meshrl.config.sdpo import HintGeneratorConfig
 from meshrl.config.teachers import TeacherEndpointConfig
 
@@ -45,7 +45,7 @@ def test_key_pasted_into_api_key_env_is_rejected_without_echoing_it(tmp_path):
     path = tmp_path / "replay.yaml"
     path.write_text(f"teachers:\n  - name: t1\n    base_url: https://x.example/v1\n    model: m\n    api_key_env: {PASTED_KEY}\n")
     with pytest.raises(ConfigError) as excinfo:
-        load_config(ReplayConfig, path)
+        load_config(TeacherPanelConfig, path)
     message = str(excinfo.value)
     assert "teachers.0.api_key_env" in message and "redacted" in message
     assert PASTED_KEY not in message and "sk-proj" not in message
@@ -53,15 +53,15 @@ def test_key_pasted_into_api_key_env_is_rejected_without_echoing_it(tmp_path):
 
 def test_replay_config_checks_k_against_teacher_count_and_unique_names():
     three = [teacher("a"), teacher("b"), teacher("c")]
-    assert ReplayConfig(teachers=three, agreement_k=3).agreement_k == 3
+    assert TeacherPanelConfig(teachers=three, agreement_k=3).agreement_k == 3
     with pytest.raises(ValidationError, match="agreement_k = 4 exceeds the 3 teachers"):
-        ReplayConfig(teachers=three, agreement_k=4)
+        TeacherPanelConfig(teachers=three, agreement_k=4)
     with pytest.raises(ValidationError, match="unique"):
-        ReplayConfig(teachers=[teacher("a"), teacher("a")])
+        TeacherPanelConfig(teachers=[teacher("a"), teacher("a")])
     with pytest.raises(ValidationError):
-        ReplayConfig(teachers=three, agreement_k=0)
+        TeacherPanelConfig(teachers=three, agreement_k=0)
     with pytest.raises(ValidationError):
-        ReplayConfig(canonicaliser="regex")
+        TeacherPanelConfig(canonicaliser="regex")
 
 
 def test_enabled_hint_generator_needs_an_endpoint():
@@ -75,11 +75,11 @@ def test_key_under_an_unknown_field_is_not_echoed(tmp_path):
     path = tmp_path / "replay.yaml"
     path.write_text(f"teachers:\n  - name: t1\n    base_url: https://x.example/v1\n    model: m\n    api_key: {PASTED_KEY}\n")
     with pytest.raises(ConfigError) as excinfo:
-        load_config(ReplayConfig, path)
+        load_config(TeacherPanelConfig, path)
     assert str(excinfo.value) == f"{path}: unknown key 'teachers.0.api_key'"
 
 
-@pytest.mark.parametrize("cls", [TeacherEndpointConfig, ReplayConfig, HintGeneratorConfig])
+@pytest.mark.parametrize("cls", [TeacherEndpointConfig, TeacherPanelConfig, HintGeneratorConfig])
 def test_every_field_is_documented(cls):
     undocumented = [name for name, field in cls.model_fields.items() if not (field.description or "").strip()]
     assert undocumented == []

@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 from monarch.actor import this_host  # noqa: E402
 
 from meshrl.actors.teacher_replay import TraceReplayOutcome, producer_name  # noqa: E402
-from meshrl.channels.delayed import DelayedChannelConfig, DelayedInbox  # noqa: E402
-from meshrl.config.replay import ReplayConfig  # noqa: E402
+from meshrl.transport.delayed import DelayedInbox  # noqa: E402
+from meshrl.config.replay import ReplayPoolConfig, TeacherPanelConfig  # noqa: E402
 from meshrl.replay.trace import Trace, TraceStep  # noqa: E402
 from meshrl.testing.channel_actors import LoggedTeacherReplayActor  # noqa: E402
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault  # noqa: E402
@@ -40,7 +40,7 @@ FAULT_FOR_MODE = {
 }
 ERROR_KIND = {"slow": "timeout", "rate_limit": "rate_limited", "server_error": "server_error",
               "malformed_json": "malformed_json", "bad_schema": "bad_schema", "reset": "connection"}
-CHANNEL = DelayedChannelConfig(procs=2, max_traces_in_flight=2, max_version_lag=2)
+CHANNEL = ReplayPoolConfig(procs=2, max_traces_in_flight=2, max_version_lag=2)
 VERSION = 3
 
 
@@ -71,7 +71,7 @@ def setup(tmp_path_factory):
     server = FakeOpenAIServer(script, api_key=SECRET).start()
     teacher = dict(base_url=server.base_url, api_key_env=KEY_ENV, max_retries=1, backoff_base_s=0.01,
                    backoff_max_s=0.05, jitter=False, timeout_s=5.0, price_prompt_per_1m_usd=1.0)
-    replay_cfg = ReplayConfig(teachers=[
+    replay_cfg = TeacherPanelConfig(teachers=[
         {**teacher, "name": "good-a", "model": "good-a"},
         {**teacher, "name": "good-b", "model": "good-b"},
         {**teacher, "name": "faulty", "model": "faulty", "timeout_s": FAULTY_TIMEOUT_S},

@@ -203,7 +203,7 @@ def test_samplers_load_the_exact_version_of_each_adapter():
 
     from meshrl.actors.generator import Generator
     from meshrl.actors.learner import Learner
-    from meshrl.channels.weight_store import weight_index
+    from meshrl.transport.weight_store import weight_index
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
     from tests.conftest import TINY_RUN

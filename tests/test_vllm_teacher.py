@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from meshrl.models.provision import resolve_model
-from meshrl.config.replay import ReplayConfig
+from meshrl.config.replay import TeacherPanelConfig
 from meshrl.config.teachers import TeacherEndpointConfig
 from meshrl.replay.trace import Trace, TraceStep, replay_trace, teacher_clients
 from meshrl.teachers.serve import LocalTeacherServer
@@ -26,7 +26,7 @@ def test_replay_against_a_real_vllm_server():
     with server:
         teachers = [TeacherEndpointConfig(name=f"t{i}", base_url=server.base_url, model="smollm2", max_tokens=48,
                                           temperature=0.0, timeout_s=60) for i in range(3)]
-        cfg = ReplayConfig(teachers=teachers, agreement_k=2, canonicaliser="math_answer")
+        cfg = TeacherPanelConfig(teachers=teachers, agreement_k=2, canonicaliser="math_answer")
         context = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
                    {"role": "user", "content": "What is 2 + 2?"}]
         trace = Trace("ep-1", [TraceStep(context=context, action="The answer is 5.")])

@@ -19,16 +19,16 @@ import torch  # noqa: E402
 from monarch.actor import Actor, ActorError, endpoint, this_host  # noqa: E402
 
 from meshrl.actors.follower import PolicyFollower  # noqa: E402
-from meshrl.channels.arena import views  # noqa: E402
-from meshrl.channels.same_host import (  # noqa: E402
+from meshrl.transport.arena import views  # noqa: E402
+from meshrl.transport.same_host import (  # noqa: E402
     PREFIX,
     SHM_DIR,
     SameHostReader,
     host_identity,
     remove_stale_segments,
 )
-from meshrl.config.channels import WeightSyncConfig  # noqa: E402
-from meshrl.channels.weight_store import (  # noqa: E402
+from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
+from meshrl.transport.weight_store import (  # noqa: E402
     WeightPublisher,
     WeightPuller,
     WeightSyncError,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from meshrl.channels import in_process
-from meshrl.channels.weight_index import WeightSyncError
-from meshrl.config.channels import WeightSyncConfig
-from meshrl.channels.weight_store import WeightPuller
+from meshrl.transport import in_process
+from meshrl.transport.weight_index import WeightSyncError
+from meshrl.config.weight_sync import WeightSyncConfig
+from meshrl.transport.weight_store import WeightPuller
 from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
 
 
@@ -50,7 +50,7 @@ class PolicyFollower:
 
 class InProcessFollower:
     """A co-located reader's follower: the learner shares its module in this process
-    (meshrl.channels.in_process). An engine built on that module (``shares``) holds every version
+    (meshrl.transport.in_process). An engine built on that module (``shares``) holds every version
     the moment it is published: an update moves nothing. Other engines copy the learner's
     inference weights in-process through their reload."""
 

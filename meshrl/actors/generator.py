@@ -16,9 +16,9 @@ from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.follower import InProcessFollower, PolicyFollower
-from meshrl.channels import in_process
-from meshrl.config.channels import WeightSyncConfig
-from meshrl.channels.weight_store import silence_tcp_fallback_warning
+from meshrl.transport import in_process
+from meshrl.config.weight_sync import WeightSyncConfig
+from meshrl.transport.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
 from meshrl.engines import Completion, SampleRequest, make_engine

@@ -9,15 +9,16 @@ from monarch.actor import current_rank, current_size, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
-from meshrl.channels import in_process
-from meshrl.config.channels import WeightSyncConfig
+from meshrl.transport import in_process
+from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.config.diloco import DiLoCoConfig
-from meshrl.channels.weight_store import WeightPublisher, silence_tcp_fallback_warning
+from meshrl.transport.weight_store import WeightPublisher, silence_tcp_fallback_warning
 from meshrl.config.learner import LearnerConfig
 from meshrl.config.model import ModelConfig
 from meshrl.diloco.allreduce import DiLoCoError
 from meshrl.diloco.replica import ModelSync
 from meshrl.diloco.store import StoreError
+from meshrl.plugins import import_plugins
 from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
@@ -43,11 +44,14 @@ class Learner(MeshrlActor):
         share_in_process: bool = False,
         publish_to_store: bool = True,
         diloco_cfg: DiLoCoConfig | None = None,
+        plugins: list[str] = (),
     ):
         """``share_in_process``: offer the policy module to co-located readers
-        (meshrl.channels.in_process; a publish then only marks the version). ``publish_to_store``
+        (meshrl.transport.in_process; a publish then only marks the version). ``publish_to_store``
         False: no reader pulls from the weight store, so none is created. ``diloco_cfg`` (enabled):
-        this learner is one replica of a DiLoCo run (meshrl.diloco.replica)."""
+        this learner is one replica of a DiLoCo run (meshrl.diloco.replica). ``plugins``: modules
+        imported first (`plugins`: the losses they register are trainable here)."""
+        import_plugins(list(plugins))
         silence_tcp_fallback_warning()
         parallel = DataParallelSpec(rank=current_rank().rank, world=math.prod(current_size().values()),
                                     mode=learner_cfg.data_parallel, address=dist_address,

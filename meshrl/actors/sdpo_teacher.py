@@ -12,9 +12,9 @@ from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
-from meshrl.config.channels import WeightSyncConfig
+from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.actors.follower import PolicyFollower
-from meshrl.channels.weight_store import silence_tcp_fallback_warning
+from meshrl.transport.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
 from meshrl.engines.hf_engine import HFEngine

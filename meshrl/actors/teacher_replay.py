@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from monarch.actor import Actor, Port, current_rank, current_size, endpoint
 
 from meshrl.actors.base import process_identity
-from meshrl.channels.delayed import DelayedChannelConfig, DelayedOutbox
+from meshrl.transport.delayed import DelayedOutbox
 from meshrl.teachers.client import SpendMeter
-from meshrl.config.replay import ReplayConfig
+from meshrl.config.replay import ReplayPoolConfig, TeacherPanelConfig
 from meshrl.replay.trace import ReplayPair, Trace, replay_trace, teacher_clients
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class TeacherReplayActor(Actor):
     """One member of the teacher replay pool: endpoints ``subscribe``, ``submit``, ``ack``,
     ``stats`` and ``info``."""
 
-    def __init__(self, replay_cfg: ReplayConfig, channel_cfg: DelayedChannelConfig, name: str = "teacher_replay"):
+    def __init__(self, replay_cfg: TeacherPanelConfig, channel_cfg: ReplayPoolConfig, name: str = "teacher_replay"):
         self.rank = current_rank().rank
         self.producer = producer_name(name, self.rank)
         self.replay_cfg = replay_cfg

@@ -1,5 +1,5 @@
 """`ServiceClient`, `TrainingClient`, `SamplingClient`: Tinker's client API, in process, over
-meshrl's meshes (`Engine`). Every call returns a future at once (`concurrent.futures.Future`:
+meshrl's meshes (`MeshBackend`). Every call returns a future at once (`concurrent.futures.Future`:
 `.result()` waits); a training client runs its calls one after the other in the order they were
 made, so two submissions back to back need no wait in between."""
 
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from meshrl.api.engine import Engine, checkpoint_root
+from meshrl.api.backend import MeshBackend, checkpoint_root
 from meshrl.api.errors import UserError
 from meshrl.api.losses import REQUIRED, core_call, metrics_with_reductions
 from meshrl.api.sampler import Sampler
@@ -36,10 +36,10 @@ class ServiceClient:
 
     def __init__(self, cfg: RunConfig | None = None, hosts=None):
         self.cfg = cfg or RunConfig()
-        self.engine = Engine(self.cfg, hosts)
+        self.backend = MeshBackend(self.cfg, hosts)
         self.served = self.cfg.model.name_or_path
         self.root = checkpoint_root(self.cfg)
-        self.sampler = Sampler(self.engine)
+        self.sampler = Sampler(self.backend)
         self._ids = itertools.count()
         self._session = f"local{id(self):x}"
         self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version
@@ -54,7 +54,7 @@ class ServiceClient:
 
     def tokenizer_id(self) -> str:
         """Where the served model's tokenizer loads from (its local directory)."""
-        return str(self.engine.model_path)
+        return str(self.backend.model_path)
 
     def resolve_model(self, name: str) -> str:
         """``name`` if it is the served model; UserError for any other name."""
@@ -80,7 +80,7 @@ class ServiceClient:
                         " and ".join(n for n, on in (("attention", train_attn), ("MLP", train_mlp)) if on))
         model_id = model_id or f"{self._session}:train:{next(self._ids)}"
         client = TrainingClient(self, model_id, base_model, rank)
-        self.engine.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, False)
+        self.backend.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, False)
         self._clients.append(client)
         return client
 
@@ -112,7 +112,7 @@ class ServiceClient:
         for client in self._clients:
             client.close()
         self.sampler.close()
-        self.engine.close()
+        self.backend.close()
 
     def __enter__(self) -> "ServiceClient":
         return self
@@ -126,7 +126,7 @@ class TrainingClient:
 
     def __init__(self, service: ServiceClient, model_id: str, base_model: str, rank: int):
         self.service = service
-        self.engine = service.engine
+        self.backend = service.backend
         self.model_id = model_id
         self.base_model = base_model
         self.lora_rank = rank
@@ -138,7 +138,7 @@ class TrainingClient:
         return self._queue.submit(fn, *args)
 
     def _learner(self, endpoint: str, *args):
-        return self.engine.learner(self.adapter, endpoint, *args)
+        return self.backend.learner(self.adapter, endpoint, *args)
 
     def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> Future:
         """Accumulate the gradients of Tinker's built-in ``loss_fn`` (sum over tokens) on ``data``."""
@@ -200,7 +200,7 @@ class TrainingClient:
         """Publish the adapter's current weights for sampling; the future gives their path."""
         def run() -> str:
             path = self._save("sampler_weights", name)
-            self.service.register_sampler(path, self.engine.publish(self.adapter))
+            self.service.register_sampler(path, self.backend.publish(self.adapter))
             return path
         return self._submit(run)
 
@@ -213,14 +213,14 @@ class TrainingClient:
                 "is_lora": True, "lora_rank": self.lora_rank}
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.backend.tokenizer
 
     def close(self) -> None:
         """Finish the queued calls, then free the adapter in the learner (once)."""
         self._queue.shutdown(wait=True)
         if not self._closed:
             self._closed = True
-            self.engine.forget_adapter(self.adapter)
+            self.backend.forget_adapter(self.adapter)
 
 
 class SamplingClient:
@@ -248,7 +248,7 @@ class SamplingClient:
         return future
 
     def get_tokenizer(self):
-        return self.service.engine.tokenizer
+        return self.service.backend.tokenizer
 
     def get_base_model(self) -> str:
         return self.base_model

@@ -38,8 +38,8 @@ class _Request:
 class Sampler:
     """One worker thread draining a queue of sampling requests into batched generate calls."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, backend):
+        self.backend = backend
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="api-sampler", daemon=True)
         self._thread.start()
@@ -48,7 +48,7 @@ class Sampler:
                prompt_logprobs: bool) -> Future:
         request = _Request(version, prompt, num_samples, params, prompt_logprobs)
         try:
-            _check(request, self.engine)
+            _check(request, self.backend)
         except UserError as e:
             request.future.set_exception(e)
             return request.future
@@ -76,14 +76,14 @@ class Sampler:
     def _run(self, batch: list[_Request]) -> None:
         first = batch[0]
         p = first.params
-        request = SampleRequest(n=first.num_samples, max_tokens=min(r.max_tokens(self.engine.cfg.model.max_model_len)
+        request = SampleRequest(n=first.num_samples, max_tokens=min(r.max_tokens(self.backend.cfg.model.max_model_len)
                                                                 for r in batch),
                                 temperature=p.temperature, top_p=p.top_p,
-                                stop_token_ids=_stop_ids(p.stop, self.engine.tokenizer), seed=p.seed)
+                                stop_token_ids=_stop_ids(p.stop, self.backend.tokenizer), seed=p.seed)
         try:
-            groups = self.engine.generate(first.version, [r.prompt for r in batch], request)
+            groups = self.backend.generate(first.version, [r.prompt for r in batch], request)
             wanted = [r for r in batch if r.prompt_logprobs]
-            scored = dict(zip(map(id, wanted), self.engine.prompt_logprobs(
+            scored = dict(zip(map(id, wanted), self.backend.prompt_logprobs(
                 first.version, [r.prompt for r in wanted]))) if wanted else {}
         except BaseException as e:  # noqa: BLE001 - every caller's future gets the failure
             for r in batch:
@@ -101,13 +101,13 @@ class Sampler:
         self._thread.join(timeout=30)
 
 
-def _check(request: _Request, engine) -> None:
+def _check(request: _Request, backend) -> None:
     p = request.params
     if not request.prompt:
         raise UserError("prompt: empty")
     if request.num_samples < 1:
         raise UserError(f"num_samples = {request.num_samples}: at least 1")
-    limit = engine.cfg.model.max_model_len
+    limit = backend.cfg.model.max_model_len
     if request.max_tokens(limit) < 1:
         raise UserError(f"sampling_params.max_tokens = {p.max_tokens}: at least 1 (and a prompt shorter than the "
                         f"context of {limit})")
@@ -118,7 +118,7 @@ def _check(request: _Request, engine) -> None:
     if len(request.prompt) + request.max_tokens(limit) > limit:
         raise UserError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
                         f"model's context of {limit}")
-    _stop_ids(p.stop, engine.tokenizer)
+    _stop_ids(p.stop, backend.tokenizer)
 
 
 def _stop_ids(stop, tokenizer) -> tuple[int, ...]:

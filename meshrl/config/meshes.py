@@ -8,7 +8,9 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from meshrl.config.base import Section
 
-MESH_NAMES = ("generator", "learner", "rewarder")
+GENERATOR, LEARNER, REWARDER = "generator", "learner", "rewarder"
+MESH_NAMES = (GENERATOR, LEARNER, REWARDER)
+"""The meshes every run has (each with its `meshes.<name>` placement)."""
 ENV, SDPO_TEACHER, TEACHER_REPLAY = "env", "sdpo_teacher", "teacher_replay"
 """Meshes a run adds beside MESH_NAMES: the code task's env mesh (in the rewarder's place), the SDPO
 teacher and the teacher replay pool."""

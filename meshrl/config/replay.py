@@ -8,13 +8,38 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshrl.config.base import Section
-from meshrl.config.channels import DelayedChannelConfig
 from meshrl.config.teachers import TeacherEndpointConfig
 
 CanonicaliserKind = Literal["math_answer", "code", "tool_call", "text"]
 
 
-class ReplayConfig(Section):
+class ReplayPoolConfig(Section):
+    """The pool of teacher replay actors and the delayed results it sends back (the replay term's
+    inbox, ``meshrl.transport.delayed``)."""
+
+    procs: int = Field(2, ge=1)
+    """Teacher replay actors in the pool (one process each); the spend budget is split evenly."""
+
+    max_traces_in_flight: int = Field(4, ge=1)
+    """Traces one actor replays at once; further submissions wait in its queue (submit still
+    returns at once)."""
+
+    max_version_lag: int = Field(4, ge=0)
+    """Results for a policy version older than ``current_version - max_version_lag`` are dropped
+    (and counted) when drained."""
+
+    rpc_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of each control call to the pool (subscribe, submit, ack, stats)."""
+
+    result_timeout_s: float = Field(300.0, gt=0)
+    """A submitted trace whose result has not arrived after this long is submitted again (a lost
+    reply); after `max_attempts` it is abandoned and counted."""
+
+    max_attempts: int = Field(2, ge=1)
+    """Submissions of one trace before it is abandoned."""
+
+
+class TeacherPanelConfig(Section):
     """Channel 3: replay frozen student traces to N teachers and turn k-of-N agreement into DPO pairs."""
 
     teachers: list[TeacherEndpointConfig] = Field(default_factory=list)
@@ -36,7 +61,7 @@ class ReplayConfig(Section):
     """Wall-clock limit for replaying one trace; unfinished steps are counted as timed out."""
 
     @model_validator(mode="after")
-    def _check_teachers(self) -> ReplayConfig:
+    def _check_teachers(self) -> TeacherPanelConfig:
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
             raise ValueError(f"teacher names must be unique, got {names}")
@@ -45,7 +70,7 @@ class ReplayConfig(Section):
         return self
 
 
-class ReplayChannelConfig(Section):
+class ReplayConfig(Section):
     """Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the
     student becomes a DPO pair that arrives later on the delayed channel."""
 
@@ -67,8 +92,8 @@ class ReplayChannelConfig(Section):
     max_outstanding: int = Field(64, ge=1)
     """Back-pressure: no new traces are submitted while this many are still being replayed."""
 
-    teachers: ReplayConfig = ReplayConfig()
+    teachers: TeacherPanelConfig = TeacherPanelConfig()
     """Teacher endpoints, agreement rule, budget, canonicaliser."""
 
-    channel: DelayedChannelConfig = DelayedChannelConfig()
+    pool: ReplayPoolConfig = ReplayPoolConfig()
     """The replay actor pool and the delayed-result channel."""

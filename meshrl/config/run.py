@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from meshrl.config.channels import WeightSyncConfig
+from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.config.base import Section
-from meshrl.config.replay import ReplayChannelConfig
+from meshrl.config.replay import ReplayConfig
 from meshrl.config.sdpo import SDPOConfig
 from meshrl.config.serve import ServeConfig
 from meshrl.config.diloco import DiLoCoConfig
@@ -50,6 +50,12 @@ class RewarderConfig(Section):
 class RunConfig(Section):
     """Everything `meshrl train` and `meshrl serve` need."""
 
+    plugins: list[str] = []
+    """Python modules (`pkg.module`) or files (`path/to/file.py`) imported before the run starts, in
+    the controller and in every learner process: they register losses
+    (`meshrl.losses.register_loss`) and loss terms (`meshrl.terms.register_term`) that
+    `trainer.loss.name` and `trainer.terms` can then name."""
+
     model: ModelConfig = ModelConfig()
     """The policy model."""
 
@@ -77,7 +83,7 @@ class RunConfig(Section):
     sdpo: SDPOConfig = SDPOConfig()
     """Channel 2: SDPO hint self-distillation."""
 
-    replay: ReplayChannelConfig = ReplayChannelConfig()
+    replay: ReplayConfig = ReplayConfig()
     """Channel 3: N-teacher trace replay (DPO over the delayed channel)."""
 
     faults: FaultsConfig = FaultsConfig()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -10,23 +10,34 @@ from meshrl.config.base import Section
 
 
 class LossConfig(Section):
-    """Channel-1 policy-gradient loss (GRPO/DAPO family)."""
+    """The policy-gradient term's loss (GRPO/DAPO family)."""
 
-    name: Literal["ppo", "importance_sampling", "cispo"] = "ppo"
-    """Token loss: `ppo` (clipped ratio), `importance_sampling` (p/q weighted), `cispo`."""
+    name: str = Field("ppo", min_length=1)
+    """A registered loss of kind `policy_gradient`: `ppo` (clipped ratio), `importance_sampling`
+    (p/q weighted), `cispo`, or one that a module in `plugins` registers
+    (`meshrl.losses.register_loss(..., kind="policy_gradient")`)."""
 
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """PPO lower clip: ratio floor 1 - eps_low."""
-
-    eps_high: float = Field(0.2, ge=0.0)
-    """PPO upper clip: ratio ceiling 1 + eps_high (DAPO clip-higher uses 0.28)."""
-
-    cispo_clip_high: float = Field(4.0, gt=0.0)
-    """CISPO upper bound on the stop-gradient ratio."""
+    params: dict[str, Any] = {}
+    """The loss's parameters, checked against the typed parameters it was registered with (`ppo`:
+    `eps_low`, `eps_high`, both 0.2 by default, DAPO clip-higher uses eps_high 0.28; `cispo`:
+    `clip_low` 0, `clip_high` 4); unset ones take their defaults."""
 
     normalize: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
     """How token losses are aggregated: `token_mean` divides by all valid tokens of the step's batch
     (DAPO), `sequence_mean` averages per-sequence token means, `sum` keeps the raw sum."""
+
+
+class TermConfig(Section):
+    """One loss term of a module in `plugins` (`meshrl.terms.register_term`), added to the step's loss."""
+
+    name: str = Field(min_length=1)
+    """The registered term."""
+
+    weight: float = Field(1.0, gt=0)
+    """Its weight in the step's loss."""
+
+    params: dict[str, Any] = {}
+    """Its parameters, checked against the typed parameters it was registered with."""
 
 
 class AdvantageConfig(Section):
@@ -121,6 +132,10 @@ class TrainerConfig(Section):
 
     loss: LossConfig = LossConfig()
     """Policy-gradient loss."""
+
+    terms: list[TermConfig] = []
+    """Loss terms of your own beside the built-in ones (policy gradient; `sdpo` and `replay`, each
+    on when its weight is above 0), in this order after them."""
 
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage computation."""

@@ -1,10 +1,11 @@
-"""A GRPO loop's link to a DiLoCo run (meshrl.diloco): the round its learner's weights come from,
-the rounds of the weight versions it published, its rollout-shard writer (`rollout_shards`, or a
-generation job) and its shard source (a learner of shards).
+"""A GRPO loop's link to a DiLoCo run (meshrl.diloco), as one of its step hooks
+(meshrl.controller.grpo.StepHook): the round its learner's weights come from, the rounds of the
+weight versions it published, its rollout-shard writer (`rollout_shards`, or a generation job)
+and, for a learner of shards, its rollout source (`ShardRollouts`).
 
   train / learn    end a round every `inner_steps` steps (the learner's outer-updated weights)
-  generate         at the end of its round r, wait for the run's round r - `max_rounds_behind`,
-                   then follow the run's newest outer state
+  generate         write every step's groups as a shard; at the end of its round r, wait for the
+                   run's round r - `max_rounds_behind`, then follow the run's newest outer state
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import logging
 import time
 
 from meshrl.config.run import RunConfig
-from meshrl.controller.mesh_client import MeshClient
+from meshrl.controller.pipeline import ProductionState, Unit
+from meshrl.controller.rollout import Counters
 from meshrl.controller.shard_source import ShardSource
+from meshrl.meshes.client import MeshClient
 from meshrl.diloco.allreduce import DiLoCoError, ObjectStoreAllReduce
 from meshrl.diloco.shards import ShardWriter, preference_record, rollout_record
 from meshrl.diloco.store import ObjectStore
-from meshrl.replay.channel import PreferenceItem
+from meshrl.replay.pairs import PreferenceItem
+from meshrl.terms.base import StepOutput
 from meshrl.training.trajectories import Trajectory, group_advantages
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ class DiLoCoLink:
                                    f"{'gen' if d.role == 'generate' else 'replica'}{d.replica_id}", d.shard_compression)
                        if writes else None)
         self.source = ShardSource(d) if d.role == "learn" else None
+        self.follows = d.role == "generate"
         if d.enabled and cfg.trainer.steps % d.inner_steps:
             log.warning("trainer.steps = %d is not a multiple of diloco.inner_steps = %d: the last %d steps end no "
                         "round, so the replicas finish with different weights", cfg.trainer.steps, d.inner_steps,
@@ -72,11 +77,27 @@ class DiLoCoLink:
         log.info("diloco replica %d joined run %r at round %d (weights %s%s)", d.replica_id, d.run_id, self.round,
                  report["hash"], ", the checkpoint's kept" if report.get("kept_checkpoint_weights") else "")
 
+    def rollouts(self, counters: Counters) -> ShardRollouts | None:
+        """The rollout source of a learner of shards; None for a job that samples."""
+        return ShardRollouts(self, counters) if self.source is not None else None
+
     def due(self, step: int) -> bool:
         """Whether ``step`` ends a round: round r ends at step r * `inner_steps`, so replicas that
         rejoined (or fell behind) meet the others at the same round."""
         d = self.cfg.diloco
         return d.enabled and step >= (self.round + 1) * d.inner_steps
+
+    def before_publish(self, step: int, metrics: dict) -> None:
+        """A training step ends the round when it is due: its version carries the outer-updated weights."""
+        if self.due(step):
+            self.sync(metrics)
+
+    def after_step(self, output: StepOutput, metrics: dict) -> bool:
+        """The step's trajectories (and a generation job's teacher pairs) as one rollout shard; a
+        generation job then follows the run (True if its weights changed)."""
+        if self.shards is not None:
+            self.write_shard(output.step, output.trajectories, output.published, metrics, output.pairs)
+        return self.follows and self.follow(output.step, output.published, metrics)
 
     def sync(self, metrics: dict) -> None:
         """End the round: the learner's weights become the round's outer-updated ones."""
@@ -133,9 +154,28 @@ class DiLoCoLink:
     def state_dict(self) -> list:
         return sorted(self.version_round.items())
 
-    def load_state_dict(self, version_rounds: list, published: int) -> None:
+    def load_state_dict(self, version_rounds: list | None, published: int) -> None:
         self.version_round = {int(v): int(r) for v, r in version_rounds or [(published, 0)]}
 
     def close(self) -> None:
         if self.shards is not None:
             self.shards.store.close()
+
+
+class ShardRollouts:
+    """The rollout source of a learner of shards (`diloco.role: learn`): units of groups that
+    generation jobs wrote (meshrl.controller.shard_source), the teacher pairs of the shards they
+    used up under ``unit.extras["pairs"]``; stale groups are dropped and counted."""
+
+    def __init__(self, link: DiLoCoLink, counters: Counters):
+        self.link, self.counters = link, counters
+
+    def next_unit(self, st: ProductionState, size: int, published: int) -> Unit:
+        groups, pairs, metrics = self.link.take(size, st.source, published)
+        self.counters.stale_dropped += metrics["shards/stale_dropped"]
+        for i, group in enumerate(groups):
+            for t in group:
+                t.group = st.units * size + i
+        return Unit(st.step, st.units, groups, [t for g in groups for t in g], metrics=metrics,
+                    extras={"pairs": pairs})
+

@@ -15,7 +15,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from meshrl.controller.mesh_client import ENV, MeshClient, prompts_by_replica
+from meshrl.config.meshes import ENV
+
+from meshrl.meshes.client import MeshClient, prompts_by_replica
 from meshrl.controller.rollout import Counters
 from meshrl.engines import SampleRequest
 from meshrl.training.trajectories import Trajectory
@@ -59,13 +61,12 @@ class EpisodeRollout:
         self.episode_records: list[dict] = []
 
     @staticmethod
-    def spawn(meshes, cfg) -> None:
+    def spawn(session, cfg) -> None:
         """The env mesh (one sandbox per process) takes the rewarder's place in the layout."""
         from meshrl.actors.env_actor import EnvActor
 
         spec = cfg.meshes.rewarder
-        meshes.add_mesh(ENV, spec.procs, spec.colocate_with)
-        meshes.spawn(ENV, EnvActor, cfg.task.code.env)
+        session.spawn(ENV, EnvActor, cfg.task.code.env, procs=spec.procs, colocate_with=spec.colocate_with)
 
     def collect(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], dict]:
         t0 = time.perf_counter()

@@ -1,20 +1,20 @@
 """The GRPO loop. A producer thread (meshrl.controller.pipeline) rolls out tasks with the run's
-rollout strategy, shapes and filters them and scores SDPO sites, ahead of the learner by at most
-`max_steps_off_policy` versions. The learner side takes the step's pieces as they arrive:
+rollout strategy (or takes them from a rollout source, e.g. the shards of a DiLoCo learner),
+shapes and filters them and hands every unit to the loss terms' `produce`, ahead of the learner by
+at most `max_steps_off_policy` versions. The learner side takes the step's pieces as they arrive:
 
-  per piece     staleness check from the stamps -> group-relative advantages -> Datums ->
-                (KL shaping) -> forward_backward on the registered loss (streaming minibatches)
-  per substep   the step-wide normaliser on the accumulated gradients -> the SDPO and replay
-                channels' terms -> one optimizer step
-  per step      as one replica of a DiLoCo run (`diloco.enabled`), end a round every `inner_steps`
-                steps (the learner's weights become the round's outer-updated ones); publish the
-                next weight version (synchronous runs also bring every reader to it); with
-                `diloco.rollout_shards`, write the step's trained trajectories as one shard
+  per unit      every loss term's `receive` (meshrl.terms); the staleness check from the stamps
+  per piece     the terms' `train_piece` (the policy-gradient term: advantages -> Datums ->
+                forward_backward on its registered loss, streaming minibatches)
+  per substep   every term's `finish` (the step-wide normaliser, then each term's forward_backward),
+                then one optimizer step
+  per step      the step hooks' `before_publish` (a DiLoCo round ends here), publish the next
+                weight version (synchronous runs also bring every reader to it), then the terms'
+                `end_step` and the hooks' `after_step` (rollout shards; a generation job follows the
+                run's outer state)
 
-Split jobs (`diloco.role`): a generation job runs the producer only, writes each step's groups as a
-shard and follows the DiLoCo run's newest outer state every `inner_steps` steps; a learner of
-shards builds its units from those shards instead of sampling. The DiLoCo state and calls live in
-meshrl.controller.diloco_link.
+A loop whose terms train nothing (a DiLoCo generation job) makes no optimizer step and publishes
+only when a hook says the weights changed. The loop knows no term, source or hook by name.
 
 The controller only moves tokens and small records; the actors own the engines and the model, and
 every mesh call goes through the MeshClient (deadlines, supervision, replicas).
@@ -25,57 +25,71 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from meshrl.config.run import RunConfig
-from meshrl.controller.diloco_link import DiLoCoLink
-from meshrl.controller.mesh_client import MeshClient
 from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
 from meshrl.engines import SampleRequest
-from meshrl.losses.aggregation import GlobalCounts, global_scale
-from meshrl.training.policy import combine_metrics
-from meshrl.training.trajectories import Trajectory, group_advantages, kl_shape_datums, rl_datums, uniform_groups
+from meshrl.meshes.client import MeshClient
+from meshrl.terms.base import LossTerm, StepOutput, add_metrics
+from meshrl.training.trajectories import Trajectory, uniform_groups
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Substep:
-    """What one optimizer step has accumulated so far."""
+class RolloutSource(Protocol):
+    """Where units come from instead of sampling the task (a DiLoCo learner of shards)."""
 
-    groups: int = 0
-    counts: GlobalCounts = GlobalCounts(0.0, 0)
-    passes: list[dict] = field(default_factory=list)
-    sdpo: list = field(default_factory=list)
-    kl: list[float] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
+    def next_unit(self, st: ProductionState, size: int, published: int) -> Unit:
+        """The next ``size`` groups of step ``st.step`` (``st.source`` is the source's position,
+        checkpointed with the producer); ``published`` is the learner's newest weight version."""
 
 
-def _add(metrics: dict, more: dict) -> None:
-    for k, v in more.items():
-        metrics[k] = metrics.get(k, 0.0) + v
+class StepHook(Protocol):
+    """What joins a step's end beside the loss terms (a DiLoCo run's rounds and shards)."""
+
+    def join(self, published: int) -> None:
+        """At start and after every learner restore, before weight version ``published`` goes out."""
+
+    def before_publish(self, step: int, metrics: dict) -> None:
+        """A training step is about to publish its weights."""
+
+    def published(self, version: int) -> None:
+        """Weight version ``version`` was published."""
+
+    def after_step(self, output: StepOutput, metrics: dict) -> bool:
+        """The step's output; True if the learner's weights changed and must be published (a loop
+        that trains publishes every step anyway)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, published: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GRPOLoop:
     """Drives the meshes through GRPO steps (synchronous at K = 0, overlapped at K >= 1)."""
 
     def __init__(self, cfg: RunConfig, task, strategy: RolloutStrategy, client: MeshClient, counters: Counters,
-                 stop_tokens: tuple[int, ...], sdpo=None, replay=None):
+                 stop_tokens: tuple[int, ...], terms: list[LossTerm], source: RolloutSource | None = None,
+                 hooks: tuple[StepHook, ...] = ()):
+        """``terms``: the step's loss terms in order (meshrl.terms); ``source``: units come from it
+        instead of sampling ``task``; ``hooks``: see `StepHook`."""
         self.cfg = cfg
         self.task = task
         self.strategy = strategy
         self.client = client
         self.counters = counters
         self.stop_tokens = stop_tokens
-        self.sdpo = sdpo  # channel 2 (SDPOChannel) or None
-        self.replay = replay  # channel 3 (ReplayChannel) or None
+        self.terms = list(terms)
+        self.source = source
+        self.hooks = tuple(hooks)
+        self.trains = any(term.trains for term in self.terms)
         self.step_index = 0  # the step being run (1-based once running)
         self.published = 0  # the latest published weight version
         self.producer = Producer(self, cfg.trainer.steps)
-        self.role = cfg.diloco.role
-        self.diloco = DiLoCoLink(cfg, client)
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
             log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
                         "consider ppo (stale samples destabilise plain importance sampling)",
@@ -86,9 +100,10 @@ class GRPOLoop:
         """The latest published weight version."""
         return self.published
 
-    def diloco_join(self) -> None:
-        """Bring the learner to the DiLoCo run's newest outer state (DiLoCoLink.join)."""
-        self.diloco.join(self.published)
+    def join(self) -> None:
+        """Bring the learner to the state the step hooks hold (a DiLoCo run's newest outer state)."""
+        for hook in self.hooks:
+            hook.join(self.published)
 
     @property
     def cursor(self) -> int:
@@ -123,15 +138,26 @@ class GRPOLoop:
         return metrics
 
     def produce_unit(self, st: ProductionState, version: int) -> Unit:
-        """Roll out the next `unit_size` tasks of step ``st.step`` with the latest published weights
-        ``version``; updates ``st``. Tasks are sampled with the seeds of their round, so a step cut
-        into pieces samples the same tokens as one piece."""
-        tc, u = self.cfg.trainer, self.unit_size
+        """The next unit of step ``st.step`` (its rollouts with the latest published weights
+        ``version``, or the rollout source's), handed to every term's `produce`; updates ``st``."""
         self.client.step = st.step
         if st.units == 0 and self.client.faults is not None:  # a step begins with its rollout
             self.client.faults.before_call(st.step, "*", "step_start")
-        if self.diloco.source is not None:
-            return self._unit_from_shards(st)
+        if self.source is not None:
+            unit = self.source.next_unit(st, self.unit_size, self.published)
+        else:
+            unit = self._sample_unit(st, version)
+        for term in self.terms:
+            term.produce(unit, st)
+        st.units += 1
+        st.groups += len(unit.groups)
+        return unit
+
+    def _sample_unit(self, st: ProductionState, version: int) -> Unit:
+        """Roll out the next `unit_size` tasks with the latest published weights ``version``.
+        Tasks are sampled with the seeds of their round, so a step cut into pieces samples the same
+        tokens as one piece."""
+        tc, u = self.cfg.trainer, self.unit_size
         metrics: dict[str, Any] = {}
         # the newest weights published (a generation job admits steps without publishing weights)
         version = min(version, self.published)
@@ -148,34 +174,10 @@ class GRPOLoop:
         if len(groups) > room:
             metrics["batch/surplus_groups"] = len(groups) - room
             groups = groups[:room]
-        unit = Unit(st.step, st.units, groups, trajectories, metrics=metrics)
-        if self.sdpo is not None:
-            t0 = time.perf_counter()
-            unit.sdpo, counts = self.sdpo.score(trajectories, self.cfg.sdpo.max_sites_per_step - st.sdpo_sites)
-            metrics.update(counts)
-            metrics["timing/sdpo_s"] = time.perf_counter() - t0
-            st.sdpo_sites += len(unit.sdpo)
         st.cursor += u
-        st.units += 1
-        st.groups += len(groups)
         if st.cursor - st.round_cursor >= tc.prompts_per_step:
             st.round_cursor = st.cursor
-        return unit
-
-    def _unit_from_shards(self, st: ProductionState) -> Unit:
-        """`diloco.role: learn`: the next `unit_size` groups from the generation jobs' shards."""
-        u = self.unit_size
-        groups, pairs, metrics = self.diloco.take(u, st.shards, self.published)
-        if self.replay is not None:  # ShardPairs: the DPO term from the generation jobs' teacher pairs
-            self.replay.add(pairs)
-        self.counters.stale_dropped += metrics["shards/stale_dropped"]
-        for i, group in enumerate(groups):
-            for t in group:
-                t.group = st.units * u + i
-        unit = Unit(st.step, st.units, groups, [t for g in groups for t in g], metrics=metrics)
-        st.units += 1
-        st.groups += len(groups)
-        return unit
+        return Unit(st.step, st.units, groups, trajectories, metrics=metrics)
 
     def step_complete(self, st: ProductionState) -> bool:
         """A step is complete with `prompts_per_step` groups, or after its rounds are spent (one
@@ -198,78 +200,37 @@ class GRPOLoop:
                             min(t.version for t in group), step, k)
                 continue
             for s in staleness:
-                _add(metrics, {f"staleness/{s}": 1})
+                add_metrics(metrics, {f"staleness/{s}": 1})
             fresh.append(group)
         return fresh
 
-    def _minibatch(self, sub: Substep, groups: list[list[Trajectory]]) -> None:
-        """forward_backward on one piece of the substep with its sequence-local weights."""
-        tc = self.cfg.trainer
-        started = time.perf_counter()
-        trajectories = [t for g in groups for t in g]
-        sub.groups += len(groups)
-        kl_coef = tc.advantage.kl_coef
-        datums, stats = rl_datums(trajectories, group_advantages(trajectories, tc.advantage.std_normalize),
-                                  tc.loss.normalize, skip_zero_advantage=kl_coef == 0)
-        sub.counts += GlobalCounts(float(stats["tokens_total"]), stats["trainable_trajectories"])
-        _add(sub.stats, {f"batch/{k}": v for k, v in stats.items() if k != "tokens_total"})
-        if not datums:
-            return
-        if kl_coef > 0:
-            sub.kl.append(kl_shape_datums(datums, self.client.forward(datums, reference=True), kl_coef)
-                          ["kl/sampler_reference_k1"])
-        loss = tc.loss
-        config = ({"eps_low": loss.eps_low, "eps_high": loss.eps_high} if loss.name == "ppo"
-                  else {"clip_high": loss.cispo_clip_high} if loss.name == "cispo" else {})
-        sub.passes.append(self.client.forward_backward(datums, loss.name, config))
-        _add(sub.stats, {"timing/train_s": time.perf_counter() - started})
-
-    def _channel_term(self, datums: list, loss_fn: str, config: dict, prefix: str, metrics: dict) -> float:
-        """Train a channel's Datums (their weights carry the channel's weight); the weighted loss."""
-        if not datums:
-            return 0.0
-        fb = self.client.forward_backward(datums, loss_fn, config)
-        _add(metrics, {f"{prefix}/{k}": v for k, v in fb.items() if k != "loss"})
-        return fb["loss"]
-
-    def _finish_substep(self, sub: Substep, metrics: dict) -> None:
-        """The step-wide normaliser, the channel terms, one optimizer step."""
+    def _optimizer_step(self, groups: int, metrics: dict) -> None:
+        """Every term's `finish` (the policy-gradient term first: its normaliser scales only its
+        own gradients), then one optimizer step."""
         tc = self.cfg.trainer
         t0 = time.perf_counter()
-        scale = global_scale(tc.loss.normalize, sub.counts)
-        grpo = 0.0
-        if sub.passes:
-            self.client.scale_grads(scale)
-            combined = combine_metrics([(p["tokens"], p) for p in sub.passes])
-            combined["loss"] *= scale
-            grpo = combined["loss"]
-            _add(metrics, {f"train/{k}": v / tc.num_substeps for k, v in combined.items()})
-        terms = {"loss/grpo": grpo}
-        if sub.kl:
-            terms["kl/sampler_reference_k1"] = sum(sub.kl) / len(sub.kl)
-        if self.sdpo is not None:
-            weighted = self._channel_term(self.sdpo.weighted(sub.sdpo), "sdpo_jsd", self.sdpo.loss_config(), "sdpo",
-                                          metrics)
-            terms["loss/sdpo_jsd"] = weighted / self.cfg.sdpo.alpha
-            grpo += weighted
-        if self.replay is not None:
-            dpo_datums, counts = self.replay.datums(self.published)
-            metrics.update(counts)
-            weighted = self._channel_term(dpo_datums, "dpo", {"beta": self.cfg.replay.dpo_beta}, "dpo", metrics)
-            terms["loss/replay_dpo"] = weighted / self.cfg.replay.beta
-            grpo += weighted
-        terms["loss/total"] = grpo
-        _add(metrics, {k: v / tc.num_substeps for k, v in terms.items()})
+        losses: dict[str, float] = {}
+        total = 0.0
+        for term in self.terms:
+            weighted = term.finish(self.published, metrics)
+            if weighted is not None:
+                losses[f"loss/{term.name}"] = weighted / term.weight
+                total += weighted
+        losses["loss/total"] = total
+        add_metrics(metrics, {k: v / tc.num_substeps for k, v in losses.items()})
         opt = self.client.optim_step(self.cfg.learner.adam_params())
         metrics.update({f"train/{k}": v for k, v in opt.items()})
-        _add(metrics, {"batch/groups": sub.groups, "batch/tokens_total": sub.counts.num_tokens,
-                       "timing/train_s": time.perf_counter() - t0})
-        _add(metrics, sub.stats)  # the pieces' datum counts and forward_backward time
+        add_metrics(metrics, {"batch/groups": groups, "timing/train_s": time.perf_counter() - t0})
+
+    def _train_piece(self, piece: list[list[Trajectory]]) -> None:
+        for term in self.terms:
+            term.train_piece(piece)
 
     def _publish(self, version: int, metrics: dict) -> None:
         t0 = time.perf_counter()
         pub = self.client.publish(version)
-        self.diloco.published(version)
+        for hook in self.hooks:
+            hook.published(version)
         self.published = version
         metrics.update({"version": version, "sync/bytes": pub["bytes"], "sync/publish_s": pub["publish_s"],
                         "timing/publish_s": time.perf_counter() - t0})
@@ -279,7 +240,8 @@ class GRPOLoop:
         self.producer.publish(version)
 
     def step(self) -> tuple[dict, list[Trajectory]]:
-        """One training step; returns its metrics and the trajectories trained on."""
+        """One training step; returns its metrics and the trajectories trained on (a loop that
+        trains nothing: every group it kept)."""
         t0 = time.perf_counter()
         tc = self.cfg.trainer
         self.step_index += 1
@@ -290,7 +252,7 @@ class GRPOLoop:
         self.producer.start()
         metrics: dict[str, Any] = {"timing/learner_idle_s": 0.0}
         per_substep = tc.prompts_per_step // tc.num_substeps
-        sub, pending, trained, sampled, index, updates = Substep(), [], [], [], 0, 0
+        pending, trained, sampled, index, updates, substep_groups = [], [], [], 0, 0, 0
         while True:
             waited = time.perf_counter()
             unit = self.producer.feed.take(t, index, self.producer.alive)
@@ -298,64 +260,52 @@ class GRPOLoop:
             if unit is None:
                 break
             index += 1
-            _add(metrics, {k: v for k, v in unit.metrics.items() if not k.startswith(("sdpo/", "sync/"))})
+            add_metrics(metrics, {k: v for k, v in unit.metrics.items() if not k.startswith(("sdpo/", "sync/"))})
             metrics.update({k: v for k, v in unit.metrics.items() if k.startswith(("sdpo/", "sync/"))})
             sampled += unit.sampled
-            if self.replay is not None and unit.sampled and self.role != "learn":
-                self.replay.submit(unit.sampled, min(s.version for s in unit.sampled))
-            if self.role == "generate":  # a generation job writes its groups and trains nothing
+            for term in self.terms:
+                term.receive(unit)
+            if not self.trains:  # the step's groups are its output, untrained
                 trained += unit.groups
                 continue
             pending += self._fresh(unit.groups, t, metrics)
-            sub.sdpo += unit.sdpo
             while len(pending) >= self.unit_size:
                 piece, pending = pending[: self.unit_size], pending[self.unit_size :]
                 trained += piece
-                self._minibatch(sub, piece)
-                if sub.groups >= per_substep:
-                    self._finish_substep(sub, metrics)
-                    sub, updates = Substep(), updates + 1
-        if self.role == "generate":
-            self.producer.feed.release(t)
-            return self._end_generation_step(t, trained, sampled, metrics, t0)
-        if pending:
-            trained += pending
-            self._minibatch(sub, pending)
-        if sub.groups or sub.sdpo or updates == 0:  # every step makes at least one optimizer update
-            self._finish_substep(sub, metrics)
+                self._train_piece(piece)
+                substep_groups += len(piece)
+                if substep_groups >= per_substep:
+                    self._optimizer_step(substep_groups, metrics)
+                    substep_groups, updates = 0, updates + 1
+        if self.trains:
+            if pending:
+                trained += pending
+                self._train_piece(pending)
+                substep_groups += len(pending)
+            # every step makes at least one optimizer update
+            if substep_groups or any(term.pending() for term in self.terms) or updates == 0:
+                self._optimizer_step(substep_groups, metrics)
         self.producer.feed.release(t)
-        metrics["batch/sampling_rounds"] = rounds = -(-index // (tc.num_substeps * tc.num_minibatches))
-        if tc.advantage.drop_uniform_groups and len(trained) < tc.prompts_per_step:
-            log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
-                        "(trainer.advantage.max_extra_rounds = %d); step %d trains on those",
-                        len(trained), tc.prompts_per_step, rounds, tc.advantage.max_extra_rounds, t)
-        if self.diloco.due(t):  # before publishing: version t carries the outer-updated weights
-            self.diloco.sync(metrics)
-        self._publish(t, metrics)
-        trajectories = [x for g in trained for x in g]
-        if self.diloco.shards is not None:
-            self.diloco.write_shard(t, trajectories, self.published, metrics)
-        self._step_metrics(metrics, trajectories, sampled)
-        metrics["timing/step_s"] = time.perf_counter() - t0
-        return metrics, trajectories
-
-    def _end_generation_step(self, t: int, groups: list[list[Trajectory]], sampled: list[Trajectory],
-                             metrics: dict, t0: float) -> tuple[dict, list[Trajectory]]:
-        """A generation job's step: its groups as one shard, then (every `inner_steps` steps, under
-        `diloco.enabled`) the run's newest outer state, published to the generators if it is new;
-        the producer may then start the next step (admission counts written steps here)."""
-        trajectories = [x for g in groups for x in g]
-        pairs = []
-        if self.replay is not None:  # the teachers' pairs that arrived go into the shard
-            metrics.update(self.replay.drain(self.published))
-            pairs = self.replay.take(len(self.replay.buffer))
-        self.diloco.write_shard(t, trajectories, self.published, metrics, pairs)
-        if self.diloco.follow(t, self.published, metrics):
+        if self.trains:
+            metrics["batch/sampling_rounds"] = rounds = -(-index // (tc.num_substeps * tc.num_minibatches))
+            if tc.advantage.drop_uniform_groups and len(trained) < tc.prompts_per_step:
+                log.warning("dynamic sampling: %d of %d groups informative after %d rounds "
+                            "(trainer.advantage.max_extra_rounds = %d); step %d trains on those",
+                            len(trained), tc.prompts_per_step, rounds, tc.advantage.max_extra_rounds, t)
+            for hook in self.hooks:  # before publishing: version t carries e.g. DiLoCo's outer-updated weights
+                hook.before_publish(t, metrics)
             self._publish(t, metrics)
-        self.producer.publish(t)
-        self._step_metrics(metrics, trajectories, sampled)
+        output = StepOutput(t, self.published, [x for g in trained for x in g])
+        for term in self.terms:
+            term.end_step(output, metrics)
+        changed = [hook.after_step(output, metrics) for hook in self.hooks]
+        if not self.trains:
+            if any(changed):
+                self._publish(t, metrics)
+            self.producer.publish(t)  # admission counts the steps written
+        self._step_metrics(metrics, output.trajectories, sampled)
         metrics["timing/step_s"] = time.perf_counter() - t0
-        return metrics, trajectories
+        return metrics, output.trajectories
 
     def _step_metrics(self, metrics: dict, trajectories: list[Trajectory], sampled: list[Trajectory]) -> None:
         n = max(len(sampled), 1)
@@ -401,16 +351,14 @@ class GRPOLoop:
         self.producer.stop()
 
     def state_dict(self) -> dict:
-        """Training state for checkpoints: step, version, counters, channel state and the producer's
-        position and every rolled-out unit not yet trained (taken between units)."""
+        """Training state for checkpoints: step, version, counters, the producer's position and every
+        rolled-out unit not yet trained (taken between units), the terms' and hooks' state."""
         with self.producer.paused():
             state = {"version": self.published, "step_index": self.step_index,
                      "counters": dataclasses.asdict(self.counters), "producer": self.producer.state_dict(),
-                     "version_rounds": self.diloco.state_dict()}
-        if self.sdpo is not None:
-            state["sdpo"] = self.sdpo.state_dict()
-        if self.replay is not None:
-            state["replay"] = self.replay.state_dict()
+                     "hooks": [hook.state_dict() for hook in self.hooks]}
+        terms = {term.name: term.state_dict() for term in self.terms}
+        state["terms"] = {name: value for name, value in terms.items() if value is not None}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -418,7 +366,8 @@ class GRPOLoop:
         self.producer.stop()
         self.published = int(state["version"])
         self.step_index = int(state["step_index"])
-        self.diloco.load_state_dict(state.get("version_rounds"), self.published)
+        for hook, hook_state in zip(self.hooks, state.get("hooks") or [None] * len(self.hooks)):
+            hook.load_state_dict(hook_state, self.published)
         for k, v in state["counters"].items():
             setattr(self.counters, k, v)
         if "producer" in state:
@@ -426,11 +375,12 @@ class GRPOLoop:
         else:
             self.producer = Producer(self, self.cfg.trainer.steps)
         self.producer.publish(self.published)
-        if self.sdpo is not None and "sdpo" in state:
-            self.sdpo.load_state_dict(state["sdpo"])
-        if self.replay is not None and "replay" in state:
-            self.replay.load_state_dict(state["replay"])
+        for term in self.terms:
+            if term.name in state.get("terms", {}):
+                term.load_state_dict(state["terms"][term.name])
 
     def close(self) -> None:
+        """Stop the producer; close the hooks and terms the loop was given."""
         self.producer.stop(wait=False)
-        self.diloco.close()
+        for part in (*self.hooks, *self.terms):
+            part.close()

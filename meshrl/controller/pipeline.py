@@ -8,9 +8,9 @@ producer brings every weight reader (generators, SDPO teacher) to the latest pub
 so weights change only between requests and generation never stalls for a publish.
 
 A unit is `prompts_per_step / (num_substeps * num_minibatches)` tasks: rolled out, scored, shaped
-(overlong), filtered (DAPO dynamic sampling) and, with SDPO on, scored by the hinted teacher at the
-same version that sampled it. Units go into a :class:`StepFeed`, in order, where the learner takes
-them as soon as they exist. A step ends when `prompts_per_step` groups are in, or (dynamic
+(overlong), filtered (DAPO dynamic sampling) and handed to every loss term's `produce` (SDPO scores
+its error sites with the hinted teacher there, at the same version that sampled them). Units go
+into a :class:`StepFeed`, in order, where the learner takes them as soon as they exist. A step ends when `prompts_per_step` groups are in, or (dynamic
 sampling) when `1 + max_extra_rounds` rounds of tasks were spent on it.
 """
 
@@ -40,10 +40,11 @@ class Unit:
     groups: list[list[Trajectory]]
     """The groups to train on (informative ones only under dynamic sampling)."""
     sampled: list[Trajectory]
-    """Everything sampled in this unit (the SDPO and replay channels see all of it)."""
-    sdpo: list = field(default_factory=list)
-    """SDPO Datums of this unit's error sites (unit token weights; the learner side scales them)."""
+    """Everything sampled in this unit (the loss terms see all of it)."""
     metrics: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
+    """What the loss terms' `produce` and the rollout source attach, by name (SDPO's datums under
+    `sdpo_jsd`, a learner of shards' teacher pairs under `pairs`)."""
 
 
 class ProducerFailed(RuntimeError):
@@ -121,11 +122,11 @@ class ProductionState:
     """Units produced for `step` so far."""
     groups: int = 0
     """Groups kept for `step` so far."""
-    sdpo_sites: int = 0
-    """SDPO error sites scored for `step` so far."""
-    shards: dict = field(default_factory=dict)
-    """`diloco.role: learn`: the position in the rollout shards, {producer: [shard index, groups of
-    it used]} (meshrl.controller.shard_source); carried from step to step."""
+    extra: dict = field(default_factory=dict)
+    """The loss terms' counts for `step` so far (SDPO: its error sites, `sdpo_sites`)."""
+    source: dict = field(default_factory=dict)
+    """A rollout source's position, carried from step to step (a learner of shards: {producer:
+    [shard index, groups of it used]}, meshrl.controller.shard_source)."""
 
 
 class Producer:
@@ -199,7 +200,7 @@ class Producer:
                     if self.loop.step_complete(self.state):
                         self.feed.end(self.state.step)
                         self.state = ProductionState(self.state.step + 1, self.state.cursor, self.state.cursor,
-                                                     shards=self.state.shards)
+                                                     source=self.state.source)
         except BaseException as e:  # noqa: BLE001 - handed to the learner side, which raises it
             log.error("producer failed: %s", e)
             self.feed.fail(e)

@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshrl.controller.mesh_client import REWARDER, MeshClient, prompts_by_replica
+from meshrl.config.meshes import REWARDER
+
+from meshrl.meshes.client import MeshClient, prompts_by_replica
 from meshrl.engines import SampleRequest
 from meshrl.training.trajectories import Trajectory
 
@@ -57,10 +59,11 @@ class SingleTurnRollout:
         self.episode_records: list[dict] = []
 
     @staticmethod
-    def spawn(meshes, cfg) -> None:
+    def spawn(session, cfg) -> None:
+        """The rewarder mesh (`meshes.rewarder`) on ``session`` (a `meshrl.meshes.session.MeshSession`)."""
         from meshrl.actors.rewarder import Rewarder
 
-        meshes.spawn(REWARDER, Rewarder, cfg.task, cfg.rewarder)
+        session.spawn(REWARDER, Rewarder, cfg.task, cfg.rewarder)
 
     def _prompts(self, problems: list, max_tokens: int) -> tuple[list, list[list[int]]]:
         """Rendered prompts; problems whose prompt cannot fit with a full response are skipped."""

@@ -18,12 +18,10 @@ import time
 from dataclasses import dataclass
 
 from meshrl.config.diloco import DiLoCoConfig
-from meshrl.config.replay import ReplayChannelConfig
 from meshrl.diloco.shards import Shard, ShardReader
 from meshrl.diloco.store import CorruptObject, ObjectStore
-from meshrl.replay.channel import PreferenceItem, dpo_datums
+from meshrl.replay.pairs import PreferenceItem
 from meshrl.training.trajectories import Trajectory
-from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
 
@@ -172,36 +170,3 @@ def _copy(t: Trajectory, version: int) -> Trajectory:
     """A trajectory of its own stamped ``version`` (the cached shard's objects are not handed out:
     the loop renumbers groups in place)."""
     return Trajectory(**{**vars(t), "version": version, "info": dict(t.info)})
-
-
-class ShardPairs:
-    """The replay channel of a learner of shards (`diloco.role: learn` with `replay.beta` > 0): the
-    DPO term comes from the teacher pairs that generation jobs with the replay channel wrote into
-    their shards, instead of a teacher pool of its own. Pairs are buffered as the shards they came
-    in are used up and taken oldest first, at most `max_pairs_per_step` a step, each weighted
-    beta / pairs (as ReplayChannel.datums); the buffer is checkpointed with the loop."""
-
-    def __init__(self, cfg: ReplayChannelConfig):
-        self.cfg = cfg
-        self.buffer: list[PreferenceItem] = []
-        self.used = 0
-
-    def add(self, pairs: list[PreferenceItem]) -> None:
-        self.buffer += pairs
-
-    def datums(self, version: int) -> tuple[list[Datum], dict]:
-        """The step's `dpo` Datums (``version`` is not needed: shards carry no delivery lag)."""
-        items, self.buffer = self.buffer[: self.cfg.max_pairs_per_step], self.buffer[self.cfg.max_pairs_per_step:]
-        self.used += len(items)
-        metrics = {"replay/dpo_items": float(self.used), "replay/buffered_pairs": float(len(self.buffer))}
-        return (dpo_datums(items, self.cfg.beta / len(items)) if items else []), metrics
-
-    def state_dict(self) -> dict:
-        return {"buffer": [vars(i) for i in self.buffer], "used": self.used}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
-        self.used = int(state["used"])
-
-    def close(self) -> None:
-        pass

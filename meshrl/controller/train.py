@@ -46,18 +46,21 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
     """Entry point of `meshrl train` and `meshrl launch`; returns the process exit code.
     ``hosts_for(cfg, run_dir)`` is a context manager that provides the run's hosts (a launcher's
     job, killed on leaving it); None = this machine."""
+    from meshrl.terms import check_config
+
     _setup_logging()
     try:
         if resume is not None:
             run_dir = Path(resume)
             cfg = load_config(RunConfig, run_dir / "config.yaml")
-        else:
+        check_config(cfg)  # before a run directory is made
+        if resume is None:
             run_dir = make_run_dir(cfg, overwrite)
     except (RunDirError, ConfigError) as e:
         print(f"meshrl: {e}", file=sys.stderr)
         return 2
     from meshrl.controller.diloco_link import DiLoCoFailed
-    from meshrl.controller.supervisor import RestartBudgetExceeded
+    from meshrl.meshes.supervisor import RestartBudgetExceeded
     from meshrl.meshes.group import MeshSpawnError
     from meshrl.meshes.hosts import HostLost
 
@@ -79,9 +82,10 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
     from tqdm import tqdm
 
     from meshrl.controller.checkpoints import CheckpointManager
-    from meshrl.controller.metrics import MetricsLogger, plot_curves, read_metrics
+    from meshrl.metrics.curves import plot_curves
+    from meshrl.metrics.records import MetricsLogger, read_metrics
     from meshrl.controller.runtime import Runtime
-    from meshrl.controller.supervisor import LearnerLost
+    from meshrl.meshes.supervisor import LearnerLost
 
     t_start = time.perf_counter()
     tc = cfg.trainer

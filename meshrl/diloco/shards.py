@@ -167,7 +167,7 @@ def rollout_record(trajectory, step: int, advantage: float | None = None, diloco
 
 
 def preference_record(item, step: int, diloco_round: int = 0) -> dict:
-    """One teacher preference pair (meshrl.replay.channel.PreferenceItem: token ids of the exact
+    """One teacher preference pair (meshrl.replay.pairs.PreferenceItem: token ids of the exact
     context the student saw, the teachers' agreed answer and the student's) as a shard record of
     kind `preference`, beside the step's rollout records."""
     return {"kind": "preference", "step": step, "key": item.key, "prompt_tokens": list(item.prompt),

@@ -18,7 +18,7 @@ from pathlib import Path
 from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import MeshesConfig
 from meshrl.config.run import RunConfig
-from meshrl.meshes.group import MeshDecl, MeshGroup
+from meshrl.meshes.group import MeshDecl
 from meshrl.meshes.local import prepare_environment
 from meshrl.meshes.placement import Placement, gpus_for
 
@@ -27,7 +27,8 @@ __all__ = ["Cluster", "MeshDecl"]
 
 class Cluster:
     """The hosts of one job (`launch`: which launcher, which host meshes) and the meshes you
-    spawn on them. ``meshes`` sets the spawn deadline and supervision timing of your meshes."""
+    spawn on them, on a `MeshSession` of their own. ``meshes`` sets the spawn deadline and
+    supervision timing of your meshes."""
 
     def __init__(self, launch: LaunchConfig, run_id: str = "compose", run_dir: Path | None = None,
                  meshes: MeshesConfig | None = None):
@@ -37,25 +38,30 @@ class Cluster:
         self.meshes_cfg = meshes or MeshesConfig()
         self.hosts = None
         self._launcher = None
-        self._group: MeshGroup | None = None
+        self._session = None
         self._runtimes: list = []
 
     def __enter__(self) -> "Cluster":
         prepare_environment(self.meshes_cfg, self.launch)
         from meshrl.launch import make_launcher
 
+        from meshrl.meshes.session import MeshSession
+
         self._launcher = make_launcher(self.launch, self.run_id, self.run_dir)
-        self.hosts = self._launcher.start()
-        self._group = MeshGroup(self.meshes_cfg, self.hosts, Placement(gpus_for(self.launch), ()))
+        try:
+            self.hosts = self._launcher.start()
+            self._session = MeshSession(RunConfig(launch=self.launch, meshes=self.meshes_cfg), self.hosts,
+                                        placement=Placement(gpus_for(self.launch), ()))
+        except BaseException:
+            self._launcher.stop()
+            raise
         return self
 
     def spawn(self, decl: MeshDecl, timeout_s: float | None = None):
         """Spawn ``decl``'s actor mesh and wait until every actor has finished its `__init__`;
         returns the Monarch actor mesh."""
         self._require_started()
-        self._group.declare(decl)
-        self._group.wait_ready([decl.name], timeout_s)
-        return self._group[decl.name]
+        return self._session.declare(decl, timeout_s)
 
     def runtime(self, cfg: RunConfig, actors: dict[str, type] | None = None):
         """The standard meshes of ``cfg`` on this cluster's hosts (`meshrl.controller.runtime.Runtime`),
@@ -79,18 +85,18 @@ class Cluster:
         return run_training(cfg, Path(run_dir), resume=resume, hosts=self.hosts, actors=actors)
 
     def _require_started(self) -> None:
-        if self._group is None:
+        if self._session is None:
             raise RuntimeError("use the Cluster in a `with` block: its job is started on entering it")
 
     def __exit__(self, *exc) -> None:
         try:
             for rt in self._runtimes:
                 rt.close()
-            if self._group is not None:
-                self._group.stop()
+            if self._session is not None:
+                self._session.close()
         finally:
             self._runtimes.clear()
-            self._group = None
+            self._session = None
             if self._launcher is not None:
                 self._launcher.stop()
 

@@ -10,7 +10,7 @@ import subprocess
 
 import psutil
 
-from meshrl.channels.same_host import SIMULATED_HOSTS_ENV
+from meshrl.transport.same_host import SIMULATED_HOSTS_ENV
 from meshrl.launch.base import Launcher
 from meshrl.launch.reaper import kill_sessions, start_reaper, stop_reaper
 
@@ -43,6 +43,17 @@ class ProcessLauncher(Launcher):
     def after_start(self, host_meshes) -> None:
         self._reaper = start_reaper("kill-sessions", *map(str, sorted(self.worker_pids().values())))
 
+    def host_alive(self, name: str, index: int = 0) -> bool:
+        """Whether the worker process of host ``index`` of host mesh ``name`` is running."""
+        pid = self.worker_pids().get((name, index))
+        return pid is not None and _running(pid)
+
+    def kill_host(self, name: str, index: int = 0) -> None:
+        """Kill that host's worker and its processes (they share its session)."""
+        pid = self.worker_pids().get((name, index))
+        if pid is not None:
+            kill_sessions([pid])
+
     def lost_hosts(self) -> dict[str, set[int]]:
         lost: dict[str, set[int]] = {}
         for (group, i), pid in self.worker_pids().items():
@@ -63,4 +74,16 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
+
+
+def replica_job(hosts: dict[str, int], run_id: str) -> ProcessLauncher:
+    """A ProcessJob with ``hosts`` (host mesh -> hosts) for jobs of independent replicas, e.g. a
+    `meshrl.diloco.executors.monarch_job.MonarchJobExecutor`'s: Monarch faults of the replicas are
+    recorded (meshrl.meshes.supervision), so a killed replica is an outcome, not the end of this
+    process."""
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.meshes.supervision import install_fault_hook
+
+    install_fault_hook()
+    return ProcessLauncher(LaunchConfig(launcher="process", hosts=dict(hosts), forward_logs=False), run_id)
 

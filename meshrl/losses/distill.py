@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 
 from meshrl.logprobs import selective_log_softmax
+from meshrl.config.base import Section
 from meshrl.losses.base import LossOutput, masked_mean
 from meshrl.losses.registry import ForwardPass, register_loss
 
@@ -176,7 +178,20 @@ def generalized_jsd(
     return _reduce(per_token, valid, reduction, token_weights, {})
 
 
-@register_loss("sdpo_jsd")
+class SDPOJSDParams(Section):
+    """The generalized JSD of SDPO's hint distillation."""
+
+    beta: float = Field(0.5, ge=0.0, le=1.0)
+    """Interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Softmax temperature applied to both student and teacher logits."""
+
+    is_weight_cap: float = Field(0.0, ge=0)
+    """SDPO's per-token importance weight min(p/q, cap) on the JSD (0 = off)."""
+
+
+@register_loss("sdpo_jsd", kind="distillation", params=SDPOJSDParams)
 def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
                   is_weight_cap: float = 0.0) -> LossOutput:
     """SDPO hint distillation on error-site tokens. Datum fields: `mask` (per-token weight, non-zero

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from meshrl.config.base import Section
 from meshrl.losses.base import LossOutput, as_weights
 from meshrl.losses.registry import ForwardPass, register_loss
 
@@ -68,7 +70,14 @@ def dpo(
     return LossOutput(loss, metrics)
 
 
-@register_loss("dpo", datums_per_item=2, metric_weight="items")
+class DPOParams(Section):
+    """DPO's temperature."""
+
+    beta: float = Field(0.1, gt=0)
+    """The implicit reward's scale (beta)."""
+
+
+@register_loss("dpo", kind="preference", params=DPOParams, datums_per_item=2, metric_weight="items")
 def dpo_loss(fp: ForwardPass, beta: float = 0.1) -> LossOutput:
     """Datums come in pairs for the same prompt, the chosen answer first and the rejected one second;
     `mask` is 1 on each answer's tokens and the per-sequence `weight` (read from the chosen datum)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from pydantic import Field
+
 from meshrl.advantages import kl_from_log_ratio
+from meshrl.config.base import Section
 from meshrl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from meshrl.losses.base import LossOutput, as_weights, broadcast_advantages, masked_max, masked_mean
 from meshrl.losses.registry import ForwardPass, register_loss
@@ -181,22 +184,42 @@ def _policy_gradient(loss, fp: ForwardPass, **config) -> LossOutput:
     return loss(fp.logprobs(), i["logprobs"], i["advantages"], mask=i["mask"], **config)
 
 
-@register_loss("importance_sampling")
+class PPOParams(Section):
+    """The clipped ratio's bounds."""
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower clip: ratio floor 1 - eps_low."""
+
+    eps_high: float = Field(0.2, ge=0.0)
+    """Upper clip: ratio ceiling 1 + eps_high (DAPO clip-higher uses 0.28)."""
+
+
+class CISPOParams(Section):
+    """Bounds of the stop-gradient importance weight."""
+
+    clip_low: float = Field(0.0, ge=0.0)
+    """Lower bound on the stop-gradient ratio."""
+
+    clip_high: float = Field(4.0, gt=0.0)
+    """Upper bound on the stop-gradient ratio."""
+
+
+@register_loss("importance_sampling", kind="policy_gradient")
 def importance_sampling_loss(fp: ForwardPass) -> LossOutput:
     return _policy_gradient(importance_sampling, fp)
 
 
-@register_loss("ppo")
+@register_loss("ppo", kind="policy_gradient", params=PPOParams)
 def ppo_loss(fp: ForwardPass, eps_low: float = 0.2, eps_high: float = 0.2) -> LossOutput:
     return _policy_gradient(ppo, fp, eps_low=eps_low, eps_high=eps_high)
 
 
-@register_loss("cispo")
+@register_loss("cispo", kind="policy_gradient", params=CISPOParams)
 def cispo_loss(fp: ForwardPass, clip_low: float = 0.0, clip_high: float = 4.0) -> LossOutput:
     return _policy_gradient(cispo, fp, clip_low=clip_low, clip_high=clip_high)
 
 
-@register_loss("cross_entropy", valid_key="weights")
+@register_loss("cross_entropy", kind="supervised", valid_key="weights")
 def cross_entropy_loss(fp: ForwardPass) -> LossOutput:
     """Datum field `weights`: per-token weight of the target token's negative log-likelihood."""
     valid = fp.valid

@@ -144,7 +144,7 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     if cfg.sdpo.alpha > 0:
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
-        slots.append(Slot(TEACHER_REPLAY, "replay.channel", MeshSpec(procs=cfg.replay.channel.procs)))
+        slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs)))
     return slots
 
 

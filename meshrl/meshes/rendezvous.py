@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.channels.same_host import machine_identity
+from meshrl.transport.same_host import machine_identity
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ their actions and turn k-of-N agreement against the student into DPO pairs.
 
 Each teacher receives exactly the context messages the student saw at that step (state replay).
 Steps are replayed concurrently, bounded by each client's concurrency limit; the whole trace is
-bounded by ``ReplayConfig.trace_timeout_s``. A teacher failure never escapes: it is counted by
+bounded by ``TeacherPanelConfig.trace_timeout_s``. A teacher failure never escapes: it is counted by
 kind, and the teacher simply does not vote on that step.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from meshrl.replay.agreement import NoPairReason, PreferencePair, TeacherAnswer, decide_pair
 from meshrl.replay.canonical import canonicalise
 from meshrl.teachers.client import SpendMeter, TeacherClient, TeacherError
-from meshrl.config.replay import ReplayConfig
+from meshrl.config.replay import TeacherPanelConfig
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,14 @@ class ReplayResult:
         return out
 
 
-def teacher_clients(cfg: ReplayConfig, meter: SpendMeter | None = None) -> list[TeacherClient]:
+def teacher_clients(cfg: TeacherPanelConfig, meter: SpendMeter | None = None) -> list[TeacherClient]:
     """One client per configured teacher, all charging one spend meter (by default a new one
     with the run budget ``cfg.budget_usd``)."""
     shared = meter if meter is not None else SpendMeter(budget_usd=cfg.budget_usd)
     return [TeacherClient(teacher, shared) for teacher in cfg.teachers]
 
 
-async def replay_trace(trace: Trace, clients: Sequence[TeacherClient], cfg: ReplayConfig) -> ReplayResult:
+async def replay_trace(trace: Trace, clients: Sequence[TeacherClient], cfg: TeacherPanelConfig) -> ReplayResult:
     """Replay ``trace`` to every client and return its pairs and counts; never raises on teacher
     failures or timeouts."""
     result = ReplayResult(episode_id=trace.episode_id)
@@ -144,7 +144,7 @@ async def replay_trace(trace: Trace, clients: Sequence[TeacherClient], cfg: Repl
 
 
 async def _replay_step(
-    index: int, step: TraceStep, clients: Sequence[TeacherClient], cfg: ReplayConfig, result: ReplayResult
+    index: int, step: TraceStep, clients: Sequence[TeacherClient], cfg: TeacherPanelConfig, result: ReplayResult
 ) -> None:
     asked = await asyncio.gather(*(_ask(client, step.context, cfg, result) for client in clients))
     answers = tuple(answer for answer, _ in asked)
@@ -159,7 +159,7 @@ async def _replay_step(
 
 
 async def _ask(
-    client: TeacherClient, context: list[dict[str, Any]], cfg: ReplayConfig, result: ReplayResult
+    client: TeacherClient, context: list[dict[str, Any]], cfg: TeacherPanelConfig, result: ReplayResult
 ) -> tuple[TeacherAnswer, str | None]:
     try:
         reply = await client.chat(context)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from meshrl.controller.metrics import draw_reward_accuracy
+from meshrl.metrics.curves import draw_reward_accuracy
 from meshrl.report.runs import STALENESS_PREFIX
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrl.controller.metrics import MetricsFileError, read_metrics
+from meshrl.metrics.records import MetricsFileError, read_metrics
 
 KINDS = ("train", "eval", "fault")
 STALENESS_PREFIX = "staleness/"

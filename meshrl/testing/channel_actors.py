@@ -11,8 +11,8 @@ from typing import Any
 from monarch.actor import Actor, Port, current_rank, endpoint
 
 from meshrl.actors.teacher_replay import TeacherReplayActor
-from meshrl.channels.delayed import DelayedChannelConfig, DelayedOutbox
-from meshrl.config.replay import ReplayConfig
+from meshrl.transport.delayed import DelayedOutbox
+from meshrl.config.replay import ReplayPoolConfig, TeacherPanelConfig
 
 
 class EchoProducer(Actor):
@@ -61,7 +61,7 @@ class LoggedTeacherReplayActor(TeacherReplayActor):
     logger to ``log_path``, so a test can search everything it printed."""
 
     def __init__(
-        self, log_path: str, replay_cfg: ReplayConfig, channel_cfg: DelayedChannelConfig, name: str = "teacher_replay"
+        self, log_path: str, replay_cfg: TeacherPanelConfig, channel_cfg: ReplayPoolConfig, name: str = "teacher_replay"
     ):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)

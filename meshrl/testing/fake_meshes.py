@@ -12,12 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from meshrl.actors.rewarder import safe_grade
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
-from meshrl.controller.grpo import GRPOLoop
-from meshrl.controller.mesh_client import MeshClient
 from meshrl.controller.rollout import Counters, SingleTurnRollout
-from meshrl.controller.supervisor import Supervisor
+from meshrl.controller.runtime import assemble_loop
 from meshrl.engines import Completion
 from meshrl.envs.arithmetic import ArithmeticTask
+from meshrl.meshes.client import MeshClient
+from meshrl.meshes.supervisor import Supervisor
+from meshrl.terms import check_config
 
 
 class Future:
@@ -202,6 +203,8 @@ def make_loop(n_generators=2, rewarder=FakeRewarder, learner=None, **overrides):
     client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {m: 5.0 for m in ("generator", "rewarder", "learner", "sync")},
                         cfg.meshes.chunks_per_replica)
     counters = Counters()
-    strategy = SingleTurnRollout(client, FakeRenderer(), cfg.model.max_model_len, counters)
-    loop = GRPOLoop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, (2,))
+    renderer = FakeRenderer()
+    strategy = SingleTurnRollout(client, renderer, cfg.model.max_model_len, counters)
+    check_config(cfg)
+    loop = assemble_loop(cfg, ArithmeticTask(cfg.task.arithmetic), strategy, client, counters, renderer)
     return loop, gens, learner

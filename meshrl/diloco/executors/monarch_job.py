@@ -1,7 +1,11 @@
-"""MonarchJobExecutor: each replica is a host of its own on a Monarch job (ProcessJob: a worker
-process per host on this machine, reached over ipc://, exactly as remote hosts would be), with one
-process and one small `ReplicaActor` on it. The actor's ``run`` endpoint calls the spec's function
-and returns ``{"result": ...}`` or ``{"error": ...}``; the executor waits on the endpoint futures.
+"""MonarchJobExecutor: each replica is a host of its own on a Monarch job, with one process and one
+small `ReplicaActor` on it. The actor's ``run`` endpoint calls the spec's function and returns
+``{"result": ...}`` or ``{"error": ...}``; the executor waits on the endpoint futures.
+
+The job comes from the launcher the executor is given (`JobLauncher`: e.g.
+`meshrl.launch.process.replica_job`, a ProcessJob with a worker process per host on this machine,
+reached over ipc://, exactly as remote hosts would be); the executor asks it whether a replica's
+host is alive and has it killed.
 
 * ``poll``: a replica whose future resolved has succeeded or failed; one whose host worker process
   is gone has failed (Monarch itself only notices a lost host after
@@ -21,15 +25,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from monarch.actor import Actor, endpoint
 
-from meshrl.config.launch import LaunchConfig
 from meshrl.diloco.executors.base import ExecutorError, ReplicaResult, ReplicaSpec, ReplicaStatus, read_lines
 from meshrl.diloco.executors.replica_main import output_to, run_spec
-from meshrl.launch.process import ProcessLauncher, _running
-from meshrl.launch.reaper import kill_sessions
 
 WAIT_SLICE_S = 1.0  # a waiter thread's longest block on a future before it looks at the replica's host
 
@@ -47,15 +48,33 @@ class ReplicaActor(Actor):
             return run_spec(self.spec, replica, self.replicas)
 
 
+class JobLauncher(Protocol):
+    """The Monarch job of the replicas, one host each (e.g. `meshrl.launch.process.ProcessLauncher`)."""
+
+    def start(self) -> Any:
+        """Start the job; its hosts (`host_mesh(name)` gives a host mesh's Monarch HostMesh)."""
+
+    def host_alive(self, name: str, index: int = 0) -> bool:
+        """Whether host ``index`` of host mesh ``name`` is still running."""
+
+    def kill_host(self, name: str, index: int = 0) -> None:
+        """Kill host ``index`` of host mesh ``name`` and everything running on it."""
+
+    def stop(self) -> None:
+        """Kill the whole job (idempotent)."""
+
+
 class MonarchJobExecutor:
-    backend_name = "monarch-process-job"
+    backend_name = "monarch-job"
     supports_inter_replica_network = True
 
-    def __init__(self, work_dir: str | Path, run_id: str | None = None, start_timeout_s: float = 120.0):
+    def __init__(self, work_dir: str | Path, launcher_for: Callable[[dict[str, int], str], JobLauncher],
+                 run_id: str | None = None):
+        """``launcher_for(hosts, run_id)`` builds the job's launcher for host meshes ``{name: 1}``."""
         self.work_dir = Path(work_dir)
         self.run_id = run_id or f"diloco-{uuid.uuid4().hex[:8]}"
-        self.start_timeout_s = start_timeout_s
-        self.launcher: ProcessLauncher | None = None
+        self.launcher_for = launcher_for
+        self.launcher: JobLauncher | None = None
         self._n = 0
         self._outcomes: dict[int, dict] = {}  # replica -> {"result"|"error": ...} once its call ended
         self._cancelled: set[int] = set()
@@ -70,13 +89,9 @@ class MonarchJobExecutor:
     def launch_replicas(self, spec: ReplicaSpec, n: int) -> None:
         if self.launcher is not None:
             raise ExecutorError(f"{self.backend_name}: replicas already launched ({self.run_id})")
-        from meshrl.meshes.supervision import install_fault_hook
-
-        install_fault_hook()  # a killed replica is an outcome here, not the end of this process
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._n = n
-        cfg = LaunchConfig(launcher="process", hosts={self._host(i): 1 for i in range(n)}, forward_logs=False)
-        self.launcher = ProcessLauncher(cfg, self.run_id)
+        self.launcher = self.launcher_for({self._host(i): 1 for i in range(n)}, self.run_id)
         hosts = self.launcher.start()
         futures = []
         try:
@@ -106,8 +121,8 @@ class MonarchJobExecutor:
             return
 
     def _host_alive(self, i: int) -> bool:
-        pid = self.launcher.worker_pids().get((self._host(i), 0)) if self.launcher else None
-        return pid is not None and _running(pid)
+        launcher = self.launcher
+        return launcher is not None and launcher.host_alive(self._host(i))
 
     def _status(self, i: int) -> ReplicaStatus:
         with self._lock:
@@ -128,11 +143,10 @@ class MonarchJobExecutor:
         if self.launcher is None:
             return
         targets = range(self._n) if replica is None else [replica]
-        pids = self.launcher.worker_pids()
         for i in targets:
             if not self._status(i).ended:
                 self._cancelled.add(i)
-                kill_sessions([pids[(self._host(i), 0)]])
+                self.launcher.kill_host(self._host(i))
 
     def collect(self, timeout_s: float) -> dict[int, ReplicaResult]:
         deadline = time.monotonic() + timeout_s

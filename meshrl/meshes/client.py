@@ -5,7 +5,7 @@ processes are watched, and recovered through the supervisor (replace the mesh, r
 the call again). Work is split over a mesh's replicas here, so the loop, the rollout strategies and
 the channels only say what they want (generate, score, step environments, train, publish, pull).
 Generation and scoring go out in chunks to whichever replica is free, with hedging
-(meshrl.controller.dispatch).
+(meshrl.meshes.dispatch).
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ import threading
 from collections import Counter
 from typing import Any, Callable
 
-from meshrl.config.meshes import ENV
-from meshrl.controller.dispatch import Dispatcher
-from meshrl.controller.supervisor import Supervisor, wait_all
+from meshrl.config.meshes import GENERATOR, LEARNER, REWARDER
+from meshrl.meshes.dispatch import Dispatcher
+from meshrl.meshes.supervisor import Supervisor, wait_all
 from meshrl.engines import Completion, SampleRequest
 from meshrl.losses import get_loss
 from meshrl.meshes.ranks import actor_at, reply_at
 from meshrl.training.policy import combine_metrics
 from meshrl.types import AdamParams, Datum
-
-GENERATOR, LEARNER, REWARDER = "generator", "learner", "rewarder"
 
 
 class StepError(RuntimeError):
@@ -143,7 +141,7 @@ class MeshClient:
     # ---- generation and rewards -------------------------------------------------------------
     def dispatch(self, mesh: str, phase: str, n: int, issue: Callable[[Any, int, int], Any], what: str) -> list:
         """Items ``[0, n)`` over ``mesh``'s replicas in chunks, to whichever replica is free, the
-        last ones hedged (meshrl.controller.dispatch); ``issue(replica_actor, start, stop)`` returns
+        last ones hedged (meshrl.meshes.dispatch); ``issue(replica_actor, start, stop)`` returns
         a chunk's future. Supervised like :meth:`call`; each chunk's reply, in order."""
         dispatcher = self._dispatcher(mesh)
         return self._attempts(mesh, phase, what, lambda: dispatcher.run(

@@ -1,4 +1,4 @@
-"""Delayed-result channel: producers (e.g. teacher replay actors) send results whenever they are
+"""Delayed results: producers (e.g. teacher replay actors) send results whenever they are
 ready; the consumer (the controller or learner side) drains them without ever waiting.
 
 Built on a Monarch port (``Channel.open()``); Monarch has no pub/sub service. The consumer owns a
@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch.actor import Channel, Port
-from meshrl.config.channels import DelayedChannelConfig
 
 log = logging.getLogger(__name__)
 

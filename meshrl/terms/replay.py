@@ -1,6 +1,9 @@
-"""Controller side of channel 3 (N-teacher trace replay): submit frozen traces to the pool of
-TeacherReplayActors, drain their delayed results without waiting, and turn agreed-on teacher
-actions into `dpo` Datums for the learner (a chosen and a rejected answer per pair).
+"""The trace-replay DPO term (channel 3): submit frozen traces to the pool of TeacherReplayActors,
+drain their delayed results without waiting, and turn agreed-on teacher actions into `dpo` Datums
+for the learner (a chosen and a rejected answer per pair). A generation job (`diloco.role:
+generate`) trains nothing: it exports the pairs with its rollout shards instead; a learner of
+shards (`learn`) trains on the pairs that arrive in the shards (`ShardPairsTerm`), with no teachers
+of its own.
 
 Training never waits on teachers: `submit` returns once the actors have queued the work and
 `drain` only takes what has already arrived. The pool is supervised like any mesh; a replaced pool
@@ -16,34 +19,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from meshrl.actors.teacher_replay import producer_name
 from meshrl.config.meshes import TEACHER_REPLAY as POOL
-from meshrl.config.replay import ReplayChannelConfig
-from meshrl.controller.mesh_client import MeshClient
 from meshrl.meshes.ranks import actor_at
+from meshrl.replay.pairs import PreferenceItem, dpo_datums
+from meshrl.terms.base import LossTerm, StepOutput, TermContext
 from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PreferenceItem:
-    """One preference pair for the same prompt (all token ids)."""
-
-    key: str
-    prompt: list[int]
-    chosen: list[int]
-    rejected: list[int]
-
-
-def dpo_datums(items: list[PreferenceItem], weight: float) -> list[Datum]:
-    """Two Datums per pair, chosen then rejected, each answer's tokens masked in and the pair's
-    term weighted by ``weight``."""
-    datums = []
-    for item in items:
-        for answer in (item.chosen, item.rejected):
-            datums.append(Datum.from_sequence(item.prompt + answer, per_sequence={"weight": weight},
-                                              mask=[0] * len(item.prompt) + [1] * len(answer)))
-    return datums
 
 
 @dataclass
@@ -59,33 +42,59 @@ class PendingTrace:
     attempts: int = 1
 
 
-class ReplayChannel:
+class PairsTerm(LossTerm):
+    """DPO on buffered preference pairs: at most `replay.max_pairs_per_step` a step, oldest first,
+    each weighted weight / pairs, so the term is `replay.beta` times the mean over the step's pairs."""
+
+    name, prefix, loss = "replay_dpo", "dpo", "dpo"
+
+    def __init__(self, ctx: TermContext, weight: float | None = None, params=None):
+        super().__init__(ctx, ctx.cfg.replay.beta if weight is None else weight, params)
+        self.cfg = ctx.cfg.replay
+        self.buffer: list[PreferenceItem] = []
+
+    def loss_config(self) -> dict:
+        return {"beta": self.cfg.dpo_beta}
+
+    def take(self, n: int) -> list[PreferenceItem]:
+        """Up to ``n`` buffered pairs, oldest first."""
+        items, self.buffer = self.buffer[:n], self.buffer[n:]
+        return items
+
+    def step_datums(self) -> list[Datum]:
+        """The `dpo` Datums of the step's pairs, taken from the buffer."""
+        items = self.take(self.cfg.max_pairs_per_step)
+        return dpo_datums(items, self.weight / len(items)) if items else []
+
+
+class ReplayTerm(PairsTerm):
     """Submits traces, drains pairs, buffers DPO items; its state goes into checkpoints."""
 
-    def __init__(self, cfg: ReplayChannelConfig, client: MeshClient, renderer):
-        from meshrl.actors.teacher_replay import TeacherReplayActor, producer_name
-        from meshrl.channels.delayed import DelayedInbox
+    def __init__(self, ctx: TermContext, weight: float | None = None, params=None):
+        from meshrl.transport.delayed import DelayedInbox
 
-        self.cfg = cfg
-        self.client = client
-        self.meshes = meshes = client.meshes
-        self.renderer = renderer
-        self.stop_token = renderer.get_stop_sequences()[0]
+        super().__init__(ctx, weight, params)
+        self.trains = ctx.cfg.diloco.role != "generate"  # a generation job exports its pairs instead
+        self.renderer = ctx.renderer
+        self.stop_token = self.renderer.get_stop_sequences()[0]
         self.inbox = DelayedInbox()
         self.pending: dict[str, PendingTrace] = {}
-        self.buffer: list[PreferenceItem] = []
         self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
-        self.producers = [producer_name(POOL, r) for r in range(cfg.channel.procs)]
-        meshes.add_mesh(POOL, cfg.channel.procs)
-        meshes.spawn(POOL, TeacherReplayActor, cfg.teachers, cfg.channel, POOL)
-        meshes.wait_ready([POOL])
+        self.producers = [producer_name(POOL, r) for r in range(self.cfg.pool.procs)]
         self._subscribe()
-        client.sup.on_respawn(POOL, self._after_respawn)
+        self.client.sup.on_respawn(POOL, self._after_respawn)
+
+    @classmethod
+    def spawn(cls, session, cfg) -> None:
+        from meshrl.actors.teacher_replay import TeacherReplayActor
+
+        session.spawn(POOL, TeacherReplayActor, cfg.replay.teachers, cfg.replay.pool, POOL, procs=cfg.replay.pool.procs,
+                      timeout_s=cfg.replay.pool.rpc_timeout_s)
 
     # ---- remote helpers --------------------------------------------------------------------
     def _call(self, what: str, issue):
-        return self.client.call(POOL, what, issue, f"{POOL}.{what}", self.cfg.channel.rpc_timeout_s)
+        return self.client.call(POOL, what, issue, f"{POOL}.{what}", self.cfg.pool.rpc_timeout_s)
 
     def _subscribe(self) -> None:
         port = self.inbox.port
@@ -95,7 +104,7 @@ class ReplayChannel:
         """A fresh pool: charge it with the spend so far, subscribe it and give it back every
         trace not yet delivered."""
         def wait(issue, what):
-            return self.client.unsupervised(POOL, issue, f"{POOL}.{what}", self.cfg.channel.rpc_timeout_s)
+            return self.client.unsupervised(POOL, issue, f"{POOL}.{what}", self.cfg.pool.rpc_timeout_s)
 
         spent = self.outcomes["replay/cost_usd"]
         if spent > 0:  # spend of calls whose results never arrived is unknown (at most the in-flight traces)
@@ -110,7 +119,26 @@ class ReplayChannel:
     def _actor(self, pool, producer: str):
         return actor_at(pool, self.producers.index(producer))
 
-    # ---- the channel ------------------------------------------------------------------------
+    # ---- the term -----------------------------------------------------------------------------
+    def receive(self, unit) -> None:
+        """Queue the unit's samples for replay (never waits for the teachers)."""
+        if unit.sampled:
+            self.submit(unit.sampled, min(s.version for s in unit.sampled))
+
+    def finish(self, version: int, metrics: dict) -> float | None:
+        """The pairs that arrived (at most `max_pairs_per_step`) as the step's DPO term."""
+        if not self.trains:
+            return None
+        datums, counts = self.datums(version)
+        metrics.update(counts)
+        return self.train(datums, metrics)
+
+    def end_step(self, output: StepOutput, metrics: dict) -> None:
+        """A generation job: every pair that arrived goes out with the step's groups."""
+        if not self.trains:
+            metrics.update(self.drain(output.published))
+            output.pairs += self.take(len(self.buffer))
+
     def submit(self, trajectories: list, version: int) -> None:
         """Queue the step's selected trajectories for replay (never waits for the teachers)."""
         from meshrl.sdpo.sites import error_kind  # the same notion of a failed trajectory as SDPO
@@ -150,7 +178,7 @@ class ReplayChannel:
 
     def drain(self, version: int) -> dict[str, float]:
         """Take every result that has arrived: pairs become DPO items in the buffer."""
-        messages = self.inbox.drain(version, self.cfg.channel.max_version_lag)
+        messages = self.inbox.drain(version, self.cfg.pool.max_version_lag)
         for msg in messages:
             pending = self.pending.pop(msg.key, None)
             outcome = msg.payload
@@ -210,17 +238,10 @@ class ReplayChannel:
                 for k in retry])
             self.counts["resubmitted_lost"] += len(retry)
 
-    def take(self, n: int) -> list[PreferenceItem]:
-        """Up to ``n`` buffered pairs, oldest first."""
-        items, self.buffer = self.buffer[:n], self.buffer[n:]
-        return items
-
     def datums(self, version: int) -> tuple[list[Datum], dict]:
-        """Drain what has arrived (never waits for teachers) and the step's `dpo` Datums: at most
-        `max_pairs_per_step` pairs, each weighted beta / pairs so the loss is beta * the mean."""
+        """Drain what has arrived (never waits for teachers) and the step's `dpo` Datums."""
         metrics = self.drain(version)
-        items = self.take(self.cfg.max_pairs_per_step)
-        return (dpo_datums(items, self.cfg.beta / len(items)) if items else []), metrics
+        return self.step_datums(), metrics
 
     def state_dict(self) -> dict:
         """JSON-able: dedupe state, traces still being replayed, buffered pairs, counters."""
@@ -250,3 +271,35 @@ class ReplayChannel:
 
     def close(self) -> None:
         self.inbox.close()
+
+
+class ShardPairsTerm(PairsTerm):
+    """The replay term of a learner of shards (`diloco.role: learn`): the DPO term comes from the
+    teacher pairs that generation jobs with the replay term wrote into their shards, instead of a
+    teacher pool of its own. Pairs arrive with the units of groups read from the shards (the pairs
+    of every shard those used up); the buffer is checkpointed."""
+
+    def __init__(self, ctx: TermContext, weight: float | None = None, params=None):
+        super().__init__(ctx, weight, params)
+        self.used = 0
+
+    def receive(self, unit) -> None:
+        self.buffer += unit.extras.get("pairs", [])
+
+    def finish(self, version: int, metrics: dict) -> float:
+        datums = self.step_datums()  # shards carry no delivery lag: no version is needed
+        self.used += len(datums) // 2
+        metrics.update({"replay/dpo_items": float(self.used), "replay/buffered_pairs": float(len(self.buffer))})
+        return self.train(datums, metrics)
+
+    def state_dict(self) -> dict:
+        return {"buffer": [vars(i) for i in self.buffer], "used": self.used}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
+        self.used = int(state["used"])
+
+
+def replay_term_class(cfg) -> type[LossTerm]:
+    """A learner of shards trains on the pairs in the shards; any other job has a teacher pool."""
+    return ShardPairsTerm if cfg.diloco.role == "learn" else ReplayTerm

@@ -1,6 +1,6 @@
 """Versioned weight store: the learner publishes state dicts, generators pull them by a path chosen
 by locality: a copy out of the publisher's shared memory (CPU) or CUDA IPC handle (GPU) when they
-run on its host (``meshrl.channels.same_host``), ``monarch.rdma.RDMABuffer`` reads otherwise
+run on its host (``meshrl.transport.same_host``), ``monarch.rdma.RDMABuffer`` reads otherwise
 (ibverbs on GPU hosts, the TCP fallback on CPU).
 
 The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 0.7:
@@ -22,7 +22,7 @@ The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 
 Both objects offer a sync method (for sync actor endpoints and plain scripts) and an ``a``-prefixed
 coroutine (for async actors; ``.get()`` would block their event loop). Both variants run the same
 step generator (``_publish_steps``, ``_pull_steps``): it yields what it waits for, and a driver
-(``_drive`` / ``_adrive``, in ``meshrl.channels.steps``) waits on it with ``Future.get`` or ``await``.
+(``_drive`` / ``_adrive``, in ``meshrl.transport.steps``) waits on it with ``Future.get`` or ``await``.
 
 Every remote call and transfer has a deadline; failures surface as a one-line ``WeightSyncError``
 naming the store, version and chunk. Objects are not thread-safe: use each from one actor.
@@ -67,8 +67,8 @@ import torch
 from monarch.actor import ActorError
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
-from meshrl.channels.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
-from meshrl.channels.same_host import (
+from meshrl.transport.arena import ArenaLayout, allocate_arena, chunk_ranges, pack_into, views
+from meshrl.transport.same_host import (
     LocalRef,
     OwnerGone,
     SameHostReader,
@@ -77,9 +77,9 @@ from meshrl.channels.same_host import (
     host_identity,
     local_transport,
 )
-from meshrl.channels.weight_index import ChunkHandle, WeightHandle, WeightSyncError, weight_index
-from meshrl.channels.steps import Steps, _adrive, _Await, _AwaitAll, _drive, _one_line, _Run, _Sleep
-from meshrl.config.channels import WeightSyncConfig
+from meshrl.transport.weight_index import ChunkHandle, WeightHandle, WeightSyncError, weight_index
+from meshrl.transport.steps import Steps, _adrive, _Await, _AwaitAll, _drive, _one_line, _Run, _Sleep
+from meshrl.config.weight_sync import WeightSyncConfig
 
 _POLL_S = 0.05  # publisher re-checks for a free arena this often while all are leased
 _DRIVER_SLACK_S = 5.0  # extra wait beyond the RDMA layer's own timeout before giving up on a read

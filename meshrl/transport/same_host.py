@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from meshrl.channels.arena import allocate_arena, copy_tensor
+from meshrl.transport.arena import allocate_arena, copy_tensor
 
 SHM_DIR = "/dev/shm"
 PREFIX = "meshrl-arena"

@@ -13,8 +13,8 @@ from typing import Any
 from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
 from monarch.rdma import RDMABuffer
 
-from meshrl.channels.arena import ArenaLayout
-from meshrl.channels.same_host import LocalRef
+from meshrl.transport.arena import ArenaLayout
+from meshrl.transport.same_host import LocalRef
 
 INDEX_NAME = "meshrl.weight_index"
 

@@ -9,7 +9,7 @@ on the concatenation of the ``n`` replicas' batches ``s``, so it sees exactly th
 ``n`` DiLoCo replicas see, synchronising every step instead of every H steps.
 
 `run_replica` is the entry point an executor runs in each replica
-(``meshrl.diloco.supervised:run_replica``); it returns a JSON-able dict.
+(``benchmarks.diloco_toy:run_replica``); it returns a JSON-able dict.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Transport configuration: the weight store (``meshrl.channels.weight_store``) and the
-delayed-result channel with its pool of teacher replay actors (``meshrl.channels.delayed``)."""
+"""Weight sync configuration: how published policy versions move from the learner to the
+weight readers (``meshrl.transport.weight_store``)."""
 
 from __future__ import annotations
 
@@ -68,28 +68,3 @@ class WeightSyncConfig(Section):
         if value & (value - 1):
             raise ValueError(f"a power of two, got {value}")
         return value
-
-
-class DelayedChannelConfig(Section):
-    """Channel 3's delayed-result channel and the pool of teacher replay actors that feeds it."""
-
-    procs: int = Field(2, ge=1)
-    """Teacher replay actors in the pool (one process each); the spend budget is split evenly."""
-
-    max_traces_in_flight: int = Field(4, ge=1)
-    """Traces one actor replays at once; further submissions wait in its queue (submit still
-    returns at once)."""
-
-    max_version_lag: int = Field(4, ge=0)
-    """Results for a policy version older than ``current_version - max_version_lag`` are dropped
-    (and counted) when drained."""
-
-    rpc_timeout_s: float = Field(30.0, gt=0)
-    """Deadline of each control call to the pool (subscribe, submit, ack, stats)."""
-
-    result_timeout_s: float = Field(300.0, gt=0)
-    """A submitted trace whose result has not arrived after this long is submitted again (a lost
-    reply); after `max_attempts` it is abandoned and counted."""
-
-    max_attempts: int = Field(2, ge=1)
-    """Submissions of one trace before it is abandoned."""

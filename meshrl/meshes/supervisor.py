@@ -18,11 +18,11 @@ from collections import deque
 from typing import Callable, TypeVar
 
 from meshrl.config.faults import FaultsConfig
+from meshrl.config.meshes import LEARNER
 from meshrl.meshes.group import first_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-LEARNER = "learner"
 
 
 class CallTimeout(RuntimeError):

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from meshrl.channels.weight_index import WeightSyncError
+from meshrl.transport.weight_index import WeightSyncError
 
 
 @dataclass

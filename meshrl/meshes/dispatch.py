@@ -29,7 +29,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from meshrl.controller.supervisor import WATCH_INTERVAL_S, CallTimeout, ProcessDied
+from meshrl.meshes.supervisor import WATCH_INTERVAL_S, CallTimeout, ProcessDied
 from meshrl.meshes.group import first_line
 from meshrl.meshes.ranks import actor_at
 

@@ -18,65 +18,52 @@ from pathlib import Path
 from meshrl.api.errors import UserError
 from meshrl.config.base import ConfigError
 from meshrl.config.run import RunConfig
+from meshrl.config.meshes import GENERATOR
 from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger("meshrl")
 
 
-class Engine:
-    """Spawns the learner and generator meshes of ``cfg`` (on ``hosts``; None = this machine) and
-    serialises what runs on them; `close()` stops them."""
+class MeshBackend:
+    """The learner and generator meshes of ``cfg`` on a `MeshSession` (on ``hosts``; None = this
+    machine), with what runs on them serialised; `close()` stops them."""
 
     def __init__(self, cfg: RunConfig, hosts=None):
-        from meshrl.meshes.local import prepare_environment
+        from meshrl.meshes.session import MeshSession
 
-        prepare_environment(cfg.meshes, cfg.launch)
-        from transformers import AutoTokenizer
-
-        from meshrl.actors.generator import POLICY_STORE, Generator
-        from meshrl.actors.learner import Learner
-        from meshrl.channels.weight_store import silence_tcp_fallback_warning
-        from meshrl.controller.mesh_client import GENERATOR, LEARNER, MeshClient
-        from meshrl.controller.supervisor import Supervisor
-        from meshrl.meshes.group import MeshGroup
-        from meshrl.meshes.hosts import Hosts
-        from meshrl.meshes.placement import plan_run
-        from meshrl.meshes.rendezvous import Rendezvous
-        from meshrl.meshes.supervision import install_fault_hook
-        from meshrl.models.provision import resolve_model
-
-        silence_tcp_fallback_warning()
         if cfg.meshes.learner.procs != 1:
             raise ConfigError("meshes.learner.procs: the API trains its clients' adapters in one learner process")
         if not (cfg.learner.lora.enabled and cfg.learner.lora.sync == "adapter"):
             raise ConfigError("learner.lora: the API trains LoRA adapters and publishes them as adapters: set "
                              "learner.lora.enabled=true and learner.lora.sync=adapter (configs/serve.yaml does)")
+        if cfg.meshes.generator.colocate_with is not None:
+            raise ConfigError("meshes.generator.colocate_with: the API's generators sample exact weight versions "
+                             "of many adapters, pulled from the weight store: give them processes of their own")
         self.cfg = cfg
-        self.failures = install_fault_hook()
-        self.model_path = resolve_model(cfg.model.name_or_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.meshes = MeshGroup(cfg.meshes, hosts if hosts is not None else Hosts.local(cfg.launch), plan_run(cfg))
+        self.session = session = MeshSession(cfg, hosts)
         try:
-            path = str(self.model_path)
-            self.meshes.spawn(LEARNER, Learner, path, cfg.model, cfg.learner, cfg.weight_sync, POLICY_STORE, Rendezvous())
-            self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync)
-            self.meshes.wait_ready()
+            session.spawn_policy()
+            session.wait_ready()
+            self.client = session.client
+            # a replaced generator comes back to the version being sampled, not the newest one
+            session.supervisor.on_respawn(GENERATOR, lambda: self._load_on_generators(self._sampled_version))
+            self._learner_lock = threading.Lock()
+            self._generator_lock = threading.Lock()
+            self._active: str | None = None
+            self._next_version = 1
+            self._sampled_version = 0
+            self.client.publish(0)  # the base model (no adapter: the initial one's B is zero)
         except BaseException:
-            self.meshes.stop()
+            session.close()
             raise
-        log.info("api meshes ready: %s", self.meshes.pids)
-        self.supervisor = Supervisor(self.meshes, cfg.faults)
-        timeouts = {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
-                    "sync": cfg.learner.call_timeout_s}
-        self.client = MeshClient(self.meshes, self.supervisor, timeouts, cfg.meshes.chunks_per_replica)
-        # a replaced generator comes back to the version being sampled, not the newest one
-        self.supervisor.on_respawn(GENERATOR, lambda: self._load_on_generators(self._sampled_version))
-        self._learner_lock = threading.Lock()
-        self._generator_lock = threading.Lock()
-        self._active: str | None = None
-        self._next_version = 1
-        self._sampled_version = 0
-        self.client.publish(0)  # the base model (no adapter: the initial one's B is zero)
+
+    @property
+    def model_path(self):
+        return self.session.model_path
+
+    @property
+    def tokenizer(self):
+        return self.session.tokenizer
 
     # ---- the learner ------------------------------------------------------------------------
     def learner(self, adapter: str | None, endpoint: str, *args):
@@ -117,8 +104,6 @@ class Engine:
 
     def prompt_logprobs(self, version: int, sequences: list[list[int]]) -> list[list[float]]:
         """Per-token logprobs of ``sequences`` under weight ``version`` (a generator's `score`)."""
-        from meshrl.controller.mesh_client import GENERATOR
-
         with self._generator_lock:
             self._sampled_version = version
             self._load_on_generators(version)
@@ -127,14 +112,10 @@ class Engine:
 
     def _load_on_generators(self, version: int) -> None:
         """Every generator replica holds ``version`` (replaced first if one has failed)."""
-        from meshrl.controller.mesh_client import GENERATOR
-
         self.client.supervised(GENERATOR, lambda: self._load(version), "generator.load_version")
 
     def _load(self, version: int) -> None:
         from monarch.actor import ActorError
-
-        from meshrl.controller.mesh_client import GENERATOR
 
         ranks = range(self.client.procs(GENERATOR))
         try:
@@ -148,7 +129,7 @@ class Engine:
             raise
 
     def close(self) -> None:
-        self.meshes.stop()
+        self.session.close()
 
 
 def checkpoint_root(cfg: RunConfig) -> Path:

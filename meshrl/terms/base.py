@@ -1,0 +1,170 @@
+"""Loss terms: the parts of a step's loss, as plug-ins of the GRPO loop (meshrl.controller.grpo).
+
+A step's loss is the sum of its terms' weighted losses. The loop knows no term by name: it calls
+every term's hooks, in the terms' order (the policy-gradient term first), at fixed points of a step:
+
+  produce(unit, state)     producer thread, once per unit of rollouts, while the weights that sampled
+                           it are loaded: score what was sampled, put it in ``unit.extras``
+  receive(unit)            learner side, as each unit arrives: take what the term needs from it
+  train_piece(groups)      learner side, each piece of a substep's groups as soon as it is complete
+  finish(version, metrics) at each optimizer step, before it: forward_backward on what the term
+                           has gathered; returns its weighted loss (None: the term trains nothing)
+  end_step(output, metrics) after the step: what the term hands out with the step's groups
+
+A term trains through its registered loss (``loss``, ``loss_config()``; meshrl.losses), weighted by
+``weight``; ``loss/<name>`` is its unweighted loss and its learner metrics go under ``<prefix>/``.
+What a term keeps between steps goes into checkpoints (``state_dict``). A term of your own is a
+subclass registered with `register_term` (meshrl.terms.registry) and named in `trainer.terms`;
+`DatumTerm` is the simplest start: it turns each unit's samples into datums for one loss.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from meshrl.config.base import Section
+from meshrl.losses.registry import NoParams
+from meshrl.types import Datum
+
+
+@dataclass
+class TermContext:
+    """What a term is built with: the run's config, its supervised mesh calls (a
+    `meshrl.meshes.client.MeshClient`) and the model's renderer."""
+
+    cfg: Any
+    client: Any
+    renderer: Any
+
+
+@dataclass
+class StepOutput:
+    """What a step hands out at its end: the groups it trained on (a generation job: every group it
+    sampled) and data terms export with them (a generation job's teacher preference pairs)."""
+
+    step: int
+    published: int
+    """The newest weight version published when the step ended."""
+    trajectories: list
+    pairs: list = field(default_factory=list)
+
+
+def add_metrics(metrics: dict, more: dict) -> None:
+    """Sum ``more`` into ``metrics`` key by key."""
+    for k, v in more.items():
+        metrics[k] = metrics.get(k, 0.0) + v
+
+
+class LossTerm:
+    """One term of the step's loss; every hook does nothing unless overridden (see the module
+    docstring for when the loop calls each)."""
+
+    name: ClassVar[str] = ""
+    """`loss/<name>` reports the term's unweighted loss (set by `register_term`)."""
+    prefix: ClassVar[str] = ""
+    """Metrics of the term's learner calls are reported as `<prefix>/<metric>`."""
+    loss: ClassVar[str] = ""
+    """The registered loss the term trains with."""
+    Params: ClassVar[type[Section]] = NoParams
+    """The term's own parameters (`trainer.terms[].params`), as a typed config."""
+    reads_weights: ClassVar[bool] = False
+    """Whether the meshes the term spawns pull every published weight version from the store."""
+
+    trains: bool = True
+    """False for a term that only exports data (its `finish` returns None)."""
+
+    def __init__(self, ctx: TermContext, weight: float = 1.0, params: Section | None = None):
+        self.ctx = ctx
+        self.client = ctx.client
+        self.weight = weight
+        self.params = params if params is not None else self.Params()
+
+    @classmethod
+    def spawn(cls, session, cfg) -> None:
+        """Spawn the meshes the term needs on ``session`` (a `meshrl.meshes.session.MeshSession`),
+        before the run's meshes are waited for."""
+
+    def loss_config(self) -> dict:
+        """The ``loss_fn_config`` of the term's learner calls."""
+        return {}
+
+    def produce(self, unit, state) -> None:
+        """Producer thread: called on each unit of rollouts; ``state.extra`` holds per-step counts
+        (reset at every step and checkpointed with the producer)."""
+
+    def receive(self, unit) -> None:
+        """Learner side: called as each unit arrives, in order."""
+
+    def train_piece(self, groups: list[list]) -> None:
+        """Learner side: a piece of the substep's groups, complete (streamed as they come)."""
+
+    def pending(self) -> bool:
+        """Whether something waits for the next optimizer step."""
+        return False
+
+    def finish(self, version: int, metrics: dict) -> float | None:
+        """Before each optimizer step: train what the term gathered; its weighted loss."""
+        return None
+
+    def end_step(self, output: StepOutput, metrics: dict) -> None:
+        """After the step's last optimizer step (and publish)."""
+
+    def train(self, datums: list[Datum], metrics: dict) -> float:
+        """forward_backward on ``datums`` (their weights carry the term's weight) with the term's
+        loss; its metrics under `<prefix>/`; returns the weighted loss (0 when there is nothing)."""
+        if not datums:
+            return 0.0
+        fb = self.client.forward_backward(datums, self.loss, self.loss_config())
+        add_metrics(metrics, {f"{self.prefix}/{k}": v for k, v in fb.items() if k != "loss"})
+        return fb["loss"]
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of the term (None: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict`'s output."""
+
+    def close(self) -> None:
+        """Release what the term holds (the run is over)."""
+
+
+def token_mean_weights(datums: list[Datum], weight: float) -> list[Datum]:
+    """Each datum's non-zero `mask` tokens weighted ``weight / (those tokens over all datums)``, so
+    the learner's sum-reduced loss is ``weight`` times the per-token mean (in place; returned)."""
+    tokens = sum(float((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums)
+    for d in datums:
+        d.loss_fn_inputs["mask"] = (d.loss_fn_inputs["mask"] != 0).float() * (weight / tokens)
+    return datums
+
+
+class DatumTerm(LossTerm):
+    """A term that turns each unit's samples into datums for its loss, in the producer thread
+    (`make_datums`), and trains them at the next optimizer step with token-mean weights: its loss
+    is ``weight`` times the per-token mean of the loss over their non-zero `mask` tokens."""
+
+    def __init__(self, ctx: TermContext, weight: float = 1.0, params: Section | None = None):
+        super().__init__(ctx, weight, params)
+        self.gathered: list[Datum] = []
+
+    def make_datums(self, unit, state) -> list[Datum]:
+        """The datums for ``unit`` (its trajectories: ``unit.sampled``); `mask` non-zero on the
+        tokens the loss reads."""
+        raise NotImplementedError
+
+    def produce(self, unit, state) -> None:
+        started = time.perf_counter()
+        unit.extras[self.name] = self.make_datums(unit, state)
+        unit.metrics[f"timing/{self.prefix}_s"] = time.perf_counter() - started
+
+    def receive(self, unit) -> None:
+        self.gathered += unit.extras.get(self.name, [])
+
+    def pending(self) -> bool:
+        return bool(self.gathered)
+
+    def finish(self, version: int, metrics: dict) -> float:
+        datums, self.gathered = self.gathered, []
+        return self.train(token_mean_weights(datums, self.weight) if datums else [], metrics)
