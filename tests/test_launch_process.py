@@ -34,7 +34,8 @@ def _gone(pids, within_s):
 def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_processes():
     cfg = load_config(RunConfig, None, TINY_RUN + [
         "launch.launcher=process", "launch.hosts={trainer: 1, sampler: 2}", "launch.place={generator: sampler}",
-        "launch.host_loss_timeout_s=10", "meshes.rewarder.colocate_with=learner"])
+        "launch.host_loss_timeout_s=10", "meshes.rewarder.colocate_with=learner", "trainer.steps=1000",
+        "generator.generate_timeout_s=15"])
     from meshrl.meshes.local import prepare_environment
 
     prepare_environment(cfg.meshes, cfg.launch)
@@ -64,10 +65,11 @@ def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_proces
             killer.join()
             assert rt.loop.version == 2 and len(trained) == 16
             # the loss is met by this step's calls, or, when hedging on the surviving replica
-            # finished the step's generation first, by a later step's once Monarch reports the
-            # dead host (launch.host_loss_timeout_s): tiny-model steps take well under a second, so
-            # wait in steps for a few of those timeouts, not for a number of steps (3 were too few)
-            deadline = time.monotonic() + 4 * cfg.launch.host_loss_timeout_s
+            # finished the step's generation first, by a later step's: once Monarch reports the
+            # dead host (launch.host_loss_timeout_s), or once the chunk the dead replica never
+            # answered is past its deadline (generator.generate_timeout_s). Tiny-model steps take
+            # well under a second, so wait in steps for those timeouts, not for a number of steps
+            deadline = time.monotonic() + 2 * (cfg.launch.host_loss_timeout_s + cfg.generator.generate_timeout_s)
             while not rt.hosts.events and time.monotonic() < deadline:
                 record, _ = rt.loop.step()
             assert rt.hosts.events == [{"host_mesh": "sampler", "host": 1}]
@@ -114,6 +116,36 @@ def test_a_controller_killed_with_sigkill_leaves_no_workers():
         if controller.poll() is None:
             controller.kill()
             controller.wait()
+
+
+def test_a_job_gives_back_the_clients_log_forwarding_so_a_later_dead_mesh_stops_at_once():
+    """Log forwarding is process-wide: while a job forwards its hosts' output, stopping a mesh whose
+    process died waits for that process's logs until Monarch gives up (40 s, measured). Once the
+    job has stopped, the client forwards as before it started, and such a stop takes a moment."""
+    from monarch.actor import this_host
+    from monarch.config import get_global_config
+
+    from meshrl.config.launch import LaunchConfig
+    from meshrl.launch import make_launcher
+    from meshrl.meshes.supervision import install_fault_hook
+    from meshrl.testing.mesh_actors import Sleeper
+
+    install_fault_hook()  # the killed process below is an event, not the end of the test process
+    before = get_global_config()["enable_log_forwarding"]
+    launcher = make_launcher(LaunchConfig(launcher="process", hosts={"a": 1}), "forwarding")
+    launcher.start()
+    try:
+        assert get_global_config()["enable_log_forwarding"] is True
+    finally:
+        launcher.stop()
+    assert get_global_config()["enable_log_forwarding"] == before
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    pid = procs.spawn("sleeper", Sleeper).info.call_one().get(timeout=60)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert _gone([pid], within_s=10)
+    started = time.monotonic()
+    procs.stop().get(timeout=30)
+    assert time.monotonic() - started < 5
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ class Launcher(ABC):
         self.run_id = run_id
         self.run_dir = run_dir
         self._job: Any = None
+        self._forwarding_before: bool | None = None  # the client's log forwarding before `start` turned it on
 
     def worker_env(self) -> dict[str, str]:
         """Environment every host worker gets: the run id and the `launch.env` variables that are
@@ -63,8 +64,9 @@ class Launcher(ABC):
         that fails)."""
         forward = self.cfg.forward_logs and self.kind != "local"
         if forward:  # must be configured before any proc mesh exists
-            from monarch.config import configure
+            from monarch.config import configure, get_global_config
 
+            self._forwarding_before = bool(get_global_config()["enable_log_forwarding"])
             configure(enable_log_forwarding=True)
         self._job = self.job()
         try:
@@ -84,14 +86,26 @@ class Launcher(ABC):
         """Hook for launchers that must do something once the hosts are up."""
 
     def stop(self) -> None:
-        """Kill the job (idempotent; errors are logged, never raised: this runs on every exit)."""
+        """Kill the job (idempotent; errors are logged, never raised: this runs on every exit), and
+        give the client back the log forwarding it had before `start`: it is process-wide, and with
+        it on, stopping a later mesh whose process has died waits for that process's logs until
+        Monarch gives up (tens of seconds)."""
         job, self._job = self._job, None
+        self.restore_log_forwarding()
         if job is None:
             return
         try:
             job.kill()
         except Exception as e:  # noqa: BLE001 - shutdown is best effort
             log.warning("launcher %s: killing the job failed: %s", self.kind, e)
+
+    def restore_log_forwarding(self) -> None:
+        """The client's log forwarding as it was before `start` (idempotent)."""
+        if self._forwarding_before is not None:
+            from monarch.config import configure
+
+            configure(enable_log_forwarding=self._forwarding_before)
+            self._forwarding_before = None
 
     def __enter__(self) -> "Launcher":
         return self

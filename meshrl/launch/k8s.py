@@ -126,6 +126,7 @@ class K8sLauncher(Launcher):
             super().stop()
             return
         job, self._job = self._job, None
+        self.restore_log_forwarding()
         if job is None:
             return
         try:

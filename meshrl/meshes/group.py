@@ -229,8 +229,13 @@ class MeshGroup:
         return pid
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop every proc mesh (and finish stopping replaced ones); a mesh that will not stop is
-        logged and abandoned (a lost host cannot be stopped)."""
+        """Stop every proc mesh (and finish stopping replaced ones); a mesh on a host known to be
+        lost is abandoned (stopping it would hang), and one that will not stop is logged and
+        abandoned."""
+        lost = {group for group, hosts in self.hosts.lost.items() if hosts}
+        for name in [n for n in self.proc_meshes if self._group(n) in lost]:
+            log.warning("abandoning mesh '%s': one of its hosts is lost (stopping it would hang)", name)
+            self.proc_meshes.pop(name)
         futures = [(name, pm.stop()) for name, pm in self.proc_meshes.items()] + self._stopping
         for name, fut in futures:
             try:
