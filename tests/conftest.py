@@ -42,6 +42,8 @@ def smollm_tokenizer():
 
 TINY_RUN = [
     "model.name_or_path=tiny",
+    # tiny runs sample with the HF engine: it starts in a moment; tests about vLLM name it
+    "generator.backend=hf",
     "model.max_model_len=256",
     "generator.sampling.max_new_tokens=16",
     "generator.kv_cache_gib=1",

@@ -1,6 +1,11 @@
-"""Asynchronous training with real processes (the real vLLM generator, the tiny model): the staleness
-bound holds from the stamps, streaming minibatches reproduce one batch, and a killed generator or
-learner is recovered in async mode without losing or repeating a group."""
+"""Asynchronous training with real processes (the tiny model): the staleness bound holds from the
+stamps, streaming minibatches reproduce one batch, a killed generator or learner is recovered in
+async mode without losing or repeating a group, and all three terms train in async mode.
+
+Only the staleness test runs in the default suite; the others are in the slow tier (CI runs it),
+since a default-suite test already checks their property: streaming with fake meshes
+(test_grpo_loop), recovery in synchronous mode (test_fault_tolerance), the three terms in one
+step in synchronous mode (test_channels_e2e)."""
 
 import pytest
 
@@ -34,6 +39,7 @@ def test_k1_never_trains_a_sample_more_than_one_version_old(tiny_run_config):
     assert staleness and min(staleness) >= 0 and max(staleness) <= 1
 
 
+@pytest.mark.slow
 def test_streaming_minibatches_reproduce_one_batch_at_k0(tiny_run_config):
     from meshrl.controller.runtime import Runtime
 
@@ -52,6 +58,7 @@ def test_streaming_minibatches_reproduce_one_batch_at_k0(tiny_run_config):
     assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_generator_killed_in_async_mode_loses_no_group(tiny_run_config):
     cfg = tiny_run_config("output.name=async-gen-kill", "trainer.max_steps_off_policy=1", "trainer.steps=4", *QUIET,
                           'faults.inject=[{mesh: generator, at_step: 2, action: kill, during: generate, seconds: 0.3}]')
@@ -61,6 +68,7 @@ def test_generator_killed_in_async_mode_loses_no_group(tiny_run_config):
     assert [f["mesh"] for f in faults] == ["generator"] and train[-1]["faults/restarts/generator"] == 1
 
 
+@pytest.mark.slow
 def test_learner_killed_in_async_mode_resumes_the_stream(tiny_run_config):
     cfg = tiny_run_config("output.name=async-learner-kill", "trainer.max_steps_off_policy=1", "trainer.steps=5",
                           "trainer.checkpoint.every=2", *QUIET,
@@ -73,6 +81,7 @@ def test_learner_killed_in_async_mode_resumes_the_stream(tiny_run_config):
     assert all(0 <= k <= 1 for r in train for k in (int(key.split("/")[1]) for key in r if key.startswith("staleness/")))
 
 
+@pytest.mark.slow
 def test_all_three_channels_train_in_async_mode(tiny_run_config):
     """K = 1 with SDPO (teacher scored at the sampling version, in the producer) and trace replay
     (results drained on the learner side with their version checks)."""

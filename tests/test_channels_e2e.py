@@ -1,6 +1,6 @@
-"""The three channels in one learner step, end to end: real Monarch processes, the real vLLM
-generator, the tiny model, an SDPO teacher actor, and three real HTTP teachers on loopback (one
-of them failing) replaying traces over the delayed channel."""
+"""The three terms in one learner step, end to end: real Monarch processes, the tiny model, an
+SDPO teacher actor, and three real HTTP teachers on loopback (one of them failing) replaying
+traces to the replay pool, their results arriving late."""
 
 import pytest
 
@@ -51,6 +51,9 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config):
     assert requests and requests[0].body["messages"][0]["role"] == "system"
 
 
+# slow tier: a run with the terms' weights at 0 builds only the policy-gradient term
+# (test_terms checks the terms a config builds), so this repeats the baseline run twice over
+@pytest.mark.slow
 def test_zero_weights_reproduce_the_baseline_exactly(tiny_run_config):
     baseline = _run(tiny_run_config("output.name=baseline", "trainer.steps=2", *COMMON))
     with FakeOpenAIServer({"m0": "1", "m1": "1", "m2": "1"}) as server:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _replica_cmd(tmp_path, store, replica):
-    return [sys.executable, "-m", "meshrl.cli", "train", *TINY_RUN, "generator.backend=hf", "trainer.steps=4",
+    return [sys.executable, "-m", "meshrl.cli", "train", *TINY_RUN, "trainer.steps=4",
             "trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkpoint.every=0",
             "trainer.checkpoint.export_final=false", f"output.dir={tmp_path}", f"output.name=replica{replica}",
             "diloco.enabled=true", "diloco.replicas=2", f"diloco.replica_id={replica}", f"diloco.store_url={store}",
@@ -84,7 +84,7 @@ def test_a_generation_job_feeds_a_learner_of_shards_and_follows_its_rounds(tmp_p
     outer_lr 1 and no momentum (each round's outer state is its own weights), so the generation job
     follows its weights every 2 steps."""
     store = f"file://{tmp_path / 'store'}"
-    common = [*TINY_RUN, "generator.backend=hf", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
+    common = [*TINY_RUN, "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
               "trainer.checkpoint.every=0", "trainer.checkpoint.export_final=false", f"output.dir={tmp_path}",
               "diloco.enabled=true", "diloco.replicas=1", f"diloco.store_url={store}", "diloco.inner_steps=2",
               "diloco.round_timeout_s=300", "diloco.poll_interval_s=0.1"]
@@ -124,7 +124,7 @@ def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrup
 
     def run(name, *extra):
         cfg = tiny_run_config(
-            f"output.name={name}", "generator.backend=hf", "trainer.steps=5", "trainer.eval.every=0",
+            f"output.name={name}", "trainer.steps=5", "trainer.eval.every=0",
             "trainer.eval.at_start=false", "trainer.checkpoint.every=3", "trainer.checkpoint.export_final=false",
             "diloco.enabled=true", "diloco.replicas=1", "diloco.inner_steps=2",
             f"diloco.store_url=file://{tmp_path / name / 'store'}", *extra)
@@ -161,7 +161,7 @@ def test_a_generation_job_writes_teacher_pairs_and_a_learner_of_shards_trains_it
     store = f"file://{tmp_path / 'store'}"
 
     def run(name, *extra):
-        cfg = tiny_run_config(f"output.name={name}", "generator.backend=hf", "trainer.steps=3", "trainer.eval.every=0",
+        cfg = tiny_run_config(f"output.name={name}", "trainer.steps=3", "trainer.eval.every=0",
                               "trainer.eval.at_start=false", "trainer.checkpoint.every=0",
                               "trainer.checkpoint.export_final=false", f"diloco.store_url={store}", "replay.beta=0.5",
                               *extra)

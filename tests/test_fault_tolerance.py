@@ -34,11 +34,13 @@ def _faults(records):
     return [r for r in records if r["kind"] == "fault"]
 
 
-# two replicas (hedging, then replacement) in the slow tier: ~80 s on 2 cores
+# two replicas (hedging, then replacement) in the slow tier: ~80 s on 2 cores. The real vLLM
+# engine: its replacement starts a new engine and pulls the run's weights into it
 @pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config, replicas):
     cfg = tiny_run_config(
-        "output.name=gen-kill", "trainer.steps=4", "trainer.eval.every=0", "trainer.eval.at_start=false",
+        "output.name=gen-kill", "generator.backend=vllm", "trainer.steps=4", "trainer.eval.every=0",
+        "trainer.eval.at_start=false",
         "trainer.checkpoint.export_final=false", f"meshes.generator.procs={replicas}",
         'faults.inject=[{mesh: generator, at_step: 2, action: kill, during: generate, seconds: 0.3}]',
     )
@@ -77,7 +79,7 @@ def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config):
 def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_run_config):
     from meshrl.controller.runtime import Runtime
 
-    delay = 15.0
+    delay = 8.0
     cfg = tiny_run_config(
         "trainer.steps=2", "trainer.eval.every=0", "meshes.generator.procs=2", "generator.generate_timeout_s=60",
         f"faults.inject=[{{mesh: generator, at_step: 1, action: delay, endpoint: generate, rank: 1, seconds: {delay}}}]")
@@ -86,7 +88,7 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
         steps = [rt.loop.step()[0] for _ in range(2)]
         took = time.monotonic() - started
         # replica 1 sleeps through both steps: replica 0 served every prompt (replica 1's chunk hedged)
-        assert took < delay, took  # ~2.5 s on an idle machine; without hedging step 1 alone takes the delay
+        assert took < delay, took  # ~2 s on an idle machine; without hedging step 1 alone takes the delay
         assert [m["version"] for m in steps] == [1, 2]
         assert all(m["batch/groups"] == cfg.trainer.prompts_per_step for m in steps)
         assert [m["gen/replica_max_share"] for m in steps] == [1.0, 1.0]

@@ -1,12 +1,13 @@
 """DAPO dynamic sampling, overlong shaping and KL-as-reward shaping in a real run: real Monarch
-processes, the real vLLM generator, the tiny model, the learner's frozen reference policy."""
+processes, the tiny model, the learner's frozen reference policy. In the slow tier (CI runs it):
+test_grpo_loop checks each of these properties with fake meshes in the default suite."""
 
 import pytest
 
 from meshrl.metrics.records import read_metrics
 from meshrl.controller.train import make_run_dir, run_training
 
-pytestmark = pytest.mark.monarch
+pytestmark = [pytest.mark.monarch, pytest.mark.slow]
 
 COMMON = ["trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkpoint.export_final=false",
           "trainer.checkpoint.every=0", "trainer.steps=2"]
