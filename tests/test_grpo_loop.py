@@ -227,3 +227,33 @@ def test_wait_all_takes_replies_that_arrived_while_an_earlier_one_used_the_deadl
 def test_wait_all_deadline_names_the_call():
     with pytest.raises(CallTimeout, match="generator.generate timed out after 2s"):
         wait_all([Future(1), Future(hang=True)], 2, "generator.generate")
+
+
+def test_a_step_whose_learner_failed_midway_is_trained_again_from_the_start():
+    """The learner dies after the first of a step's two pieces was trained: the step is run again
+    after the recovery (here: the loop's state restored) with nothing of the failed attempt left in
+    the terms, so its normaliser and datums are those of a clean step."""
+    from meshrl.meshes.supervisor import LearnerLost, ProcessDied
+
+    config = {"trainer.prompts_per_step": 4, "trainer.group_size": 4, "trainer.num_minibatches": 2}
+    clean, _, clean_learner = make_loop(**config)
+    clean.step()
+    clean.close()
+
+    class DiesOnce(FakeLearner):
+        def forward_backward(self, datums, loss_fn, loss_config, padding=False):
+            if len(_calls(self, "fb")) == 1 and not getattr(self, "died", False):
+                self.died = True
+                raise ProcessDied("learner.forward_backward: process 123 of mesh 'learner' is gone")
+            return super().forward_backward(datums, loss_fn, loss_config, padding)
+
+    loop, _, learner = make_loop(learner=DiesOnce(), **config)
+    state = loop.state_dict()
+    with pytest.raises(LearnerLost):
+        loop.step()
+    learner.calls.clear()
+    loop.load_state_dict(state)
+    loop.step()
+    loop.close()
+    assert _calls(learner, "scale") == _calls(clean_learner, "scale")
+    assert [len(c[1]) for c in _calls(learner, "fb")] == [len(c[1]) for c in _calls(clean_learner, "fb")]

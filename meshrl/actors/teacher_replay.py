@@ -1,5 +1,5 @@
 """Teacher replay actor (channel 3): replays frozen student traces to N external teachers in the
-background and sends each trace's DPO pairs back on the delayed-result channel.
+background and sends each trace's DPO pairs back as a delayed result (meshrl.transport.delayed).
 
 A pool of these actors (one per process) runs beside training. ``submit`` only schedules the
 replay and returns, so the controller never waits on a teacher; the result arrives later as one
@@ -56,7 +56,7 @@ class TeacherReplayActor(Actor):
     """One member of the teacher replay pool: endpoints ``subscribe``, ``submit``, ``ack``,
     ``stats`` and ``info``."""
 
-    def __init__(self, replay_cfg: TeacherPanelConfig, channel_cfg: ReplayPoolConfig, name: str = "teacher_replay"):
+    def __init__(self, replay_cfg: TeacherPanelConfig, pool_cfg: ReplayPoolConfig, name: str = "teacher_replay"):
         self.rank = current_rank().rank
         self.producer = producer_name(name, self.rank)
         self.replay_cfg = replay_cfg
@@ -64,7 +64,7 @@ class TeacherReplayActor(Actor):
         self.meter = SpendMeter(budget_usd=replay_cfg.budget_usd / pool_size)
         self.clients = teacher_clients(replay_cfg, self.meter)
         self.outbox = DelayedOutbox(self.producer)
-        self.slots = asyncio.Semaphore(channel_cfg.max_traces_in_flight)
+        self.slots = asyncio.Semaphore(pool_cfg.max_traces_in_flight)
         self.tasks: dict[str, asyncio.Task] = {}
         self.running = 0
         self.counts: Counter[str] = Counter()

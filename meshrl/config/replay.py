@@ -1,5 +1,5 @@
 """Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the student
-becomes a DPO pair delivered later on the delayed channel."""
+becomes a DPO pair that arrives later as a delayed result."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class TeacherPanelConfig(Section):
 
 class ReplayConfig(Section):
     """Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the
-    student becomes a DPO pair that arrives later on the delayed channel."""
+    student becomes a DPO pair that arrives later as a delayed result."""
 
     beta: float = Field(0.0, ge=0)
     """Weight of the trace-replay DPO term in the total loss; 0 disables the channel at zero cost."""
@@ -96,4 +96,4 @@ class ReplayConfig(Section):
     """Teacher endpoints, agreement rule, budget, canonicaliser."""
 
     pool: ReplayPoolConfig = ReplayPoolConfig()
-    """The replay actor pool and the delayed-result channel."""
+    """The replay actor pool and its delayed results."""

@@ -250,6 +250,8 @@ class GRPOLoop:
         if self.client.faults is not None:
             self.client.faults.before_call(t, "*", "step_start")
         self.producer.start()
+        for term in self.terms:
+            term.start_step()
         metrics: dict[str, Any] = {"timing/learner_idle_s": 0.0}
         per_substep = tc.prompts_per_step // tc.num_substeps
         pending, trained, sampled, index, updates, substep_groups = [], [], [], 0, 0, 0

@@ -3,7 +3,7 @@
 Each call is issued on the mesh's current actors, waited for with a deadline while the serving
 processes are watched, and recovered through the supervisor (replace the mesh, re-sync it, issue
 the call again). Work is split over a mesh's replicas here, so the loop, the rollout strategies and
-the channels only say what they want (generate, score, step environments, train, publish, pull).
+the loss terms only say what they want (generate, score, step environments, train, publish, pull).
 Generation and scoring go out in chunks to whichever replica is free, with hedging
 (meshrl.meshes.dispatch).
 """

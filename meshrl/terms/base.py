@@ -3,6 +3,8 @@
 A step's loss is the sum of its terms' weighted losses. The loop knows no term by name: it calls
 every term's hooks, in the terms' order (the policy-gradient term first), at fixed points of a step:
 
+  start_step()             learner side, as a step begins: drop what an unfinished step gathered
+                           (a step that failed, e.g. with its learner, is run again from the start)
   produce(unit, state)     producer thread, once per unit of rollouts, while the weights that sampled
                            it are loaded: score what was sampled, put it in ``unit.extras``
   receive(unit)            learner side, as each unit arrives: take what the term needs from it
@@ -90,6 +92,9 @@ class LossTerm:
         """The ``loss_fn_config`` of the term's learner calls."""
         return {}
 
+    def start_step(self) -> None:
+        """Learner side: a step begins; forget what a step that did not finish had gathered."""
+
     def produce(self, unit, state) -> None:
         """Producer thread: called on each unit of rollouts; ``state.extra`` holds per-step counts
         (reset at every step and checkpointed with the producer)."""
@@ -153,6 +158,9 @@ class DatumTerm(LossTerm):
         """The datums for ``unit`` (its trajectories: ``unit.sampled``); `mask` non-zero on the
         tokens the loss reads."""
         raise NotImplementedError
+
+    def start_step(self) -> None:
+        self.gathered = []
 
     def produce(self, unit, state) -> None:
         started = time.perf_counter()

@@ -43,6 +43,9 @@ class PolicyGradientTerm(LossTerm):
     def loss_config(self) -> dict:
         return dict(self._config)
 
+    def start_step(self) -> None:
+        self.sub = _Substep()  # a failed step's pieces are trained again after the recovery
+
     def train_piece(self, groups: list[list[Trajectory]]) -> None:
         """forward_backward on one piece of the substep with its sequence-local weights."""
         started = time.perf_counter()

@@ -78,7 +78,7 @@ class ReplayTerm(PairsTerm):
         self.renderer = ctx.renderer
         self.stop_token = self.renderer.get_stop_sequences()[0]
         self.inbox = DelayedInbox()
-        self.pending: dict[str, PendingTrace] = {}
+        self.in_flight: dict[str, PendingTrace] = {}
         self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.producers = [producer_name(POOL, r) for r in range(self.cfg.pool.procs)]
@@ -111,9 +111,9 @@ class ReplayTerm(PairsTerm):
             charged = wait(lambda pool: [pool.carry_spend.call(spent / len(self.producers))], "carry_spend")
             self.counts["spend_carried_usd"] = sum(charged[0].values())
         wait(lambda pool: [pool.subscribe.call(self.inbox.port)], "subscribe")
-        keys = [k for k in self.inbox.outstanding() if k in self.pending]
-        wait(lambda pool: [self._actor(pool, self.pending[k].producer).submit.call_one(
-            k, self.pending[k].trace, self.pending[k].version) for k in keys], "submit")
+        keys = [k for k in self.inbox.outstanding() if k in self.in_flight]
+        wait(lambda pool: [self._actor(pool, self.in_flight[k].producer).submit.call_one(
+            k, self.in_flight[k].trace, self.in_flight[k].version) for k in keys], "submit")
         self.counts["resubmitted"] += len(keys)
 
     def _actor(self, pool, producer: str):
@@ -152,13 +152,13 @@ class ReplayTerm(PairsTerm):
             key = f"v{version}/{t.id}"
             producer = self.producers[(self.counts["submitted"] + i) % len(self.producers)]
             trace, steps = self._frozen_trace(t)
-            self.pending[key] = PendingTrace(trace, version, producer, steps, time.monotonic())
+            self.in_flight[key] = PendingTrace(trace, version, producer, steps, time.monotonic())
             self.inbox.expect(key, producer)
         if not chosen:
             return
 
         def issue(pool):
-            return [self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace, version)
+            return [self._actor(pool, self.in_flight[k].producer).submit.call_one(k, self.in_flight[k].trace, version)
                     for k in (f"v{version}/{t.id}" for t in chosen)]
 
         self._call("submit", issue)
@@ -180,7 +180,7 @@ class ReplayTerm(PairsTerm):
         """Take every result that has arrived: pairs become DPO items in the buffer."""
         messages = self.inbox.drain(version, self.cfg.pool.max_version_lag)
         for msg in messages:
-            pending = self.pending.pop(msg.key, None)
+            pending = self.in_flight.pop(msg.key, None)
             outcome = msg.payload
             if outcome.error:
                 self.counts["replay_errors"] += 1
@@ -198,8 +198,8 @@ class ReplayTerm(PairsTerm):
                 self.counts["dpo_items"] += 1
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
-        for key in [k for k in self.pending if k not in outstanding]:  # drained as stale or duplicate
-            self.pending.pop(key)
+        for key in [k for k in self.in_flight if k not in outstanding]:  # drained as stale or duplicate
+            self.in_flight.pop(key)
         self._retry_lost(outstanding)
         acks = self.inbox.acks()
         if acks:
@@ -216,15 +216,15 @@ class ReplayTerm(PairsTerm):
     def _retry_lost(self, outstanding: set[str]) -> None:
         """Results overdue by `result_timeout_s` were lost: submit again, or abandon after
         `max_attempts` (both counted)."""
-        c = self.cfg.channel
+        c = self.cfg.pool
         now = time.monotonic()
-        overdue = [k for k in outstanding if k in self.pending and now - self.pending[k].submitted_at > c.result_timeout_s]
+        overdue = [k for k in outstanding if k in self.in_flight and now - self.in_flight[k].submitted_at > c.result_timeout_s]
         retry = []
         for key in overdue:
-            p = self.pending[key]
+            p = self.in_flight[key]
             if p.attempts >= c.max_attempts:
                 self.inbox.forget(key)
-                self.pending.pop(key)
+                self.in_flight.pop(key)
                 self.counts["abandoned"] += 1
                 log.warning("replay of %s abandoned after %d attempts without a result", key, p.attempts)
             else:
@@ -233,8 +233,8 @@ class ReplayTerm(PairsTerm):
                 retry.append(key)
         if retry:
             self._call("submit", lambda pool: [
-                self._actor(pool, self.pending[k].producer).submit.call_one(k, self.pending[k].trace,
-                                                                            self.pending[k].version)
+                self._actor(pool, self.in_flight[k].producer).submit.call_one(k, self.in_flight[k].trace,
+                                                                            self.in_flight[k].version)
                 for k in retry])
             self.counts["resubmitted_lost"] += len(retry)
 
@@ -247,7 +247,7 @@ class ReplayTerm(PairsTerm):
         """JSON-able: dedupe state, traces still being replayed, buffered pairs, counters."""
         return {
             "inbox": self.inbox.state_dict(),
-            "pending": {k: {**vars(p), "trace": dataclasses.asdict(p.trace)} for k, p in self.pending.items()},
+            "pending": {k: {**vars(p), "trace": dataclasses.asdict(p.trace)} for k, p in self.in_flight.items()},
             "buffer": [vars(i) for i in self.buffer],
             "counts": dict(self.counts),
             "outcomes": dict(self.outcomes),
@@ -258,10 +258,10 @@ class ReplayTerm(PairsTerm):
         from meshrl.replay.trace import Trace, TraceStep
 
         self.inbox.load_state_dict(state["inbox"])
-        self.pending = {}
+        self.in_flight = {}
         for key, p in state["pending"].items():
             trace = Trace(p["trace"]["episode_id"], [TraceStep(**s) for s in p["trace"]["steps"]])
-            self.pending[key] = PendingTrace(trace, p["version"], p["producer"],
+            self.in_flight[key] = PendingTrace(trace, p["version"], p["producer"],
                                              [(list(a), list(b)) for a, b in p["steps"]], time.monotonic(),
                                              p["attempts"])
         self.buffer = [PreferenceItem(**i) for i in state["buffer"]]

@@ -61,11 +61,11 @@ class LoggedTeacherReplayActor(TeacherReplayActor):
     logger to ``log_path``, so a test can search everything it printed."""
 
     def __init__(
-        self, log_path: str, replay_cfg: TeacherPanelConfig, channel_cfg: ReplayPoolConfig, name: str = "teacher_replay"
+        self, log_path: str, replay_cfg: TeacherPanelConfig, pool_cfg: ReplayPoolConfig, name: str = "teacher_replay"
     ):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
         logging.basicConfig(level=logging.DEBUG, force=True)
-        super().__init__(replay_cfg, channel_cfg, name)
+        super().__init__(replay_cfg, pool_cfg, name)

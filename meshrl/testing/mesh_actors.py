@@ -24,3 +24,10 @@ class EnvProbe(MeshrlActor):
     @endpoint
     def getenv(self, key: str) -> str | None:
         return os.environ.get(key)
+
+
+class FailsInInit(MeshrlActor):
+    """An actor whose setup fails (its mesh never becomes ready)."""
+
+    def __init__(self):
+        raise RuntimeError("this actor cannot start")

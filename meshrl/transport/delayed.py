@@ -63,7 +63,7 @@ COUNTER_NAMES = ("received", "accepted", "stale_dropped", "duplicates")
 
 @dataclass(frozen=True)
 class DelayedMessage:
-    """One result on the channel."""
+    """One delayed result."""
 
     key: str
     """Dedupe key: the consumer accepts each key once. Usually the submitted work's key."""
