@@ -21,7 +21,7 @@ from meshrl.actors.teacher_replay import TraceReplayOutcome, producer_name  # no
 from meshrl.transport.delayed import DelayedInbox  # noqa: E402
 from meshrl.config.replay import ReplayPoolConfig, TeacherPanelConfig  # noqa: E402
 from meshrl.replay.trace import Trace, TraceStep  # noqa: E402
-from meshrl.testing.channel_actors import LoggedTeacherReplayActor  # noqa: E402
+from meshrl.testing.replay_actors import LoggedTeacherReplayActor  # noqa: E402
 from meshrl.testing.fake_openai import FakeOpenAIServer, Fault  # noqa: E402
 
 pytestmark = pytest.mark.monarch

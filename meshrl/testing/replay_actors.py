@@ -1,4 +1,4 @@
-"""Test-only actors for the delayed-result channel, in the package so actor processes can import
+"""Test-only actors for delayed results and the replay pool, in the package so actor processes can import
 them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Delayed-result channel with real Monarch ports: the inbox lives in this (controller) process,
+"""Delayed results over real Monarch ports: the inbox lives in this (controller) process,
 echo producers in their own processes."""
 
 import os
@@ -14,7 +14,7 @@ from monarch.actor import this_host  # noqa: E402
 
 from meshrl.config.replay import ReplayPoolConfig
 from meshrl.transport.delayed import DelayedInbox, DelayedMessage  # noqa: E402
-from meshrl.testing.channel_actors import EchoProducer  # noqa: E402
+from meshrl.testing.replay_actors import EchoProducer  # noqa: E402
 
 pytestmark = pytest.mark.monarch
 
