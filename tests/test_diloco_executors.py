@@ -76,7 +76,11 @@ def test_read_lines_follows_a_file_until_the_writer_ends(tmp_path):
         list(read_lines(path, lambda: False, timeout_s=0.05, poll_s=0.01))
 
 
-@pytest.mark.parametrize("store, n", [("file", 2), ("s3", 2), ("s3", 3)], indirect=["store"])
+# each property on file://, and S3 (moto) once in the default suite; the other S3 variants in the slow tier
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("store, n", [("file", 2), ("s3", 2), pytest.param("s3", 3, marks=SLOW)], indirect=["store"])
 def test_replicas_end_every_round_with_identical_weights(store, n, tmp_path):
     """(3 replicas over file:// complete their rounds in the corrupt-delta test.)"""
     rounds = 3
@@ -96,7 +100,7 @@ def test_replicas_end_every_round_with_identical_weights(store, n, tmp_path):
     assert json.loads((tmp_path / "work" / "replica-0.json").read_text())["result"]["hashes"] == out[0]["hashes"]
 
 
-@pytest.mark.parametrize("store", ["s3"], indirect=True)
+@pytest.mark.parametrize("store", ["file", pytest.param("s3", marks=SLOW)], indirect=True)
 def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     rounds = 6
     spec = _spec(store, rounds=rounds, quorum=2, straggler_wait_s=1.0)  # a round waits 1s for a missing replica
@@ -119,7 +123,7 @@ def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     assert [0, 1, 2] in parts and parts[-1] == [0, 1]  # the last rounds go on without replica 2
 
 
-@pytest.mark.parametrize("store", ["file", "s3"], indirect=True)
+@pytest.mark.parametrize("store", ["file", pytest.param("s3", marks=SLOW)], indirect=True)
 def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(store, tmp_path):
     """Replica 1 uploads a truncated delta in round 2 and commits it: the others (and replica 1
     itself, which verifies its stored delta before sealing) reject it; all average the rest."""

@@ -31,7 +31,7 @@ def test_custom_rewarder_and_mesh_of_your_own_on_two_hosts():
     assert any(s["mean_penalty"] > 0 for s in steps) or all(s["mean_words"] <= 8 for s in steps)
 
 
-API_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
+API_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1", "generator.backend=hf",
             "learner.lora.enabled=true", "learner.lora.sync=adapter", "weight_sync.keep_versions=2",
             "weight_sync.max_arenas=4"]
 

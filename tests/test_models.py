@@ -14,6 +14,7 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # ~20 s: converts the packaged GGUF again (setup already converted it once)
 def test_gguf_conversion_matches_direct_gguf_load():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
