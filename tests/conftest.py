@@ -56,6 +56,21 @@ TINY_RUN = [
 ]
 
 
+@pytest.fixture(scope="session")
+def tiny_session(tmp_path_factory):
+    """One MeshSession for the whole test session, for tests that only need running meshes of the
+    tiny config: each run (`Runtime(cfg, session=tiny_session)`) spawns fresh actors in its
+    processes, sparing a process start per mesh. Runs must keep TINY_RUN's `meshes`, `launch` and
+    `model` sections."""
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.meshes.session import MeshSession
+
+    session = MeshSession(load_config(RunConfig, None, TINY_RUN + [f"output.dir={tmp_path_factory.mktemp('tiny')}"]))
+    yield session
+    session.close()
+
+
 @pytest.fixture
 def tiny_run_config(tmp_path):
     """Build a RunConfig for a fast real run on the tiny model (vowel-fraction toy reward)."""

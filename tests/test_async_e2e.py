@@ -24,12 +24,12 @@ def _train_records(cfg):
     return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "fault"]
 
 
-def test_k1_never_trains_a_sample_more_than_one_version_old(tiny_run_config):
+def test_k1_never_trains_a_sample_more_than_one_version_old(tiny_run_config, tiny_session):
     from meshrl.controller.runtime import Runtime
 
     cfg = tiny_run_config("trainer.max_steps_off_policy=1", "trainer.num_minibatches=2", "trainer.steps=5", *QUIET)
     staleness = []
-    with Runtime(cfg) as rt:
+    with Runtime(cfg, session=tiny_session) as rt:
         for step in range(1, 6):
             metrics, trajectories = rt.loop.step()
             staleness += [step - 1 - t.version for t in trajectories]  # from the stamps

@@ -12,7 +12,7 @@ from tests.test_channels_e2e import COMMON, _teachers
 pytestmark = pytest.mark.monarch
 
 
-def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_config):
+def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_config, tiny_session):
     faults = ("faults.inject=["
               "{mesh: teacher_replay, at_step: 1, action: drop, endpoint: submit},"
               "{mesh: sdpo_teacher, at_step: 2, action: kill, during: sdpo, seconds: 0},"
@@ -22,7 +22,7 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
                               "replay.beta=0.5", "replay.pool.procs=1", "replay.pool.result_timeout_s=3",
                               _teachers(server.base_url, ", price_completion_per_1m_usd: 1000"), faults)
         run_dir = make_run_dir(cfg, overwrite=True)
-        run_training(cfg, run_dir)
+        run_training(cfg, run_dir, session=tiny_session)
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]

@@ -17,9 +17,9 @@ def _teachers(url, extra=""):
     return "replay.teachers.teachers=[" + ", ".join(entries) + "]"
 
 
-def _run(cfg):
+def _run(cfg, session=None):
     run_dir = make_run_dir(cfg, overwrite=True)
-    run_training(cfg, run_dir)
+    run_training(cfg, run_dir, session=session)
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
@@ -27,13 +27,13 @@ COMMON = ["trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkp
           "trainer.checkpoint.every=0"]
 
 
-def test_full_arm_trains_on_all_three_terms(tiny_run_config):
+def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error"), "hinter": "Hint: add carefully."}
     with FakeOpenAIServer(script) as server:
         hinter = f"sdpo.hint_generator={{enabled: true, endpoint: {{name: h, base_url: '{server.base_url}', model: hinter}}}}"
         cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "replay.beta=0.5",
                               "replay.pool.procs=1", _teachers(server.base_url), hinter)
-        train = _run(cfg)
+        train = _run(cfg, tiny_session)
         requests = server.chat_requests("m0")
     assert len(train) == 4
     assert any(r["loss/grpo"] != 0 for r in train)

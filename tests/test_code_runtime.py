@@ -34,12 +34,12 @@ def _check_run(run_dir, steps, group_size, prompts):
     return train, train_eps
 
 
-def test_code_task_runs_multi_turn_grpo_with_the_tiny_model(tiny_run_config):
+def test_code_task_runs_multi_turn_grpo_with_the_tiny_model(tiny_run_config, tiny_session):
     cfg = tiny_run_config("output.name=code-tiny", "trainer.steps=2", "trainer.prompts_per_step=2",
                           "trainer.group_size=2", *CODE,
                           "faults.inject=[{mesh: env, at_step: 2, action: kill, during: step_start}]")
     run_dir = make_run_dir(cfg, overwrite=True)
-    run_training(cfg, run_dir)
+    run_training(cfg, run_dir, session=tiny_session)
     train, episodes = _check_run(run_dir, 2, 2, 2)
     # the env process was killed before step 2: replaced, and the step's episodes replayed in full
     faults = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "fault"]

@@ -19,9 +19,9 @@ from meshrl.controller.train import make_run_dir, run_training
 pytestmark = pytest.mark.monarch
 
 
-def _run(cfg):
+def _run(cfg, session=None):
     run_dir = make_run_dir(cfg, overwrite=True)
-    result = run_training(cfg, run_dir)
+    result = run_training(cfg, run_dir, session=session)
     records = read_metrics(run_dir / "metrics.jsonl")
     return result, records
 
@@ -59,14 +59,14 @@ def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_r
     assert result["steps"] == 4
 
 
-def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config):
+def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config, tiny_session):
     cfg = tiny_run_config(
         "output.name=multi-fault", "trainer.steps=3", "trainer.eval.every=0", "trainer.eval.at_start=false",
         "trainer.checkpoint.export_final=false", "generator.generate_timeout_s=8",
         "faults.inject=[{mesh: rewarder, at_step: 1, action: kill, during: score},"
         " {mesh: generator, at_step: 3, action: delay, endpoint: generate, seconds: 60}]",
     )
-    _, records = _run(cfg)
+    _, records = _run(cfg, tiny_session)
     train = _train(records)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert sum(r["batch/groups"] for r in train) == 3 * cfg.trainer.prompts_per_step
@@ -98,13 +98,13 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
         assert [i["version"] for i in infos.values()] == [2, 2]
 
 
-def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config):
+def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session):
     common = ["trainer.steps=5", "trainer.eval.every=0", "trainer.eval.at_start=false",
               "trainer.checkpoint.every=2", "trainer.checkpoint.export_final=false"]
-    _, clean = _run(tiny_run_config("output.name=clean", *common))
+    _, clean = _run(tiny_run_config("output.name=clean", *common), tiny_session)
     _, faulty = _run(tiny_run_config(
         "output.name=learner-kill", *common,
-        "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]"))
+        "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]"), tiny_session)
     faults = _faults(faulty)
     assert len(faults) == 1 and faults[0]["mesh"] == "learner"
     assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (4, 2)  # back to the step-2 checkpoint

@@ -46,12 +46,12 @@ def test_merge_rejects_an_adapter_for_an_unknown_module():
 
 
 @pytest.mark.monarch
-def test_adapter_only_sync_in_a_real_run(tiny_run_config):
+def test_adapter_only_sync_in_a_real_run(tiny_run_config, tiny_session):
     from meshrl.controller.runtime import Runtime
 
     cfg = tiny_run_config("learner.lora.enabled=true", "learner.lora.rank=4", "learner.lora.sync=adapter",
                           "learner.lr=5e-2")
-    with Runtime(cfg) as rt:
+    with Runtime(cfg, session=tiny_session) as rt:
         for _ in range(2):
             metrics, trajectories = rt.loop.step()
         assert metrics["version"] == 2

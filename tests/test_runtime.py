@@ -1,6 +1,7 @@
-"""Integration: real Monarch processes, the real vLLM engine in a Generator actor, the tiny model.
+"""Integration: real Monarch processes, the tiny model (the HF engine in the Generator actor).
 
-One Runtime (learner, generator, rewarder meshes) is shared by the tests of this module.
+One Runtime (learner, generator, rewarder meshes, in the test session's shared processes) is shared
+by the tests of this module.
 """
 
 import dataclasses
@@ -19,19 +20,18 @@ TOLERANCE_MEAN = 0.02  # bf16 generator weights vs fp32-master learner under bf1
 TOLERANCE_MAX = 0.15
 
 
-def tiny_config():
-    # later overrides win: a grader that raises on odd-length replies, the rewarder sharing the
-    # learner's process, no gradient clipping (visible weight changes)
+def tiny_config(output_dir):
+    # later overrides win: a grader that raises on odd-length replies, no gradient clipping
+    # (visible weight changes)
     return load_config(RunConfig, None, TINY_RUN + [
-        "learner.grad_clip=0", "rewarder.reward_fn=meshrl.testing.rewards:fails_on_odd_length",
-        "meshes.rewarder.colocate_with=learner"])
+        f"output.dir={output_dir}", "learner.grad_clip=0", "rewarder.reward_fn=meshrl.testing.rewards:fails_on_odd_length"])
 
 
 @pytest.fixture(scope="module")
-def runtime():
+def runtime(tiny_session, tmp_path_factory):
     from meshrl.controller.runtime import Runtime
 
-    rt = Runtime(tiny_config())
+    rt = Runtime(tiny_config(tmp_path_factory.mktemp("runtime")), session=tiny_session)
     yield rt
     rt.close()
 

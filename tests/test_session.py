@@ -61,3 +61,24 @@ def test_a_run_whose_bring_up_fails_after_spawning_leaves_no_process(tiny_run_co
     # the learner, generator and rewarder were up when the term failed
     assert sorted(plugin.SEEN) == ["generator", "learner", "rewarder"]
     assert _all_gone({pid for pids in plugin.SEEN.values() for pid in pids}), "a mesh of the failed run outlived it"
+
+
+def test_one_session_hosts_one_run_after_another_with_fresh_actors_in_the_same_processes(tiny_session,
+                                                                                         tiny_run_config):
+    """Two runs of the same seeded config on one session: the second one's actors are new (same
+    step metrics: fresh weights, optimizer and engine) in the first one's processes."""
+    from meshrl.controller.runtime import Runtime
+
+    runs = []
+    for name in ("first", "second"):
+        cfg = tiny_run_config(f"output.name={name}", "trainer.eval.every=0", "trainer.eval.at_start=false")
+        with Runtime(cfg, session=tiny_session) as rt:
+            metrics = [rt.loop.step()[0] for _ in range(2)]
+            runs.append(({m: list(p) for m, p in rt.meshes.pids.items()}, metrics))
+    (pids_a, first), (pids_b, second) = runs
+    assert pids_a == pids_b and set(pids_a) == {"learner", "generator", "rewarder"}
+    for a, b in zip(first, second):
+        assert (a["loss/total"], a["reward/mean"], a["train/grad_norm"]) == (
+            b["loss/total"], b["reward/mean"], b["train/grad_norm"])
+    with pytest.raises(ValueError, match="meshes: this session's processes were made for another"):
+        Runtime(tiny_run_config("meshes.generator.procs=2"), session=tiny_session)

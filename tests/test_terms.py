@@ -85,7 +85,7 @@ def test_a_plugin_loss_and_term_train_through_the_config_over_fake_meshes():
 
 
 @pytest.mark.monarch
-def test_a_loss_and_a_term_of_your_own_train_from_the_config_alone(tiny_run_config):
+def test_a_loss_and_a_term_of_your_own_train_from_the_config_alone(tiny_run_config, tiny_session):
     """Real learner and generator processes: the learner imports the plugin file named in the config
     and trains the run's policy-gradient loss and extra term from it (their metrics come back from
     the learner process)."""
@@ -97,7 +97,7 @@ def test_a_loss_and_a_term_of_your_own_train_from_the_config_alone(tiny_run_conf
         "trainer.checkpoint.export_final=false", f"plugins=[{PLUGIN}]", "trainer.loss.name=capped_importance_sampling",
         "trainer.loss.params={cap: 1.5}", "trainer.terms=[{name: reply_likelihood, weight: 0.1}]")
     run_dir = make_run_dir(cfg, overwrite=True)
-    run_training(cfg, run_dir)
+    run_training(cfg, run_dir, session=tiny_session)
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert len(train) == 2
     assert all("train/capped_fraction" in r for r in train)  # the plugin's policy-gradient loss ran

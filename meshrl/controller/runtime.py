@@ -33,10 +33,12 @@ def assemble_loop(cfg: RunConfig, task, strategy, client, counters, renderer, pa
 class Runtime:
     """The run of ``cfg`` on a `MeshSession`; `close()` (or `with`) stops it."""
 
-    def __init__(self, cfg: RunConfig, hosts=None, actors: dict[str, type] | None = None):
+    def __init__(self, cfg: RunConfig, hosts=None, actors: dict[str, type] | None = None, session=None):
         """``hosts`` (a `meshrl.meshes.hosts.Hosts`) come from a launcher; None = this machine for
         every host mesh. ``actors`` replaces the actor class of a standard mesh (e.g. a rewarder of
-        your own with the Rewarder's endpoints)."""
+        your own with the Rewarder's endpoints). ``session``: run in the processes of this
+        `MeshSession` (`begin_run`: fresh actors; its processes stay when the run is closed)
+        instead of a session of the run's own."""
         from meshrl.actors.rewarder import load_reward_fn
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.envs.task_sets import make_task
@@ -48,7 +50,12 @@ class Runtime:
             load_reward_fn(cfg.rewarder.reward_fn)  # fail here, in one line, not inside an actor
         self.cfg = cfg
         self.task = make_task(cfg.task, cfg.trainer.seed)
-        self.session = session = MeshSession(cfg, hosts, actors)
+        if session is None:
+            session, self._owns_session = MeshSession(cfg, hosts, actors), True
+        else:
+            session.begin_run(cfg, actors)
+            self._owns_session = False
+        self.session = session
         self.loop = None
         try:
             strategy = strategy_for(self.task)
@@ -69,7 +76,7 @@ class Runtime:
             # pull the run's current version, even before the first update
             session.client.publish(0)
         except BaseException:
-            session.close()
+            self.close()
             raise
 
     @property
@@ -122,7 +129,12 @@ class Runtime:
                 self.supervisor.resync[name]()
 
     def close(self) -> None:
-        self.session.close()
+        """Stop the run: its loop, terms and hooks, then the session's meshes (a session of the run's
+        own) or only the run's actors (a session given to it)."""
+        if self._owns_session:
+            self.session.close()
+        else:
+            self.session.end_run()
 
     def __enter__(self) -> "Runtime":
         return self

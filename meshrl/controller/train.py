@@ -75,10 +75,11 @@ def train_main(cfg: RunConfig, resume: str | None = None, overwrite: bool = Fals
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None,
-                 actors: dict[str, type] | None = None) -> dict:
+                 actors: dict[str, type] | None = None, session=None) -> dict:
     """Spawn the meshes on ``hosts`` (a launcher's `Hosts`; None = this machine), with the actor
-    classes in ``actors`` instead of the standard ones, train for `trainer.steps` (continuing from
-    the last checkpoint when ``resume``), evaluate, checkpoint, and write metrics and curves."""
+    classes in ``actors`` instead of the standard ones (or run in the processes of ``session``, a
+    `MeshSession`), train for `trainer.steps` (continuing from the last checkpoint when
+    ``resume``), evaluate, checkpoint, and write metrics and curves."""
     from tqdm import tqdm
 
     from meshrl.controller.checkpoints import CheckpointManager
@@ -98,7 +99,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
     metrics.truncate_after(start.step if start else 0)
     result: dict = {"steps": 0, "evals": [], "faults": 0}
     try:
-        with Runtime(cfg, hosts, actors) as rt:
+        with Runtime(cfg, hosts, actors, session) as rt:
             loop = rt.loop
             if start is not None:
                 rt.restore_learner(start, respawn=False)  # fresh meshes: load, republish, resync

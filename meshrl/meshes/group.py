@@ -106,8 +106,12 @@ class MeshGroup:
         return getattr(self.cfg, name)
 
     def add_mesh(self, name: str, procs: int, colocate_with: str | None = None) -> None:
-        """Declare a mesh that is not part of MeshesConfig (e.g. an optional channel's actors)."""
-        self._extra_meshes[name] = MeshSpec(procs=procs, colocate_with=colocate_with)
+        """Declare a mesh that is not part of MeshesConfig (e.g. a loss term's actors). A mesh of
+        that name from an earlier run with another layout loses its processes."""
+        spec = MeshSpec(procs=procs, colocate_with=colocate_with)
+        if self._extra_meshes.get(name, spec) != spec and name in self.proc_meshes:
+            self._stopping.append((name, self.proc_meshes.pop(name).stop()))
+        self._extra_meshes[name] = spec
 
     def declare(self, decl: MeshDecl):
         """Spawn a mesh of your own actors (see `MeshDecl`); call `wait_ready` before use."""
@@ -149,7 +153,10 @@ class MeshGroup:
 
     def spawn(self, name: str, actor_cls: type, *args, **kwargs):
         """Spawn actor mesh ``name`` (non-blocking; call `wait_ready` before use). A `Rendezvous`
-        among the arguments becomes the address of a free port on the mesh's first process."""
+        among the arguments becomes the address of a free port on the mesh's first process. An
+        actor mesh of that name already there (an earlier run's) is stopped first."""
+        if name in self.actor_meshes:
+            self._stop_actor_mesh(name)
         spec = _ActorSpec(self._owner(name), self.overrides.get(name, actor_cls), args, kwargs)
         self._specs[name] = spec
         self.actor_meshes[name] = self._spawn_actors(name, spec)
@@ -227,6 +234,25 @@ class MeshGroup:
         pid = self.pids[name][rank]
         os.kill(pid, sig)
         return pid
+
+    def _stop_actor_mesh(self, name: str, timeout_s: float = 30.0) -> None:
+        actors = self.actor_meshes.pop(name)
+        self._specs.pop(name, None)
+        self.pids.pop(name, None)
+        self.infos.pop(name, None)
+        try:
+            actors.stop().get(timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - its processes stay under supervision all the same
+            log.warning("stopping actor mesh '%s' failed: %s", name, first_line(e))
+
+    def stop_actors(self) -> None:
+        """Stop every actor mesh; the processes stay, for the actors of a next run (a proc mesh with
+        a dead process is dropped: the next run gets new processes there)."""
+        for owner in {self._owner(name) for name in self.actor_meshes}:
+            if owner in self.proc_meshes and self.dead_process(owner):
+                self._stopping.append((owner, self.proc_meshes.pop(owner).stop()))
+        for name in list(self.actor_meshes):
+            self._stop_actor_mesh(name)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every proc mesh (and finish stopping replaced ones); a mesh on a host known to be

@@ -8,6 +8,12 @@ injection when `faults.inject` asks for it) and `MeshClient`. Meshes are spawned
 `wait_ready` then waits for all of them. `close()` (or leaving a `with` block) runs what was
 registered with `on_close`, newest first, then stops every mesh; a failure anywhere in a front end's
 bring-up must end in `close()`, so nothing is left running however the bring-up ends.
+
+A session can host one run after another (`begin_run` ... `end_run`): each run spawns fresh actors
+(fresh weights, optimizer, engines, supervision and fault injection) in the processes the session
+already has, which spares a process start and its imports per mesh (a notebook trying configs, a
+test suite). The runs must agree on what decides the processes (`meshes`, `launch`) and on the
+model (`model.name_or_path`: the session's tokenizer).
 """
 
 from __future__ import annotations
@@ -39,11 +45,9 @@ class MeshSession:
 
     def __init__(self, cfg: RunConfig, hosts=None, actors: dict[str, type] | None = None, placement=None):
         prepare_environment(cfg.meshes, cfg.launch)
-        from meshrl.meshes.faults import FaultInjector
         from meshrl.meshes.hosts import Hosts
         from meshrl.meshes.placement import plan_run
         from meshrl.meshes.supervision import install_fault_hook
-        from meshrl.meshes.supervisor import Supervisor
         from meshrl.transport.weight_store import silence_tcp_fallback_warning
 
         silence_tcp_fallback_warning()
@@ -56,10 +60,45 @@ class MeshSession:
         self._renderer = None
         self.hosts = hosts if hosts is not None else Hosts.local(cfg.launch)
         self.meshes = MeshGroup(cfg.meshes, self.hosts, placement if placement is not None else plan_run(cfg), actors)
+        self._supervise(cfg)
+
+    def _supervise(self, cfg: RunConfig) -> None:
+        """A run's own supervision, fault injection and mesh client."""
+        from meshrl.meshes.faults import FaultInjector
+        from meshrl.meshes.supervisor import Supervisor
+
+        self.cfg = cfg
         self.supervisor = Supervisor(self.meshes, cfg.faults)
         self.faults = FaultInjector(cfg.faults.inject, self.meshes) if cfg.faults.inject else None
         self.client = MeshClient(self.meshes, self.supervisor, call_timeouts(cfg), cfg.meshes.chunks_per_replica,
                                  self.faults)
+
+    # ---- one run after another ----------------------------------------------------------------
+    def begin_run(self, cfg: RunConfig, actors: dict[str, type] | None = None) -> None:
+        """Host the run of ``cfg`` next (the previous run's actors are stopped first); its actors
+        are spawned in the processes already here. ValueError names a section that decides the
+        processes and differs from the session's."""
+        from meshrl.meshes.placement import plan_run
+
+        for key in ("meshes", "launch"):
+            if getattr(cfg, key) != getattr(self.cfg, key):
+                raise ValueError(f"{key}: this session's processes were made for another `{key}` section; "
+                                 "start a new MeshSession for this run")
+        if cfg.model.name_or_path != self.cfg.model.name_or_path:
+            raise ValueError(f"model.name_or_path = {cfg.model.name_or_path!r}: this session serves "
+                             f"{self.cfg.model.name_or_path!r} (its tokenizer); start a new MeshSession for this run")
+        self.end_run()
+        self.started = time.perf_counter()
+        self.meshes.overrides = dict(actors or {})
+        self.meshes.placement = plan_run(cfg)
+        self._supervise(cfg)
+
+    def end_run(self) -> None:
+        """Run the `on_close` callbacks, then stop the run's actors; the processes stay."""
+        try:
+            self._run_closers()
+        finally:
+            self.meshes.stop_actors()
 
     # ---- the model ----------------------------------------------------------------------------
     @property
@@ -136,15 +175,19 @@ class MeshSession:
         """Run ``fn`` when the session closes (before the meshes stop; newest first)."""
         self._closers.append(fn)
 
-    def close(self) -> None:
-        """Run the `on_close` callbacks (each even if another fails), then stop every mesh."""
+    def _run_closers(self) -> None:
+        """The `on_close` callbacks, newest first, each even if another fails."""
         closers, self._closers = self._closers, []
+        for fn in reversed(closers):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the rest must close, and the meshes stop, all the same
+                log.warning("closing: %s failed: %s", getattr(fn, "__qualname__", fn), e)
+
+    def close(self) -> None:
+        """Run the `on_close` callbacks, then stop every mesh."""
         try:
-            for fn in reversed(closers):
-                try:
-                    fn()
-                except Exception as e:  # noqa: BLE001 - the meshes must stop all the same
-                    log.warning("closing the session: %s failed: %s", getattr(fn, "__qualname__", fn), e)
+            self._run_closers()
         finally:
             self.meshes.stop()
 
