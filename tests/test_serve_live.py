@@ -55,7 +55,7 @@ def server(tmp_path_factory):
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         line = proc.stdout.readline() if ready else ""
         assert line.startswith("serving at http://"), f"{line!r}\n{log.read_text()[-3000:]}"
-        found = re.search(r"api meshes ready: (\{.*\})", log.read_text())
+        found = re.search(r"meshes ready in [0-9.]+s: (\{.*\})", log.read_text())
         yield Server(proc, f"http://127.0.0.1:{port}", ast.literal_eval(found[1]), log)
     finally:
         family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
