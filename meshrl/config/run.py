@@ -14,7 +14,7 @@ from meshrl.config.faults import FaultsConfig
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.launch import LaunchConfig
 from meshrl.config.learner import LearnerConfig
-from meshrl.config.meshes import MeshesConfig
+from meshrl.config.meshes import LEARNER, MeshesConfig
 from meshrl.config.model import ModelConfig
 from meshrl.config.task import TaskConfig
 from meshrl.config.trainer import TrainerConfig
@@ -137,7 +137,7 @@ class RunConfig(Section):
         """A generator co-located with the learner samples with the learner's own parameters: they
         must not change under a generation (no steps off policy, one optimizer step per step) and
         each learner process must hold all of them."""
-        if self.meshes.generator.colocate_with != "learner":
+        if self.meshes.generator.colocate_with != LEARNER:
             return self
         tc = self.trainer
         if tc.max_steps_off_policy:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from meshrl.config.meshes import LEARNER
 from meshrl.config.run import RunConfig
 
 log = logging.getLogger("meshrl")
@@ -110,7 +111,7 @@ class Runtime:
         bring every reader to them. After a learner failure (``respawn``) its processes, and any
         mesh sharing them, are replaced first."""
         self.loop.stop_producer()  # nothing is generated while the learner's state is replaced
-        replaced = [name for name in self.meshes.respawn("learner") if name != "learner"] if respawn else []
+        replaced = [name for name in self.meshes.respawn(LEARNER) if name != LEARNER] if respawn else []
         if checkpoint is not None:
             self.learner_call("load_checkpoint", str(checkpoint.learner_dir))
             self.loop.load_state_dict(checkpoint.state["loop"])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from meshrl.config.base import ConfigError, load_config, to_yaml
+from meshrl.config.meshes import LEARNER
 from meshrl.config.run import RunConfig
 
 log = logging.getLogger("meshrl")
@@ -125,7 +126,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                     record, _ = loop.step()
                 except LearnerLost as e:
                     recovered_at = time.perf_counter()
-                    rt.supervisor.charge("learner", e.cause)
+                    rt.supervisor.charge(LEARNER, e.cause)
                     back_to = checkpoints.latest()
                     rt.restore_learner(back_to)
                     failed_step, step = step + 1, back_to.step if back_to else 0

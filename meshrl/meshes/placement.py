@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from meshrl.config.base import ConfigError
 from meshrl.config.launch import LaunchConfig
-from meshrl.config.meshes import ENV, MESH_NAMES, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec, check_colocation
+from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec,
+                                  check_colocation)
 from meshrl.config.run import RunConfig
 
 
@@ -139,8 +140,8 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     """Every mesh a run spawns, in placement order: learner, generator, the rewarder's slot (the
     env mesh for the code task), then the SDPO teacher and the teacher replay pool when enabled."""
     m = cfg.meshes
-    slots = [Slot("learner", "meshes.learner", m.learner), Slot("generator", "meshes.generator", m.generator),
-             Slot(ENV if cfg.task.kind == "code" else "rewarder", "meshes.rewarder", m.rewarder)]
+    slots = [Slot(LEARNER, "meshes.learner", m.learner), Slot(GENERATOR, "meshes.generator", m.generator),
+             Slot(ENV if cfg.task.kind == "code" else REWARDER, "meshes.rewarder", m.rewarder)]
     if cfg.sdpo.alpha > 0:
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
