@@ -44,7 +44,6 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         prepare_environment(self.meshes_cfg, self.launch)
         from meshrl.launch import make_launcher
-
         from meshrl.meshes.session import MeshSession
 
         self._launcher = make_launcher(self.launch, self.run_id, self.run_dir)

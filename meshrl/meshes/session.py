@@ -51,7 +51,6 @@ class MeshSession:
         from meshrl.transport.weight_store import silence_tcp_fallback_warning
 
         silence_tcp_fallback_warning()
-        self.cfg = cfg
         self.started = time.perf_counter()
         self.failures = install_fault_hook()
         self._closers: list[Callable[[], Any]] = []
@@ -59,6 +58,7 @@ class MeshSession:
         self._tokenizer = None
         self._renderer = None
         self.hosts = hosts if hosts is not None else Hosts.local(cfg.launch)
+        self._placement = placement  # None: each run's meshes are placed from its config
         self.meshes = MeshGroup(cfg.meshes, self.hosts, placement if placement is not None else plan_run(cfg), actors)
         self._supervise(cfg)
 
@@ -90,7 +90,7 @@ class MeshSession:
         self.end_run()
         self.started = time.perf_counter()
         self.meshes.overrides = dict(actors or {})
-        self.meshes.placement = plan_run(cfg)
+        self.meshes.placement = self._placement if self._placement is not None else plan_run(cfg)
         self._supervise(cfg)
 
     def end_run(self) -> None:
