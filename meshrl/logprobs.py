@@ -172,3 +172,13 @@ __all__ = [
     "selective_log_softmax",
     "token_logprobs_and_entropy",
 ]
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(indices int32, log-probs float32) of the ``k`` most likely tokens of each row of ``logits``
+    [..., V] (temperature 1), on the logits' device; ``k = 0``: (None, the full vocabulary's log-probs)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if k == 0:
+        return None, logp
+    values, indices = logp.topk(k, dim=-1)
+    return indices.to(torch.int32), values

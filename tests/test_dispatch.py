@@ -10,6 +10,7 @@ import pytest
 
 from meshrl.actors.generator import GenerationBatch
 from meshrl.config.faults import FaultsConfig
+from meshrl.config.meshes import GENERATOR
 from meshrl.meshes.dispatch import Dispatcher, chunk_bounds
 from meshrl.meshes.client import MeshClient, StepError
 from meshrl.meshes.supervisor import CallTimeout, ProcessDied, Supervisor
@@ -70,7 +71,7 @@ def test_a_slow_replica_is_hedged_and_kept_out_until_it_has_finished():
     assert {g[0].meta["replica"] for g in groups} == {0}
     # the late duplicate keeps the slow replica busy: the next call and the weight sync go without it
     client.generate(_prompts(4), REQUEST)
-    pulls = client.sync_readers(1)
+    pulls = client.sync_readers(1)[GENERATOR]
     assert [p["version"] for p in pulls] == [1] and fast.version == 1 and slow.seen == [1]
     assert time.monotonic() - started < 1.5
     # once it has finished, it has pulled the version (queued behind its late chunk) and works again

@@ -201,3 +201,26 @@ def test_sdpo_full_vocabulary_equals_the_top_k_path_with_every_token(model_path)
     out_topk = b.forward_backward([topk], "sdpo_jsd", {"beta": 0.5, "temperature": 0.7})
     assert out_full["loss"] == pytest.approx(out_topk["loss"], rel=1e-4) and out_full["loss"] > 0
     _assert_same_grads(_grads(a), _grads(b))
+
+
+def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path):
+    """SDPO's teacher in the learner's processes (`sdpo.teacher: learner`) scores a site as the
+    teacher mesh's HF engine does: same top-k indices, log-probs equal to float32 rounding."""
+    from meshrl.config.generation import GeneratorConfig
+    from meshrl.engines.hf_engine import HFEngine
+    from meshrl.sdpo.sites import ErrorSite
+    from meshrl.terms.sdpo import teacher_datum
+
+    trainer = _trainer(model_path, micro_batch_size=2)  # 3 sites: two micro-batches
+    engine = HFEngine(model_path, GeneratorConfig(torch_threads=1), "float32", 256, seed=0)
+    sites = [ErrorSite(f"t{i}", "wrong_answer", "hint", [], 0, _tokens(i, n), start, n - start, [])
+             for i, (n, start) in enumerate([(20, 12), (9, 3), (31, 30)])]
+    learner = trainer.topk_logprobs([teacher_datum(s) for s in sites], 5)
+    reference = engine.topk_logprobs([s.teacher_tokens for s in sites], [s.teacher_start for s in sites],
+                                     [s.length for s in sites], 5)
+    for site, (idx, lp), (ref_idx, ref_lp) in zip(sites, learner, reference):
+        assert idx.shape == (site.length, 5) and idx.dtype == torch.int32
+        assert torch.equal(idx, ref_idx)
+        assert torch.allclose(lp, ref_lp, atol=1e-4)
+    full = trainer.topk_logprobs([teacher_datum(sites[1])], 0)[0]
+    assert full[0] is None and torch.allclose(full[1].exp().sum(-1), torch.ones(sites[1].length), atol=1e-4)

@@ -477,3 +477,21 @@ def test_token_mean_weights_make_ppo_a_token_mean():
     summed = ppo(lp, sampling.double(), adv.double(), mask)
     assert weighted.loss.item() == pytest.approx(summed.loss.item() / counts.num_tokens, rel=1e-12)
     assert weighted.metrics["clip_fraction"] == summed.metrics["clip_fraction"]
+
+
+def test_generalized_jsd_token_clip_caps_each_token_by_hand():
+    # token 0: student and teacher agree (JSD 0); token 1: they swap a 30-logit gap, so the forward
+    # KL is 30 nats (to 1e-12): capped at 10 it adds 10, and no gradient
+    student = torch.tensor([[0.0, 0.0], [0.0, 30.0]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[0.0, 0.0], [30.0, 0.0]], dtype=torch.float64)
+    labels = torch.zeros(2, dtype=torch.long)
+    free = generalized_jsd(student, teacher, labels, beta=0.0)
+    assert free.loss.item() == pytest.approx(15.0, abs=1e-9) and "token_clip_frac" not in free.metrics
+    clipped = generalized_jsd(student, teacher, labels, beta=0.0, token_clip=10.0)
+    assert clipped.loss.item() == pytest.approx(5.0, abs=1e-9)
+    assert clipped.metrics["token_clip_frac"] == pytest.approx(0.5)
+    assert clipped.metrics["jsd_mean"] == pytest.approx(15.0, abs=1e-9)  # the metric reports the unclipped mean
+    clipped.loss.backward()
+    assert student.grad.abs().sum().item() == 0.0  # token 0 is at its optimum, token 1 is capped
+    with pytest.raises(ValueError, match="token_clip"):
+        generalized_jsd(student, teacher, labels, token_clip=-1.0)

@@ -4,7 +4,9 @@ token level, and the JSD mask covering exactly the error-site tokens."""
 import pytest
 import torch
 
-from meshrl.sdpo.sites import build_error_site, error_kind, insert_hint, render_hint, select_error_sites
+from meshrl.sdpo.schedule import warmup_weight
+from meshrl.sdpo.sites import (FailingTurn, build_error_site, error_kind, failing_turns, insert_hint, render_hint,
+                               select_error_sites)
 from meshrl.config.sdpo import DEFAULT_HINTS
 from meshrl.envs.arithmetic import Problem, grade_integer_answer
 from meshrl.renderers import renderer_for_tokenizer
@@ -63,7 +65,7 @@ def test_hint_insertion_at_a_later_turn_of_a_multi_turn_episode(renderer):
 
 def test_error_site_aligns_student_and_teacher_on_the_same_response_tokens(renderer):
     traj = _traj(renderer, PROBLEM, "12 + 35 = 46")
-    sites, counts = select_error_sites(renderer, [traj, _traj(renderer, PROBLEM, "47", "t1")], DEFAULT_HINTS, 8)
+    sites, counts = select_error_sites(renderer, [traj, _traj(renderer, PROBLEM, "47", "t1")], DEFAULT_HINTS, 8, 4)
     assert counts["error_sites"] == 1 and counts["hints"] == 1 and len(sites) == 1
     site = sites[0]
     assert site.hint == "Hint: 46 is not right. The correct answer is 47."
@@ -86,31 +88,69 @@ def test_error_site_aligns_student_and_teacher_on_the_same_response_tokens(rende
     assert datum.loss_fn_inputs["logprobs"][mask > 0].tolist() == [-1.0] * site.length
 
 
-def test_error_span_limits_the_site_to_the_failing_turn(renderer):
+def _episode(renderer, replies: list[str], errors: list[dict | None]):
+    """A multi-turn episode of ``replies`` (feedback turns between them) with per-turn errors."""
     prompt = renderer.build_generation_prompt(list(PROBLEM.messages))
     stop = renderer.get_stop_sequences()
-    reply1 = renderer.encode("```python\nprint(46)\n```") + stop
-    between = renderer.bridge(prompt + reply1, [{"role": "user", "content": "Tests failed: 0 of 1 passed."}])
-    reply2 = renderer.encode("```python\nprint(45)\n```") + stop
-    tokens = reply1 + between + reply2
-    span = (len(reply1) + len(between), len(tokens))
-    info = {"correct": False, "error_kind": "test_failure", "hint": "Hint: check the sum.", "error_span": span}
-    traj = Trajectory("mt", 0, PROBLEM, prompt, tokens, [-1.0] * len(tokens),
-                      [1] * len(reply1) + [0] * len(between) + [1] * len(reply2), 0, "", "stop", 0.0, info)
-    site = build_error_site(renderer, traj, info["hint"], "test_failure")
-    assert site.length == len(reply2)
-    assert site.student_tokens == prompt + tokens
-    assert site.student_tokens[site.student_start:] == reply2 == site.teacher_tokens[site.teacher_start:]
-    assert site.teacher_tokens[: len(prompt) + len(reply1)] == prompt + reply1  # history reused as is
-    bad = Trajectory("bad", 0, PROBLEM, prompt, tokens, traj.logprobs, traj.mask, 0, "", "stop", 0.0,
-                     {**info, "error_span": (2, 5)})
+    tokens, mask, turns = [], [], []
+    for i, reply in enumerate(replies):
+        if i:
+            between = renderer.bridge(prompt + tokens, [{"role": "user", "content": f"Tests failed ({i})."}])
+            tokens, mask = tokens + between, mask + [0] * len(between)
+        start = len(tokens)
+        tokens, mask = tokens + renderer.encode(reply) + stop, mask + [1] * (len(renderer.encode(reply)) + len(stop))
+        turns.append(([{"role": "user", "content": f"context {i}"}], reply, start, len(tokens)))
+    info = {"correct": errors[-1] is None, "turns": turns, "turn_errors": errors}
+    logprobs = [-float(i % 7) for i in range(len(tokens))]
+    return Trajectory("ep", 0, PROBLEM, prompt, tokens, logprobs, mask, 0, replies[-1], "stop", 0.0, info), prompt
+
+
+def test_every_failing_turn_of_an_episode_is_an_error_site(renderer):
+    fail = {"error_kind": "test_failure", "hint": None, "hint_template_key": None, "tests_passed": 1}
+    replies = ["```python\nprint(46)\n```", "```python\nprint(1/0)\n```", "```python\nprint(47)\n```"]
+    errors = [fail, {**fail, "error_kind": "runtime_error", "hint": "Hint: do not divide by zero."}, None]
+    traj, prompt = _episode(renderer, replies, errors)  # failed twice, then solved the task
+    turns = failing_turns(traj, 8)
+    assert [(t.start, t.end, t.kind) for t in turns] == [(s, e, k) for (_, _, s, e), k in
+                                                        zip(traj.info["turns"][:2], ["test_failure", "runtime_error"])]
+    assert failing_turns(traj, 1) == turns[:1]  # the per-episode bound keeps the earliest
+    templates = {"test_failure": "Hint: {tests_passed} test passed; the answer is {answer}."}
+    sites, counts = select_error_sites(renderer, [traj], templates, 8, 4)
+    assert counts["error_sites"] == 2 and counts["hints"] == 2
+    assert [s.hint for s in sites] == ["Hint: 1 test passed; the answer is 47.", "Hint: do not divide by zero."]
+    for site, (_, _, start, end) in zip(sites, traj.info["turns"]):
+        response = traj.tokens[start:end]
+        assert site.length == end - start
+        assert site.student_tokens == prompt + traj.tokens[:end]  # the student's own history, untouched
+        assert site.student_tokens[site.student_start:] == response == site.teacher_tokens[site.teacher_start:]
+        assert site.teacher_tokens[:site.teacher_start] == insert_hint(renderer, prompt + traj.tokens[:start], site.hint)
+        assert site.sampler_logprobs == traj.logprobs[start:end]
+    # the per-step bound
+    sites, counts = select_error_sites(renderer, [traj], templates, 1, 4)
+    assert len(sites) == 1 and counts["error_sites"] == 2 and counts["hints"] == 1
+
+
+def test_a_site_must_end_its_prefix_with_the_generation_header(renderer):
+    traj, _ = _episode(renderer, ["```python\nprint(46)\n```"], [{"error_kind": "test_failure"}])
+    bad = FailingTurn(traj, 2, 5, "test_failure", None, None, None, None, {})
     with pytest.raises(ValueError, match="generation header"):
-        build_error_site(renderer, bad, "hint", "test_failure")
+        build_error_site(renderer, bad, "hint")
+    broken = Trajectory("x", 0, PROBLEM, traj.prompt_tokens, traj.tokens, traj.logprobs, traj.mask, 0, "", "stop", 0.0,
+                        {**traj.info, "turn_errors": []})
+    with pytest.raises(ValueError, match="turn_errors"):
+        failing_turns(broken, 4)
+
+
+def test_alpha_warmup_starts_at_zero_and_then_stays_constant():
+    assert [warmup_weight(0.3, 4, s) for s in range(1, 8)] == pytest.approx([0.0, 0.075, 0.15, 0.225, 0.3, 0.3, 0.3])
+    assert [warmup_weight(0.1, 0, s) for s in (1, 2, 50)] == [0.1, 0.1, 0.1]
+    with pytest.raises(ValueError):
+        warmup_weight(0.1, 2, 0)
 
 
 def test_missing_hint_template_is_counted_not_fatal(renderer):
     traj = _traj(renderer, PROBLEM, "x", info={"correct": False, "error_kind": "tool_not_found"})
-    sites, counts = select_error_sites(renderer, [traj], {}, 8)
+    sites, counts = select_error_sites(renderer, [traj], {}, 8, 4)
     assert sites == [] and counts["no_hint_template"] == 1
     assert render_hint({"k": "{a} and {missing}"}, "k", {"a": 1}) == "1 and ?"
 

@@ -129,6 +129,13 @@ class Learner(MeshrlActor):
         return [lp.tolist() for lp in self.trainer.forward(datums, reference, padding)]
 
     @endpoint
+    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False) -> list[tuple]:
+        """Per datum, the current weights' top-``k`` next-token log-probs at its `mask` positions
+        (no grad; SDPO's teacher in the learner's processes)."""
+        self.fault_point("topk_logprobs")
+        return self.trainer.topk_logprobs(datums, k, padding)
+
+    @endpoint
     def scale_grads(self, factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (a normaliser known only afterwards)."""
         self.trainer.scale_grads(factor)

@@ -61,6 +61,17 @@ class SDPOConfig(Section):
     alpha: float = Field(0.0, ge=0)
     """Weight of the SDPO JSD term in the total loss; 0 disables the channel at zero cost."""
 
+    alpha_warmup_steps: int = Field(0, ge=0)
+    """Alpha warm-up: the weight rises linearly from 0 at step 1 to `alpha` at step
+    `alpha_warmup_steps + 1`, then stays constant; while it is 0 no site is scored. 0 = `alpha`
+    from the first step."""
+
+    teacher: Literal["mesh", "learner"] = "mesh"
+    """Where the hinted teacher's forward runs: `mesh` = its own SDPOTeacherActor mesh (a weight
+    reader that pulls every version, scoring in the producer while the learner trains); `learner` =
+    in the learner's processes, which already hold the current weights (no extra mesh, no extra
+    pull; the scoring runs before each optimizer step, on the learner's time)."""
+
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     """Generalized JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."""
 
@@ -71,10 +82,17 @@ class SDPOConfig(Section):
     """Teacher tokens kept per position (both distributions renormalised on them); 0 = full vocabulary."""
 
     max_sites_per_step: int = Field(16, ge=1)
-    """Most error-site trajectories distilled per step."""
+    """Most error sites distilled per step."""
+
+    max_sites_per_episode: int = Field(4, ge=1)
+    """Most error sites taken from one multi-turn episode: its earliest failing turns (every turn
+    whose action did not solve the task is an error site, in a failed or a successful episode)."""
 
     is_weight_cap: float = Field(0.0, ge=0)
     """SDPO's per-token importance weight min(p/q, cap) on the JSD (0 = off; the paper uses 2)."""
+
+    token_clip: float = Field(10.0, ge=0)
+    """Each error-site token's JSD is capped at this many nats before it is averaged (0 = off)."""
 
     hints: dict[str, str] = DEFAULT_HINTS
     """Hint templates by hint_template_key (environment hints take precedence); fields such as
@@ -84,7 +102,7 @@ class SDPOConfig(Section):
     """Optional LLM hint generator (same OpenAI-compatible client as the teachers)."""
 
     mesh: ChannelMesh = ChannelMesh()
-    """Where the SDPOTeacherActor runs."""
+    """Where the SDPOTeacherActor runs (`teacher: mesh`)."""
 
     call_timeout_s: float = Field(300.0, gt=0)
     """Deadline for one teacher scoring call."""

@@ -3,8 +3,9 @@ the sandbox, the feedback message is appended to the episode's token sequence wi
 bridge (history is never re-tokenised), and so on until the episode ends.
 
 Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
-Its info carries what the other channels need: the turns (context, action, token span), and for a
-failed episode the error kind, the environment's hint and the span of the failing turn.
+Its info carries what the other channels need: the turns (context, action, token span), per turn
+its error (kind, the environment's hint and error text; None for the turn that solved the task),
+and for a failed episode the error kind and hint of its last turn.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: list[tuple] = field(default_factory=list)  # (context, action text, start, end)
+    turn_errors: list[dict | None] = field(default_factory=list)  # per turn; None: it solved the task
     reward: float = 0.0
     last: dict = field(default_factory=dict)
     text: str = ""
@@ -126,6 +128,7 @@ class EpisodeRollout:
             still = []
             for ep, result in zip(active, results):
                 ep.turns[-1][0] = result["context"]
+                ep.turn_errors.append(_turn_error(result))
                 ep.reward += result["reward"]
                 ep.last = result
                 if result["done"]:
@@ -144,14 +147,24 @@ class EpisodeRollout:
                 dict(served))
 
 
+def _turn_error(result: dict) -> dict | None:
+    """A turn's error as the env step reported it; None for the turn that solved the task."""
+    if result.get("success"):
+        return None
+    return {"error_kind": result.get("error_kind") or "test_failure", "hint": result.get("hint"),
+            "hint_template_key": result.get("hint_template_key"), "error_text": result.get("error_text"),
+            "tests_passed": result.get("tests_passed"), "tests_total": result.get("tests_total")}
+
+
 def _trajectory(ep: _Episode) -> Trajectory:
     last = ep.last
     success = bool(last.get("success"))
     info = {"correct": success, "termination": ep.termination, "turns": [tuple(t) for t in ep.turns],
-            "tests_passed": last.get("tests_passed"), "tests_total": last.get("tests_total")}
+            "turn_errors": list(ep.turn_errors), "tests_passed": last.get("tests_passed"),
+            "tests_total": last.get("tests_total")}
     if not success and ep.turns:
         info.update(error_kind=last.get("error_kind") or "test_failure", hint=last.get("hint"),
-                    hint_template_key=last.get("hint_template_key"), error_span=tuple(ep.turns[-1][2:4]))
+                    hint_template_key=last.get("hint_template_key"))
     return Trajectory(id=ep.id, group=ep.group, problem=ep.task, prompt_tokens=ep.prompt, tokens=ep.tokens,
                       logprobs=ep.logprobs, mask=ep.mask, version=ep.version, response_text=ep.text,
                       finish_reason=ep.finish_reason, reward=ep.reward, info=info)

@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any, Protocol
 
+from meshrl.config.meshes import GENERATOR
 from meshrl.config.run import RunConfig
 from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
@@ -127,14 +128,18 @@ class GRPOLoop:
         return tc.prompts_per_step // (tc.num_substeps * tc.num_minibatches)
 
     def _sync(self, version: int) -> dict:
-        """Every weight reader pulls ``version``; the generators' pull statistics."""
+        """Every weight reader pulls ``version``; the generators' pull statistics and the seconds
+        each other reader mesh took (`sync/<mesh>_s`, e.g. SDPO's teacher)."""
         t0 = time.perf_counter()
-        pulls = self.client.sync_readers(version)
+        by_mesh = self.client.sync_readers(version)
+        pulls = by_mesh[GENERATOR]
         metrics = {"sync/pull_s": max(p["pull_s"] for p in pulls), "sync/load_s": max(p["load_s"] for p in pulls),
                    "timing/sync_s": time.perf_counter() - t0}
         for p in pulls:  # how many generators pulled over each transport (shm, cuda_ipc, rdma)
             key = f"sync/transport/{p['transport']}"
             metrics[key] = metrics.get(key, 0) + 1
+        metrics.update({f"sync/{mesh}_s": max(p["mesh_s"] for p in ps) for mesh, ps in by_mesh.items()
+                        if mesh != GENERATOR and ps})
         return metrics
 
     def produce_unit(self, st: ProductionState, version: int) -> Unit:
@@ -214,7 +219,7 @@ class GRPOLoop:
         for term in self.terms:
             weighted = term.finish(self.published, metrics)
             if weighted is not None:
-                losses[f"loss/{term.name}"] = weighted / term.weight
+                losses[f"loss/{term.name}"] = weighted / term.weight if term.weight else 0.0
                 total += weighted
         losses["loss/total"] = total
         add_metrics(metrics, {k: v / tc.num_substeps for k, v in losses.items()})
@@ -251,7 +256,7 @@ class GRPOLoop:
             self.client.faults.before_call(t, "*", "step_start")
         self.producer.start()
         for term in self.terms:
-            term.start_step()
+            term.start_step(t)
         metrics: dict[str, Any] = {"timing/learner_idle_s": 0.0}
         per_substep = tc.prompts_per_step // tc.num_substeps
         pending, trained, sampled, index, updates, substep_groups = [], [], [], 0, 0, 0

@@ -61,7 +61,7 @@ class Runtime:
         try:
             strategy = strategy_for(self.task)
             terms = term_classes(cfg)
-            session.spawn_policy(store_readers=any(t.reads_weights for t in terms))
+            session.spawn_policy(store_readers=any(t.reads_weights(cfg) for t in terms))
             strategy.spawn(session, cfg)
             for term in terms:
                 term.spawn(session, cfg)

@@ -15,6 +15,7 @@ import torch
 
 from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, SampleRequest
+from meshrl.logprobs import topk_logprobs
 
 
 class SampledLogprobs:
@@ -143,12 +144,8 @@ class HFEngine:
         _, logits = self._batched_logits(sequences)
         out = []
         for i, (start, length) in enumerate(zip(starts, lengths)):
-            logp = torch.log_softmax(logits[i, start - 1 : start - 1 + length], dim=-1)
-            if k == 0:
-                out.append((None, logp.cpu()))
-            else:
-                values, indices = logp.topk(k, dim=-1)
-                out.append((indices.to(torch.int32).cpu(), values.cpu()))
+            indices, values = topk_logprobs(logits[i, start - 1 : start - 1 + length], k)
+            out.append((None if indices is None else indices.cpu(), values.cpu()))
         return out
 
     @torch.no_grad()

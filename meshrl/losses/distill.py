@@ -9,6 +9,9 @@ temperature) (the teacher is detached: no gradient ever reaches it):
                     JSD_beta = beta KL(T || m) + (1 - beta) KL(S || m)
 
 (The mixture formula tends to 0 at both ends, so the pure KLs are special-cased, as in TRL's GKD.)
+An optional per-token clip caps each token's divergence (``token_clip``, SDPO's design uses 10 nats)
+so that a few tokens on which the hinted teacher and the student disagree wildly cannot dominate
+the step; a capped token contributes its cap and no gradient.
 Tokens with ``labels == -100`` are ignored; the default ``reduction="batchmean"`` divides the sum
 over valid tokens by their number; ``reduction="sum"`` leaves normalisation to the caller (use it
 with a global token count for micro-batch equivalence).  Memory: the full-vocabulary path holds a
@@ -71,7 +74,14 @@ def _reduce(
     reduction: str,
     token_weights: torch.Tensor | None,
     extra_metrics: dict[str, float],
+    token_clip: float = 0.0,
 ) -> LossOutput:
+    if token_clip < 0:
+        raise ValueError(f"token_clip must be >= 0 (0 = off), got {token_clip}")
+    metrics = {"jsd_mean": masked_mean(per_token, valid)}
+    if token_clip > 0:
+        metrics["token_clip_frac"] = masked_mean((per_token.detach() > token_clip).to(per_token.dtype), valid)
+        per_token = per_token.clamp(max=token_clip)
     values = torch.where(valid, per_token, torch.zeros_like(per_token))
     if token_weights is not None:
         if token_weights.shape != valid.shape:
@@ -85,8 +95,7 @@ def _reduce(
         loss = total
     else:
         raise ValueError(f"reduction must be 'batchmean' or 'sum', got {reduction!r}")
-    metrics = {"loss": float(loss.detach()), "jsd_mean": masked_mean(per_token, valid), "num_tokens": float(count)}
-    metrics.update(extra_metrics)
+    metrics.update(extra_metrics, loss=float(loss.detach()), num_tokens=float(count))
     return LossOutput(loss, metrics)
 
 
@@ -99,13 +108,16 @@ def generalized_jsd_topk(
     temperature: float = 1.0,
     reduction: str = "batchmean",
     token_weights: torch.Tensor | None = None,
+    token_clip: float = 0.0,
 ) -> LossOutput:
     """Generalized JSD on the teacher's top-k support (both sides restricted and renormalised).
 
     ``student_logits`` [..., V]; ``teacher_topk_indices`` / ``teacher_topk_logprobs`` [..., k];
     ``mask`` [...] (bool/float; nonzero = error-site token to distil), default all tokens.
     ``token_weights`` [...] optionally scales each token's divergence (e.g. SDPO's IS weight
-    min(exp(logp - logp_old), 2)); it is treated as a constant.
+    min(exp(logp - logp_old), 2)); it is treated as a constant. ``token_clip`` > 0 caps each
+    token's divergence at that value before the weights apply (a capped token gives no gradient;
+    `token_clip_frac` reports how many were capped); 0 = off.
     Metrics add teacher_topk_mass (teacher mass on the support, assuming its values are normalised
     full-vocabulary log-probs) and student_topk_mass (student mass on the same support).
     """
@@ -135,7 +147,7 @@ def generalized_jsd_topk(
         "teacher_topk_mass": masked_mean(teacher_mass, valid),
         "student_topk_mass": masked_mean(student_mass, valid),
     }
-    return _reduce(per_token, valid, reduction, token_weights, extra)
+    return _reduce(per_token, valid, reduction, token_weights, extra, token_clip)
 
 
 def generalized_jsd(
@@ -147,11 +159,13 @@ def generalized_jsd(
     top_k: int | None = None,
     reduction: str = "batchmean",
     token_weights: torch.Tensor | None = None,
+    token_clip: float = 0.0,
 ) -> LossOutput:
     """Generalized JSD between student and (detached) teacher logits [..., V]; labels [...] (-100 = skip).
 
     ``top_k``: restrict to the teacher's top-k tokens (after temperature) and renormalise both sides;
     identical to :func:`generalized_jsd_topk` fed with the teacher's top-k log-probs.
+    ``token_clip``: as in :func:`generalized_jsd_topk`.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -170,12 +184,12 @@ def generalized_jsd(
         teacher_logp1 = torch.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
         values, indices = teacher_logp1.topk(top_k, dim=-1)
         return generalized_jsd_topk(
-            student_logits, indices, values, valid, beta, temperature, reduction, token_weights
+            student_logits, indices, values, valid, beta, temperature, reduction, token_weights, token_clip
         )
     teacher_logp = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
     student_logp = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     per_token = jsd_per_token(student_logp, teacher_logp, beta)
-    return _reduce(per_token, valid, reduction, token_weights, {})
+    return _reduce(per_token, valid, reduction, token_weights, {}, token_clip)
 
 
 class SDPOJSDParams(Section):
@@ -190,15 +204,19 @@ class SDPOJSDParams(Section):
     is_weight_cap: float = Field(0.0, ge=0)
     """SDPO's per-token importance weight min(p/q, cap) on the JSD (0 = off)."""
 
+    token_clip: float = Field(10.0, ge=0)
+    """Each token's divergence is capped at this value (nats) before weighting; 0 = off."""
+
 
 @register_loss("sdpo_jsd", kind="distillation", params=SDPOJSDParams)
 def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
-                  is_weight_cap: float = 0.0) -> LossOutput:
+                  is_weight_cap: float = 0.0, token_clip: float = 10.0) -> LossOutput:
     """SDPO hint distillation on error-site tokens. Datum fields: `mask` (per-token weight, non-zero
     exactly on the error site's response tokens), `teacher_topk_indices` / `teacher_topk_logprobs`
     ([T, k]: the hinted teacher's top-k at each of those positions; without indices the logprobs
     cover the full vocabulary, [T, V]) and `logprobs` (the sampler's, for SDPO's optional
-    importance weight min(p / q, is_weight_cap); 0 = off)."""
+    importance weight min(p / q, is_weight_cap); 0 = off); each token's divergence is capped at
+    ``token_clip`` (0 = off)."""
     i, valid = fp.inputs, fp.valid
     logits = fp.logits()
     weights = i["mask"][valid]
@@ -210,6 +228,6 @@ def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
     if "teacher_topk_indices" not in i:
         labels = torch.zeros(teacher.shape[:-1], dtype=torch.long, device=teacher.device)  # every row counts
         return generalized_jsd(logits, teacher, labels, beta=beta, temperature=temperature, reduction="sum",
-                               token_weights=weights)
-    return generalized_jsd_topk(logits, i["teacher_topk_indices"][valid], teacher,
-                                beta=beta, temperature=temperature, reduction="sum", token_weights=weights)
+                               token_weights=weights, token_clip=token_clip)
+    return generalized_jsd_topk(logits, i["teacher_topk_indices"][valid], teacher, beta=beta,
+                                temperature=temperature, reduction="sum", token_weights=weights, token_clip=token_clip)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -218,12 +219,20 @@ class MeshClient:
         than one learner process it must be a sum over datums to equal the 1-process result."""
         return _combine(self._split_learners("forward_backward_custom", datums, 1, fn))
 
-    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
+    def _per_datum(self, endpoint: str, datums: list[Datum], *args) -> list:
+        """``endpoint`` (one reply item per datum) on the learner ranks' shares; items in datum order."""
         out: list = [None] * len(datums)
-        for idx, logprobs in self._split_learners("forward", datums, 1, reference):
-            for i, lp in zip(idx, logprobs):
-                out[i] = lp
+        for idx, items in self._split_learners(endpoint, datums, 1, *args):
+            for i, item in zip(idx, items):
+                out[i] = item
         return out
+
+    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
+        return self._per_datum("forward", datums, reference)
+
+    def topk_logprobs(self, datums: list[Datum], k: int) -> list[tuple]:
+        """Per datum, the learner's top-``k`` (indices, log-probs) at its `mask` positions."""
+        return self._per_datum("topk_logprobs", datums, k)
 
     def scale_grads(self, factor: float) -> None:
         self.on_learners("scale_grads", factor)
@@ -251,15 +260,20 @@ class MeshClient:
             m, self.procs(mesh), lambda replica: replica.update_weights.call_one(version), check,
             self.timeouts["sync"], what), what, self.timeouts["sync"])
 
-    def sync_readers(self, version: int) -> list[dict]:
+    def sync_readers(self, version: int) -> dict[str, list[dict]]:
         """Every weight reader pulls the newest published version, at least ``version``, all the
-        same one (nothing is published meanwhile); the generators' pull statistics. A replica busy
-        with a late duplicate pulls when it has finished it, before serving anything else."""
+        same one (nothing is published meanwhile); each reader mesh's pull statistics, with the
+        seconds its whole pull took (`mesh_s`). A replica busy with a late duplicate pulls when it
+        has finished it, before serving anything else."""
         with self._sync_lock:
-            stats = {mesh: self._pull(mesh, version) for mesh in self.readers}
+            stats = {}
+            for mesh in self.readers:
+                started = time.perf_counter()
+                pulls = self._pull(mesh, version)
+                stats[mesh] = [{**p, "mesh_s": time.perf_counter() - started} for p in pulls]
             held = {p["version"] for pulls in stats.values() for p in pulls}
             if len(held) != 1 or min(held) < version:
                 raise StepError(f"weight readers hold versions {sorted(held)} after a pull of {version}, expected "
                                 f"one version >= {version}")
             self.version = held.pop()
-            return stats[GENERATOR]
+            return stats

@@ -65,18 +65,18 @@ def llm_hint_source(cfg: HintGeneratorConfig, renderer, deadline_s: float):
     """A `hint_source` for `select_error_sites` that asks the configured model for each hint."""
     counts: dict[str, int] = {}
 
-    def source(trajectories: list, kinds: list[str]) -> list[str | None]:
+    def source(turns: list) -> list[str | None]:
         async def ask() -> list[str | None]:
             client = TeacherClient(cfg.endpoint)
             generator = LLMHintGenerator(client, cfg)
             try:
                 requests = []
-                for t, kind in zip(trajectories, kinds):
-                    context = renderer.conversation_messages(list(getattr(t.problem, "messages", ()) or ()))
-                    if t.info.get("turns"):
-                        context = list(t.info["turns"][-1][0])
-                    error = t.info.get("error_text") or f"reply: {t.response_text!r}"
-                    requests.append(generator.hint(context, kind, str(error)))
+                for turn in turns:
+                    t = turn.trajectory
+                    context = turn.context or renderer.conversation_messages(
+                        list(getattr(t.problem, "messages", ()) or ()))
+                    error = turn.error_text or f"reply: {t.response_text!r}"
+                    requests.append(generator.hint(context, turn.kind, str(error)))
                 return await asyncio.wait_for(asyncio.gather(*requests), deadline_s)
             finally:
                 for kind, n in generator.counts.items():
@@ -87,7 +87,7 @@ def llm_hint_source(cfg: HintGeneratorConfig, renderer, deadline_s: float):
             return asyncio.run(ask())
         except asyncio.TimeoutError:
             counts["deadline"] = counts.get("deadline", 0) + 1
-            return [None] * len(trajectories)
+            return [None] * len(turns)
 
     source.counts = counts
     return source

@@ -3,7 +3,8 @@
 A step's loss is the sum of its terms' weighted losses. The loop knows no term by name: it calls
 every term's hooks, in the terms' order (the policy-gradient term first), at fixed points of a step:
 
-  start_step()             learner side, as a step begins: drop what an unfinished step gathered
+  start_step(step)         learner side, as step ``step`` (1-based) begins: drop what an unfinished
+                           step gathered; a weight schedule (`weight`) may change here
                            (a step that failed, e.g. with its learner, is run again from the start)
   produce(unit, state)     producer thread, once per unit of rollouts, while the weights that sampled
                            it are loaded: score what was sampled, put it in ``unit.extras``
@@ -71,8 +72,6 @@ class LossTerm:
     """The registered loss the term trains with."""
     Params: ClassVar[type[Section]] = NoParams
     """The term's own parameters (`trainer.terms[].params`), as a typed config."""
-    reads_weights: ClassVar[bool] = False
-    """Whether the meshes the term spawns pull every published weight version from the store."""
 
     trains: bool = True
     """False for a term that only exports data (its `finish` returns None)."""
@@ -84,6 +83,11 @@ class LossTerm:
         self.params = params if params is not None else self.Params()
 
     @classmethod
+    def reads_weights(cls, cfg) -> bool:
+        """Whether the meshes the term spawns for ``cfg`` pull every published weight version."""
+        return False
+
+    @classmethod
     def spawn(cls, session, cfg) -> None:
         """Spawn the meshes the term needs on ``session`` (a `meshrl.meshes.session.MeshSession`),
         before the run's meshes are waited for."""
@@ -92,8 +96,8 @@ class LossTerm:
         """The ``loss_fn_config`` of the term's learner calls."""
         return {}
 
-    def start_step(self) -> None:
-        """Learner side: a step begins; forget what a step that did not finish had gathered."""
+    def start_step(self, step: int) -> None:
+        """Learner side: step ``step`` begins; forget what a step that did not finish had gathered."""
 
     def produce(self, unit, state) -> None:
         """Producer thread: called on each unit of rollouts; ``state.extra`` holds per-step counts
@@ -159,7 +163,7 @@ class DatumTerm(LossTerm):
         tokens the loss reads."""
         raise NotImplementedError
 
-    def start_step(self) -> None:
+    def start_step(self, step: int) -> None:
         self.gathered = []
 
     def produce(self, unit, state) -> None:

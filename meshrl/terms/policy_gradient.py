@@ -43,7 +43,7 @@ class PolicyGradientTerm(LossTerm):
     def loss_config(self) -> dict:
         return dict(self._config)
 
-    def start_step(self) -> None:
+    def start_step(self, step: int) -> None:
         self.sub = _Substep()  # a failed step's pieces are trained again after the recovery
 
     def train_piece(self, groups: list[list[Trajectory]]) -> None:

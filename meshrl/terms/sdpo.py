@@ -1,19 +1,26 @@
 """The SDPO term (channel 2): per unit of rollouts, find the error sites of the sampled
-trajectories, have the SDPOTeacherActor (the current policy, no grad) score each site's response
-tokens under the hinted context, and turn the teacher's top-k into `sdpo_jsd` Datums.
+trajectories (every failing turn of an episode, at most `sdpo.max_sites_per_episode` of one and
+`sdpo.max_sites_per_step` a step), have the hinted teacher (the current policy, no grad) score each
+site's response tokens under the hinted context, and turn the teacher's top-k into `sdpo_jsd`
+Datums; the optimizer step's loss gains ``alpha * JSD`` on exactly the error-site tokens
+(token-mean weights, meshrl.terms.base), alpha warmed up from 0 (`sdpo.alpha_warmup_steps`).
 
-The sites are scored where the trajectories are produced, while the teacher holds the weights
-that sampled them (at most `sdpo.max_sites_per_step` a step); the optimizer step's loss gains
-``alpha * JSD`` on exactly the error-site tokens (token-mean weights, meshrl.terms.base).
+Where the teacher runs (`sdpo.teacher`): `mesh` = the SDPOTeacherActor mesh, a weight reader like
+the generators, which scores the sites where the trajectories are produced, while it holds the
+weights that sampled them; `learner` = the learner's own processes, which hold the current weights
+already, just before the optimizer step (no extra mesh, no extra weight pull).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from meshrl.config.meshes import SDPO_TEACHER
 from meshrl.meshes.dispatch import split_evenly
 from meshrl.meshes.ranks import actor_at
+from meshrl.sdpo.schedule import warmup_weight
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.terms.base import DatumTerm, TermContext
 from meshrl.types import Datum
@@ -40,18 +47,28 @@ def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Te
     return Datum.from_sequence(site.student_tokens, mask=mask, logprobs=sampler, **teacher)
 
 
+def teacher_datum(site: ErrorSite) -> Datum:
+    """The hinted teacher's sequence, `mask` on the positions that predict the site's response
+    tokens: what the learner scores when it is the teacher."""
+    mask = torch.zeros(len(site.teacher_tokens))
+    mask[site.teacher_start : site.teacher_start + site.length] = 1.0
+    return Datum.from_sequence(site.teacher_tokens, mask=mask)
+
+
 class SDPOTerm(DatumTerm):
-    """Spawns the teacher mesh (a weight reader like the generators) and makes each unit's data."""
+    """Selects each unit's error sites and has them scored (see the module docstring)."""
 
     name, prefix, loss = "sdpo_jsd", "sdpo", "sdpo_jsd"
-    reads_weights = True
 
     def __init__(self, ctx: TermContext, weight: float | None = None, params=None):
         super().__init__(ctx, ctx.cfg.sdpo.alpha if weight is None else weight, params)
+        self.alpha = self.weight
         self.cfg = ctx.cfg.sdpo
+        self.on_learner = self.cfg.teacher == "learner"
         self.renderer = ctx.renderer
         self.counts: dict[str, int] = {}
-        self.client.add_reader(SDPO_TEACHER)
+        if not self.on_learner:
+            self.client.add_reader(SDPO_TEACHER)
         self.hint_source = None
         if self.cfg.hint_generator.enabled:
             from meshrl.sdpo.hints import llm_hint_source
@@ -59,7 +76,13 @@ class SDPOTerm(DatumTerm):
             self.hint_source = llm_hint_source(self.cfg.hint_generator, self.renderer, self.cfg.call_timeout_s)
 
     @classmethod
+    def reads_weights(cls, cfg) -> bool:
+        return cfg.sdpo.teacher == "mesh"
+
+    @classmethod
     def spawn(cls, session, cfg) -> None:
+        if cfg.sdpo.teacher != "mesh":
+            return
         from meshrl.actors.sdpo_teacher import SDPOTeacherActor
 
         session.spawn(SDPO_TEACHER, SDPOTeacherActor, str(session.model_path), cfg.model, cfg.weight_sync,
@@ -67,30 +90,61 @@ class SDPOTerm(DatumTerm):
                       timeout_s=cfg.sdpo.call_timeout_s)
 
     def loss_config(self) -> dict:
-        return {"beta": self.cfg.jsd_beta, "temperature": self.cfg.temperature, "is_weight_cap": self.cfg.is_weight_cap}
+        c = self.cfg
+        return {"beta": c.jsd_beta, "temperature": c.temperature, "is_weight_cap": c.is_weight_cap,
+                "token_clip": c.token_clip}
 
-    def make_datums(self, unit, state) -> list[Datum]:
-        """At most the step's remaining error sites of the unit's samples, scored; the channel's
-        counters (cumulative over the run) go into the unit's metrics."""
+    def weight_at(self, step: int) -> float:
+        """The term's weight at ``step``: alpha after its warm-up."""
+        return warmup_weight(self.alpha, self.cfg.alpha_warmup_steps, step)
+
+    def start_step(self, step: int) -> None:
+        super().start_step(step)
+        self.weight = self.weight_at(step)
+
+    def make_datums(self, unit, state) -> list:
+        """At most the step's remaining error sites of the unit's samples (none while the weight
+        is 0), scored by the teacher mesh, or, with the teacher in the learner, left for `finish`
+        to score; the channel's counters (cumulative over the run) go into the unit's metrics."""
+        if self.weight_at(state.step) == 0:
+            return []
         done = state.extra.get("sdpo_sites", 0)
-        datums, counts = self.score(unit.sampled, self.cfg.max_sites_per_step - done)
-        unit.metrics.update(counts)
-        state.extra["sdpo_sites"] = done + len(datums)
+        started = time.perf_counter()
+        sites, metrics = self.select(unit.sampled, self.cfg.max_sites_per_step - done)
+        unit.metrics.update(metrics)
+        unit.metrics["timing/sdpo_select_s"] = time.perf_counter() - started
+        state.extra["sdpo_sites"] = done + len(sites)
+        if self.on_learner or not sites:
+            return sites
+        started = time.perf_counter()
+        datums = self.score_on_mesh(sites)
+        unit.metrics["timing/sdpo_teacher_s"] = time.perf_counter() - started
         return datums
 
-    def score(self, trajectories: list, limit: int) -> tuple[list[Datum], dict]:
-        """`sdpo_jsd` Datums for at most ``limit`` error sites of ``trajectories`` and the channel's counters
-        (cumulative over the run). The teacher holds the weights that sampled them."""
+    def finish(self, version: int, metrics: dict) -> float:
+        if self.on_learner and self.gathered:
+            started = time.perf_counter()
+            self.gathered = self.score_on_learner(self.gathered)
+            metrics["timing/sdpo_teacher_s"] = metrics.get("timing/sdpo_teacher_s", 0.0) + time.perf_counter() - started
+        return super().finish(version, metrics)
+
+    def select(self, trajectories: list, limit: int) -> tuple[list[ErrorSite], dict]:
+        """At most ``limit`` error sites of ``trajectories`` with their hints, and the channel's
+        counters (cumulative over the run)."""
         c = self.cfg
-        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, limit, self.hint_source)
+        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, limit, c.max_sites_per_episode,
+                                           self.hint_source)
         if self.hint_source is not None:
             counts.update({f"llm_hint_{k}": v for k, v in self.hint_source.counts.items()})
             self.hint_source.counts.clear()
         for k, v in counts.items():
             self.counts[k] = self.counts.get(k, 0) + v
-        metrics = {f"sdpo/{k}": float(v) for k, v in self.counts.items()}
-        if not sites:
-            return [], metrics
+        return sites, {f"sdpo/{k}": float(v) for k, v in self.counts.items()}
+
+    def score_on_mesh(self, sites: list[ErrorSite]) -> list[Datum]:
+        """`sdpo_jsd` Datums of ``sites`` scored by the teacher mesh (which holds the weights that
+        sampled them)."""
+        c = self.cfg
         parts = split_evenly(sites, self.client.procs(SDPO_TEACHER))
 
         def issue(teachers):
@@ -99,7 +153,12 @@ class SDPOTerm(DatumTerm):
 
         scored = self.client.call(SDPO_TEACHER, "sdpo", issue, f"{SDPO_TEACHER}.score_sites", c.call_timeout_s)
         topk = [t for reply in scored for t in reply["topk"]]
-        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)], metrics
+        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)]
+
+    def score_on_learner(self, sites: list[ErrorSite]) -> list[Datum]:
+        """`sdpo_jsd` Datums of ``sites`` scored by the learner's current weights."""
+        topk = self.client.topk_logprobs([teacher_datum(s) for s in sites], self.cfg.top_k)
+        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)]
 
     def state_dict(self) -> dict:
         return {"counts": dict(self.counts)}

@@ -19,7 +19,7 @@ import torch
 
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
-from meshrl.logprobs import token_logprobs_and_entropy
+from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.tenants import LoraTenants, TrainState
@@ -253,6 +253,23 @@ class PolicyTrainer:
             for row, d in enumerate(group):
                 out.setdefault(id(d), logp[row, : d.length].float().cpu() * scale)
         return [out[id(d)] for d in datums]
+
+    @torch.no_grad()
+    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False) -> list[tuple]:
+        """Per datum, the current policy's top-``k`` (indices int32, log-probs float32; ``k = 0``:
+        indices None and the full vocabulary) at its non-zero `mask` positions, without grad: the
+        next-token distributions that predict those target tokens (SDPO's hinted teacher scored
+        in the learner's processes)."""
+        out: dict[int, tuple] = {}
+        for group, fp, scale in self._passes(datums, "mask", padding=padding):
+            indices, values = topk_logprobs(fp.logits(), k)
+            rows = fp.valid.sum(-1).tolist()
+            starts = [sum(rows[:i]) for i in range(len(rows))]
+            for row, d in enumerate(group):
+                if scale:
+                    part = slice(starts[row], starts[row] + rows[row])
+                    out.setdefault(id(d), (None if indices is None else indices[part].cpu(), values[part].cpu()))
+        return [out[id(d)] for d in datums] if not padding else []
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
