@@ -133,15 +133,32 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_teachers_serve(args: argparse.Namespace) -> int:
-    from meshrl.models.provision import resolve_model
+def cmd_teachers(args: argparse.Namespace) -> int:
+    """`meshrl teachers serve` (vLLM serving a cached model) or `meshrl teachers oracle` (a teacher
+    that knows the answers), until Ctrl-C."""
     from meshrl.teachers.serve import LocalTeacherServer, TeacherServerError
 
-    try:
-        path = resolve_model(args.model)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
-    server = LocalTeacherServer(path, args.name or args.model, port=args.port)
+    if args.action == "oracle":
+        from pydantic import ValidationError
+
+        from meshrl.config.base import format_validation_error
+        from meshrl.teachers.oracle import OracleConfig, OracleTeacherServer
+
+        given = {"task": args.task, "error_rate": args.error_rate, "latency_s": args.latency_s, "seed": args.seed,
+                 "code_source": args.code_source, "prompt_template": args.prompt_template, "served_name": args.name}
+        try:
+            cfg = OracleConfig(**{key: value for key, value in given.items() if value is not None})
+        except ValidationError as e:
+            return _fail(format_validation_error(e, "teachers oracle"))
+        server = OracleTeacherServer(cfg, port=args.port)
+    else:
+        from meshrl.models.provision import resolve_model
+
+        try:
+            path = resolve_model(args.model)
+        except (ValueError, FileNotFoundError) as e:
+            return _fail(str(e))
+        server = LocalTeacherServer(path, args.name or args.model, port=args.port)
     try:
         server.start()
     except TeacherServerError as e:
@@ -282,12 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--verify", action="store_true", help="re-hash cached files")
     models.set_defaults(func=cmd_models)
 
-    teachers = sub.add_parser("teachers", help="local OpenAI-compatible teachers for trace replay")
-    teachers.add_argument("action", choices=["serve"])
-    teachers.add_argument("--model", default="smollm2-135m-instruct", help="cached model name or HF directory")
-    teachers.add_argument("--name", help="served model name (default: --model)")
+    teachers = sub.add_parser("teachers", help="local OpenAI-compatible teachers for trace replay: serve (vLLM "
+                              "serving a cached model) or oracle (knows the answers, wrong at --error-rate)")
+    teachers.add_argument("action", choices=["serve", "oracle"])
+    teachers.add_argument("--model", default="smollm2-135m-instruct", help="serve: cached model name or HF directory")
+    teachers.add_argument("--name", help="served model name (default: --model; oracle: 'oracle')")
     teachers.add_argument("--port", type=int, default=8001)
-    teachers.set_defaults(func=cmd_teachers_serve)
+    teachers.add_argument("--task", help="oracle: arithmetic (default) or code")
+    teachers.add_argument("--error-rate", type=float, help="oracle: probability of a wrong reply (default 0.2)")
+    teachers.add_argument("--latency-s", type=float, help="oracle: mean delay of a reply (default 0)")
+    teachers.add_argument("--seed", type=int, help="oracle: seed of its random draws (default 0)")
+    teachers.add_argument("--code-source", help="oracle: code tasks it knows, an env.task_source (default meshrl)")
+    teachers.add_argument("--prompt-template", help="oracle: task.arithmetic.prompt_template of the run "
+                          "(default 'What is {a} {op} {b}?')")
+    teachers.set_defaults(func=cmd_teachers)
 
     shards = sub.add_parser("shards", help="list the rollout shards of a run in an object store and verify them "
                             "(exit 1 if any is bad)")
