@@ -297,53 +297,81 @@ def diloco(d: dict) -> str:
             + table(["run", "syncs", "samples", "eval MSE", "vs one model"], conv))
 
 
-def _vs_baseline(runs: list[dict], step: float, base_step: float | None) -> float | None:
-    """Step time against the baseline's: the mean of each seed's ratio to its own baseline run
-    where the JSON has it (seeds run under different loads), else the ratio of the means."""
-    paired = [r["step_time_vs_baseline"] for r in runs if "step_time_vs_baseline" in r]
-    if len(paired) == len(runs):
-        return statistics.mean(paired)
-    return step / base_step if base_step else None
+@renders("sdpo_cost", "python benchmarks/sdpo_cost.py", "Where +SDPO's step time goes", flags=("steps",))
+def sdpo_cost(d: dict) -> str:
+    cols = [("generate_s", "sampling"), ("train_s", "learner"), ("sdpo_select_s", "site selection"),
+            ("sdpo_teacher_s", "teacher forward"), ("sync_s", "weight sync"), ("sdpo_teacher_s", "teacher mesh pull")]
+    rows = [[r["arm"], num(r["timing/step_s"], 2, " s"), num(r["step_vs_baseline"], 2, "x"),
+             *(num(r[("sync/" if label == "teacher mesh pull" else "timing/") + key], 2, " s") for key, label in cols),
+             num(r["sdpo/hints"], 0)] for r in d["rows"]]
+    return (f"Mean seconds per step (steps 2-{d['steps']}, seed {d['seed']}, `{d['config']}`) and where they go. With "
+            "the teacher in the learner its forward runs inside the learner's time; on its own mesh it runs in "
+            "the producer, beside the learner, and the mesh pulls every weight version. Sites: error sites "
+            "scored so far (cumulative, at the last step). The default, `sdpo.teacher: "
+            f"{d['faster_teacher']}`, is the faster one here.\n\n"
+            + table(["arm", "step", "vs baseline", *(label for _, label in cols), "sites"], rows))
 
 
-@renders("ablation", "python benchmarks/ablation.py", "Ablation: baseline, +SDPO, +replay, full",
-         flags=("steps", "eval_every", "eval_size", "code_eval_size"))
+TARGETS = {"full": (0.5, 0.75), "sdpo": (0.75, None), "replay": (0.75, None)}
+"""An arm's win: it reaches its seed's baseline's final accuracy within these fractions of the
+baseline's steps and training seconds (None: no bound), in every seed."""
+
+
+def _pm(s: dict, scale: float = 100, unit: str = "%", signed: bool = False) -> str:
+    """mean ± std of a `spread` (benchmarks/ablation_report.py)."""
+    if not s:
+        return "—"
+    sign = "+" if signed else ""
+    return f"{scale * s['mean']:{sign}.1f}{unit} ± {scale * s['std']:.1f}" if len(s["values"]) > 1 \
+        else f"{scale * s['mean']:{sign}.1f}{unit}"
+
+
+def _reach(arm: str, a: dict) -> str:
+    """When each seed reached its baseline's final accuracy (fractions of the baseline's steps and
+    seconds), and whether that meets the arm's target."""
+    reached = a.get("reach_baseline_final")
+    if not reached:
+        return "—"
+    per_seed = ", ".join("never" if r is None else f"{r['steps_frac']:.2f} / {r['train_s_frac']:.2f}" for r in reached)
+    target = TARGETS.get(arm)
+    if target is None:
+        return per_seed
+    met = all(r is not None and r["steps_frac"] <= target[0] and (target[1] is None or r["train_s_frac"] <= target[1])
+              for r in reached)
+    return f"{per_seed} ({'meets' if met else 'misses'} the target)"
+
+
+@renders("ablation", "python benchmarks/ablation.py", "Ablation: do the channels help?")
 def ablation(d: dict) -> str:
-    runs = d["runs"]
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        groups.setdefault((r["arm"], r["task"]), []).append(r)
-    base_step = {task: statistics.mean(r["mean_step_s"] for r in rs) for (arm, task), rs in groups.items()
-                 if arm == "baseline"}
-    rows = []
-    for (arm, task), rs in groups.items():
-        evals = [r["eval_accuracy"] for r in rs if r.get("eval_accuracy")]
-        first = [e[min(e, key=int)] for e in evals]
-        last = [e[max(e, key=int)] for e in evals]
-        step = statistics.mean(r["mean_step_s"] for r in rs)
-        at = {max(int(s) for s in e) for e in evals}
-        accuracy = (f"{pct(statistics.mean(first))} → {pct(statistics.mean(last))}" if last else "—") \
-            + (f" (step {at.pop()})" if len(at) == 1 else "")
-        rows.append([arm, task, str(len(rs)), accuracy, ", ".join(pct(x) for x in last) or "—", num(step, 1, " s"),
-                     num(_vs_baseline(rs, step, base_step.get(task)), 2, "x")])
-    return ("Held-out greedy accuracy at the first and the last evaluation (mean over seeds; the last per seed "
-            "beside it), mean step time per arm and task, and step time against the same seed's baseline run.\n\n"
-            + table(["arm", "task", "seeds", "accuracy, first → last eval", "last eval per seed", "mean step",
-                     "step vs baseline"], rows)
-            + _earlier_runs(runs, d["commit"])
-            + "".join(f"\n\nFault during ablation-{r['arm']}-{r['task']}-s{r['seed']}: {'; '.join(r['faults'])}; its "
-                      "step time includes the recovery and the steps redone." for r in runs if r.get("faults"))
-            + (f"\n\nPlanned but not run yet: {', '.join(d['missing'])}." if d.get("missing") else ""))
-
-
-def _earlier_runs(runs: list[dict], commit: str) -> str:
-    """The runs kept from earlier sessions (`ablation.py --resume`), by the commit and date they ran at."""
-    earlier: dict[tuple[str, str], list[str]] = {}
-    for r in runs:
-        if r.get("commit", commit) != commit:
-            earlier.setdefault((r["commit"], r["date"]), []).append(f"{r['arm']}-{r['task']}-s{r['seed']}")
-    return "".join(f"\n\nRan at commit {c} on {date} (1-minute load recorded per run in the JSON): {', '.join(names)}."
-                   for (c, date), names in earlier.items())
+    parts = []
+    for task, t in d["tasks"].items():
+        s = t["settings"]
+        rows = []
+        for arm, a in t["arms"].items():
+            first = a["curve"][0]
+            rows.append([arm, str(len(a["seeds"])), f"{pct(first['mean'])} → {_pm(a['final'])}",
+                         _pm(a.get("diff_final", {}), signed=True), _pm(a.get("equal_wall", {})),
+                         _pm(a.get("diff_equal_wall", {}), signed=True), _reach(arm, a),
+                         num(a["mean_step_s"], 1, " s"), _pm(a.get("step_vs_baseline", {}), 1, "x")])
+        parts.append(f"**{task}** ({s['steps']} steps, held-out evals of {s['eval_size']} every {s['eval_every']} "
+                     "steps):\n\n" + table(
+                         ["arm", "seeds", "accuracy, step 0 → last", "vs baseline (same seed)",
+                          "at the baseline's wall-clock", "vs baseline", "reaches baseline's last (steps / time)",
+                          "step", "step vs baseline"], rows)
+                     + (f"\n\nLeft out (other settings): {', '.join(t['left_out'])}." if t["left_out"] else ""))
+    faults = [f"{r['run']}: {'; '.join(r['faults'])}" for r in d["runs"] if r.get("faults")]
+    loads = [r["load_1m_mean"] for r in d["runs"]]
+    commits = sorted({f"{r['commit']} ({r['date']})" for r in d["runs"]})
+    return ("Accuracy is held-out greedy accuracy, mean ± std over seeds; \"vs baseline\" pairs each run with "
+            "its own seed's baseline run. \"At the baseline's wall-clock\": the arm's accuracy at its last eval "
+            "within the training seconds its seed's baseline spent on all its steps (evals excluded). \"Reaches "
+            "baseline's last\": per seed, the fraction of the baseline's steps and training seconds after which the "
+            "arm first matched the baseline's final accuracy (target: full ≤ 0.50 of the steps and ≤ 0.75 of the "
+            "time, each single channel ≤ 0.75 of the steps, in every seed).\n\n"
+            + "\n\n".join(parts)
+            + f"\n\n{len(d['runs'])} runs at commits {', '.join(commits)}; 1-minute load during the runs "
+              f"{min(loads):.1f}–{max(loads):.1f} (per run in benchmarks/results/ablation/)."
+            + "".join(f"\n\nFault during {f}; that run's step time includes the recovery." for f in faults))
 
 
 # ---------------------------------------------------------------------------------------- entry point

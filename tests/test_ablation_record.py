@@ -1,5 +1,5 @@
-"""benchmarks/ablation.py's result file: a run of some arms keeps the runs recorded earlier with the
-same settings (each with its own provenance), and --resume takes recorded runs instead of rerunning."""
+"""benchmarks/ablation.py and ablation_report.py: the plan and commands of the runs, run files
+kept only with the same settings, and the verdict's statistics against hand-computed values."""
 
 from __future__ import annotations
 
@@ -9,54 +9,107 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-_spec = importlib.util.spec_from_file_location("bench_ablation", ROOT / "benchmarks" / "ablation.py")
-ablation = sys.modules["bench_ablation"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablation)
 
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[f"bench_{name}"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ablation, report = _load("ablation"), _load("ablation_report")
 import benchmarks.common as common  # noqa: E402 (the repository root is on sys.path above)
-
-
-def _run(arm: str, task: str, seed: int, step_s: float, commit: str) -> dict:
-    return {"arm": arm, "task": task, "seed": seed, "wall_s": 60.0, "mean_step_s": step_s,
-            "eval_accuracy": {"0": 0.1, "3": 0.2}, "commit": commit, "date": "2030-01-01"}
+import benchmarks.tables as tables  # noqa: E402
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"steps": 6, "eval_every": 3, "eval_size": 100, "code_eval_size": 20, **kw})
+    return argparse.Namespace(**{"steps": 8, "eval_every": 4, "eval_size": 200, "code_steps": 4, "code_eval_every": 2,
+                                 "code_eval_size": 50, "arms": list(ablation.ARMS), "tasks": ["arithmetic", "code"],
+                                 "seeds": [0, 1], "code_seeds": [0], "contrast_seeds": [0], **kw})
 
 
-def test_a_partial_rerun_replaces_its_runs_and_keeps_the_others(tmp_path, monkeypatch):
-    monkeypatch.setattr(ablation, "RESULTS", tmp_path)
+def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last():
+    keys = ablation.plan(_args())
+    assert keys[:4] == [(arm, "arithmetic", 0) for arm in ablation.MAIN_ARMS]
+    assert keys[4:8] == [(arm, "arithmetic", 1) for arm in ablation.MAIN_ARMS]
+    assert keys[8:12] == [(arm, "code", 0) for arm in ablation.MAIN_ARMS]
+    assert keys[12:] == [("replay-student", "arithmetic", 0), ("sdpo-a0.05", "arithmetic", 0),
+                         ("sdpo-a0.3", "arithmetic", 0)]
+
+
+def test_commands_select_the_arms_config_task_and_seed():
+    cmd = ablation.command("full", "code", 2, ablation.settings("code", _args()))
+    assert cmd[cmd.index("-c") + 1] == "configs/ablation-full.yaml"
+    for override in ("trainer.seed=2", "generator.seed=2", "task.kind=code", "task.code.env.task_source=meshrl_easy",
+                     "task.code.heldout_limit=50", "trainer.steps=4", "trainer.eval.every=2",
+                     "replay.teachers.canonicaliser=code", "output.name=ablation-full-code-s2"):
+        assert override in cmd
+    sweep = ablation.command("sdpo-a0.3", "arithmetic", 0, ablation.settings("arithmetic", _args()))
+    assert "configs/ablation-sdpo.yaml" in sweep and "sdpo.alpha=0.3" in sweep and "trainer.eval.size=200" in sweep
+    for arm, (config, _) in ablation.ARMS.items():
+        assert (ROOT / "configs" / f"ablation-{config}.yaml").exists(), arm
+
+
+def test_a_run_file_counts_only_with_the_same_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(ablation, "RUN_FILES", tmp_path)
+    key = ("baseline", "arithmetic", 0)
+    s = ablation.settings("arithmetic", _args())
+    assert ablation.recorded(key, s) is None
+    ablation.run_file(key).write_text(json.dumps({"arm": "baseline", **s}))
+    assert ablation.recorded(key, s)["arm"] == "baseline"
+    assert ablation.recorded(key, {**s, "steps": 32}) is None
+
+
+def _run(arm, seed, step_s, accuracies, steps=8, every=4):
+    evals = [{"step": k * every, "accuracy": a, "train_s": k * every * step_s} for k, a in enumerate(accuracies)]
+    return {"arm": arm, "task": "arithmetic", "seed": seed, "steps": steps, "eval_every": every, "eval_size": 200,
+            "evals": evals, "train_s": steps * step_s, "mean_step_s": step_s,
+            "mean_parts_s": {"generate_s": 1.0}, "steps_with_nonzero": {"loss/sdpo_jsd": 0},
+            "load_1m": {"mean": 2.0, "max": 3.0}, "commit": "abc1234", "date": "2030-01-01", "faults": []}
+
+
+RUNS = [_run("baseline", 0, 10.0, [0.1, 0.2, 0.3]), _run("baseline", 1, 10.0, [0.1, 0.1, 0.5]),
+        _run("full", 0, 15.0, [0.1, 0.3, 0.4]), _run("full", 1, 15.0, [0.1, 0.5, 0.5]),
+        _run("sdpo", 0, 12.0, [0.1, 0.1, 0.2]), _run("sdpo", 0, 12.0, [0.1, 0.2, 0.3, 0.4, 0.5], steps=16)]
+
+
+def test_the_verdict_pairs_each_seed_with_its_baseline():
+    t = report.summarise(RUNS)["arithmetic"]
+    assert t["settings"] == {"steps": 8, "eval_every": 4, "eval_size": 200}
+    assert t["left_out"] == ["sdpo-s0"]  # the 16-step run
+    full = t["arms"]["full"]
+    assert full["final"]["mean"] == pytest.approx(0.45) and full["final"]["std"] == pytest.approx(0.05)
+    assert full["diff_final"]["values"] == pytest.approx([0.1, 0.0])
+    # the baseline trained 80 s: full's last eval within 80 s is step 4 (60 s)
+    assert full["equal_wall"]["values"] == pytest.approx([0.3, 0.5])
+    assert full["diff_equal_wall"]["values"] == pytest.approx([0.0, 0.0])
+    assert full["reach_baseline_final"] == [{"seed": 0, "steps_frac": 0.5, "train_s_frac": 0.75},
+                                            {"seed": 1, "steps_frac": 0.5, "train_s_frac": 0.75}]
+    assert full["step_vs_baseline"]["mean"] == pytest.approx(1.5)
+    assert [p["mean"] for p in full["curve"]] == pytest.approx([0.1, 0.4, 0.45])
+    sdpo = t["arms"]["sdpo"]
+    assert sdpo["reach_baseline_final"] == [None] and sdpo["diff_final"]["values"] == pytest.approx([-0.1])
+    text = tables.ablation({"tasks": report.summarise(RUNS), "runs": [
+        {"run": "x", "commit": "abc1234", "date": "2030-01-01", "load_1m_mean": 2.0, "faults": ["learner lost"]}]})
+    assert "| full | 2 | 10.0% → 45.0% ± 5.0 | +5.0% ± 5.0 | 40.0% ± 10.0 | +0.0% ± 0.0 | 0.50 / 0.75, 0.50 / 0.75 " \
+           "(meets the target) |" in text
+    assert "| sdpo | 1 | 10.0% → 20.0% | -10.0% | 10.0% | -20.0% | never (misses the target) |" in text
+    assert "Left out (other settings): sdpo-s0." in text and "Fault during x: learner lost" in text
+
+
+def test_the_summary_files_are_written_from_the_run_files(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    earlier = {"steps": 6, "eval_every": 3, "eval_size": 100, "code_eval_size": 20,
-               "runs": [_run("baseline", "arithmetic", 0, 10.0, "old"), _run("baseline", "code", 0, 30.0, "old"),
-                        _run("sdpo", "code", 0, 45.0, "old")]}
-    (tmp_path / "ablation.json").write_text(json.dumps(earlier))
-    recorded = ablation.recorded_runs(_args())
-    assert set(recorded) == {("baseline", "arithmetic", 0), ("baseline", "code", 0), ("sdpo", "code", 0)}
-
-    plan = [("baseline", "arithmetic", 0), ("sdpo", "arithmetic", 0)]
-    fresh = _run("baseline", "arithmetic", 0, 20.0, "new")
-    ablation.record(plan, {("baseline", "arithmetic", 0): fresh}, recorded, _args())
-
-    written = json.loads((tmp_path / "ablation.json").read_text())
-    runs = {(r["arm"], r["task"], r["seed"]): r for r in written["runs"]}
-    assert runs[("baseline", "arithmetic", 0)]["commit"] == "new"  # replaced by this run's
-    assert runs[("sdpo", "code", 0)]["commit"] == "old"  # kept, with its own provenance
-    assert runs[("sdpo", "code", 0)]["step_time_vs_baseline"] == 1.5  # paired with its own seed's baseline
-    assert written["tasks"] == ["arithmetic", "code"] and written["seeds"] == {"arithmetic": [0], "code": [0]}
-    assert written["missing"] == ["ablation-sdpo-arithmetic-s0"]
-    assert (tmp_path / "ablation.png").stat().st_size > 0
-
-
-def test_runs_recorded_with_other_settings_are_not_kept(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(ablation, "RESULTS", tmp_path)
-    (tmp_path / "ablation.json").write_text(json.dumps(
-        {"steps": 16, "eval_every": 8, "eval_size": 200, "code_eval_size": 40,
-         "runs": [_run("baseline", "arithmetic", 0, 10.0, "old")]}))
-    assert ablation.recorded_runs(_args()) == {}
-    assert "written with other settings" in capsys.readouterr().out
-    assert set(ablation.recorded_runs(_args(steps=16, eval_every=8, eval_size=200, code_eval_size=40))) == \
-        {("baseline", "arithmetic", 0)}
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    runs = tmp_path / "ablation"
+    runs.mkdir()
+    for i, r in enumerate(RUNS[:4]):
+        (runs / f"run{i}.json").write_text(json.dumps(r))
+    written = report.write_summary(runs)
+    summary = json.loads((tmp_path / "ablation.json").read_text())
+    assert set(summary["tasks"]["arithmetic"]["arms"]) == {"baseline", "full"} and len(summary["runs"]) == 4
+    assert written[1].stat().st_size > 10_000  # the PNG

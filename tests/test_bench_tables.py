@@ -25,11 +25,19 @@ GENERATION = {**PROVENANCE, "prompts": 8, "samples_per_prompt": 8, "max_new_toke
               "rows": [{"backend": "vllm", "tokens_per_s": 300.0, "tokens": 3000, "seconds": 10.0},
                        {"backend": "hf", "tokens_per_s": 100.0, "tokens": 2900, "seconds": 29.0}],
               "ratio_vllm_vs_hf": 3.0}
-ABLATION = {**PROVENANCE, "steps": 8, "eval_every": 8, "eval_size": 100, "code_eval_size": 20, "missing": ["ablation-full-code-s1"], "runs": [
-    {"arm": "baseline", "task": "arithmetic", "seed": 0, "mean_step_s": 10.0, "eval_accuracy": {"0": 0.1, "8": 0.2}},
-    {"arm": "baseline", "task": "arithmetic", "seed": 1, "mean_step_s": 10.0, "eval_accuracy": {"0": 0.1, "8": 0.4}},
-    {"arm": "sdpo", "task": "arithmetic", "seed": 0, "mean_step_s": 15.0, "eval_accuracy": {"0": 0.1, "8": 0.5},
-     "commit": "0ld0ld0", "date": "2029-12-31"}]}
+ABLATION = {**PROVENANCE, "tasks": {"arithmetic": {
+    "settings": {"steps": 8, "eval_every": 8, "eval_size": 100}, "left_out": [],
+    "arms": {"baseline": {"seeds": [0, 1], "curve": [{"step": 0, "mean": 0.1}, {"step": 8, "mean": 0.3}],
+                          "final": {"mean": 0.3, "std": 0.1, "values": [0.2, 0.4]}, "mean_step_s": 10.0},
+             "sdpo": {"seeds": [0], "curve": [{"step": 0, "mean": 0.1}, {"step": 8, "mean": 0.5}],
+                      "final": {"mean": 0.5, "std": 0.0, "values": [0.5]}, "mean_step_s": 15.0,
+                      "diff_final": {"mean": 0.3, "std": 0.0, "values": [0.3]},
+                      "equal_wall": {"mean": 0.25, "std": 0.0, "values": [0.25]},
+                      "diff_equal_wall": {"mean": 0.05, "std": 0.0, "values": [0.05]},
+                      "reach_baseline_final": [{"seed": 0, "steps_frac": 0.5, "train_s_frac": 0.75}],
+                      "step_vs_baseline": {"mean": 1.5, "std": 0.0, "values": [1.5]}}}}},
+    "runs": [{"run": "baseline-arithmetic-s0", "commit": "abc1234", "date": "2030-01-02", "load_1m_mean": 1.5,
+              "faults": []}]}
 VS_TRL = {**PROVENANCE, "settings": {"steps": 4}, "arms": {
     "trl": {"step_s_median": 10.0, "parts": {"generate_s": 6.0, "train_s": 4.0}, "tokens_per_s": 100.0,
             "sampled_tokens_per_step": 1000, "trained_tokens_per_step": 1500},
@@ -73,13 +81,10 @@ def test_the_section_has_the_figures_of_the_json(repo):
     # generation: tokens/s per backend and the ratio
     assert "| vllm | 300.0 | 3000 | 10.00 s |" in out and "| hf | 100.0 | 2900 | 29.00 s |" in out
     assert "vLLM / HF generate: 3.00x tokens/s." in out
-    # ablation: mean over seeds at the first and last eval, each seed's last, step time vs the baseline
-    assert "| baseline | arithmetic | 2 | 10.0% → 30.0% (step 8) | 20.0%, 40.0% | 10.0 s | 1.00x |" in out
-    assert "| sdpo | arithmetic | 1 | 10.0% → 50.0% (step 8) | 50.0% | 15.0 s | 1.50x |" in out
-    assert "Planned but not run yet: ablation-full-code-s1." in out
-    assert ("`python benchmarks/ablation.py --steps 8 --eval-every 8 --eval-size 100 --code-eval-size 20` → "
-            "`benchmarks/results/ablation.json`") in out
-    assert "Ran at commit 0ld0ld0 on 2029-12-31 (1-minute load recorded per run in the JSON): sdpo-arithmetic-s0." in out
+    # ablation: per arm accuracy over seeds, the paired difference, equal wall-clock, the target
+    assert "| baseline | 2 | 10.0% → 30.0% ± 10.0 | — | — | — | — | 10.0 s | — |" in out
+    assert "| sdpo | 1 | 10.0% → 50.0% | +30.0% | 25.0% | +5.0% | 0.50 / 0.75 (meets the target) | 15.0 s | 1.5x |" in out
+    assert "`python benchmarks/ablation.py` → `benchmarks/results/ablation.json`" in out
     # vs TRL: step time ratio, parts, goal line, learning
     assert "| step time vs TRL | 1.00x | 0.60x |" in out
     assert "| per step: sync_s | — | 0.50 s |" in out
@@ -135,15 +140,3 @@ def test_the_committed_readme_matches_the_committed_results():
     """Fails when a result JSON changed without `python benchmarks/tables.py`, or someone edited a
     figure in the generated section by hand."""
     assert tables.main(["--check"]) == 0, "run python benchmarks/tables.py and commit README.md"
-
-
-def test_the_ablation_table_names_a_run_that_recovered_from_a_fault():
-    runs = [{"arm": arm, "task": "code", "seed": 0, "mean_step_s": step, "eval_accuracy": {"0": 0.0, "6": 0.0},
-             "commit": "abc", "date": "2030-01-01", **extra}
-            for arm, step, extra in (("baseline", 40.0, {}),
-                                     ("full", 90.0, {"faults": ["learner lost at step 4, learner resumed from "
-                                                                "checkpoint of step 0"]}))]
-    text = tables.ablation({"commit": "abc", "runs": runs})
-    assert ("Fault during ablation-full-code-s0: learner lost at step 4, learner resumed from checkpoint of step 0; "
-            "its step time includes the recovery and the steps redone.") in text
-    assert "ablation-baseline-code-s0:" not in text
