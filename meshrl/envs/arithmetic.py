@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from meshrl.config.task import ArithmeticConfig
 
-_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+"""The operators a problem may use, and what each computes (also what the oracle teacher answers)."""
 _INT = re.compile(r"(?<![\d.])[-+−]?\d{1,3}(?:,\d{3})+(?![\d,])|(?<![\d.])[-+−]?\d+")
 
 
@@ -77,7 +78,7 @@ class ArithmeticTask:
         if self.cfg.system_prompt is not None:
             messages.append({"role": "system", "content": self.cfg.system_prompt})
         messages.append({"role": "user", "content": user})
-        answer = str(_OPS[op](a, b))
+        answer = str(OPERATIONS[op](a, b))
         return Problem(f"{split}-{index}", tuple(messages), answer, {"a": a, "op": op, "b": b})
 
     def heldout(self, n: int | None = None) -> list[Problem]:

@@ -51,7 +51,7 @@ from pydantic import Field, field_validator
 from meshrl.config.base import Section
 from meshrl.config.env import EnvConfig
 from meshrl.config.task import ArithmeticConfig
-from meshrl.envs.arithmetic import _OPS as ARITHMETIC_OPS
+from meshrl.envs.arithmetic import OPERATIONS as ARITHMETIC_OPS
 from meshrl.envs.code_env import tasks_from_config
 from meshrl.envs.grading import grade_many
 from meshrl.envs.sandbox import Sandbox
