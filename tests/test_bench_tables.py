@@ -1,5 +1,6 @@
-"""benchmarks/tables.py: the README's performance section is rendered from result JSON, in place,
-and the committed README matches the committed JSON (so no one types those figures by hand)."""
+"""benchmarks/tables.py: docs/benchmarks.md's tables and the README's headline figures are rendered
+from result JSON, in place between each file's markers, and the committed pages match the committed
+JSON (so no one types those figures by hand)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ VS_TRL = {**PROVENANCE, "settings": {"steps": 4}, "arms": {
     "ratios": {"meshrl_separate_vs_trl": 0.6},
     "learning": {"trl": [{"step": 4, "elapsed_s": 40.0, "accuracy": 0.1}],
                  "meshrl": [{"step": 4, "elapsed_s": 24.0, "accuracy": 0.15}]}}
-README = "# title\n\nprose before, 1.23 s typed by hand\n\n<!-- bench:begin -->\nstale 9.9%\n<!-- bench:end -->\n\nafter\n"
+DOCS = "# Benchmarks\n\nprose before, 1.23 s typed by hand\n\n<!-- bench:begin -->\nstale 9.9%\n<!-- bench:end -->\n\nafter\n"
+README = ("# title\n\nintro\n\n<!-- headline:begin -->\nstale 1.0%\n<!-- headline:end -->\n\n"
+          "## later\n\nmore prose\n")
 
 
 @pytest.fixture
@@ -57,20 +60,30 @@ def repo(tmp_path):
     for name, data in (("sync_vs_async", SYNC), ("generation", GENERATION), ("ablation", ABLATION),
                        ("vs_trl", VS_TRL)):
         (results / f"{name}.json").write_text(json.dumps(data))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(DOCS)
     readme = tmp_path / "README.md"
     readme.write_text(README)
-    return results, readme
+    return results, docs, readme
 
 
-def section(readme: Path) -> str:
-    text = readme.read_text()
-    return text[text.index(tables.BEGIN):text.index(tables.END)]
+def paths(results: Path, docs: Path, readme: Path) -> list[str]:
+    return ["--results", str(results), "--docs", str(docs), "--readme", str(readme)]
 
 
-def test_the_section_has_the_figures_of_the_json(repo):
-    results, readme = repo
-    assert tables.main(["--results", str(results), "--readme", str(readme)]) == 0
-    out = section(readme)
+def section(path: Path, begin: str = tables.BEGIN, end: str = tables.END) -> str:
+    text = path.read_text()
+    return text[text.index(begin):text.index(end)]
+
+
+def headline(readme: Path) -> str:
+    return section(readme, tables.HEADLINE_BEGIN, tables.HEADLINE_END)
+
+
+def test_the_docs_section_has_the_figures_of_the_json(repo):
+    results, docs, readme = repo
+    assert tables.main(paths(*repo)) == 0
+    out = section(docs)
     # default job: accuracy per eval, mean step, wall
     assert "| held-out greedy accuracy, step 16 | 12.5% | 25.0% |" in out
     assert "| mean step | 10.0 s | 20.0 s |" in out
@@ -94,49 +107,90 @@ def test_the_section_has_the_figures_of_the_json(repo):
     assert "| 4 | 10.0% at 40 s | 15.0% at 24 s |" in out
 
 
+def test_the_readme_headline_has_the_default_jobs_figures(repo):
+    results, docs, readme = repo
+    assert tables.main(paths(*repo)) == 0
+    out = headline(readme)
+    # the default job is the K = 0 run: its curve, mean step and wall, not the K = 1 run's
+    assert "| step | 0 | 16 |" in out and "| held-out greedy accuracy | 6.5% | 12.5% |" in out
+    assert "25.0%" not in out and "20.0 s" not in out
+    assert "Mean step 10.0 s; the whole run (spawn, 16 steps, evals, export) 600 s (10.0 min)." in out
+    assert ("`python benchmarks/sync_vs_async.py` → `benchmarks/results/sync_vs_async.json`; "
+            "x86_64, Test CPU, 2 cores, 8 GiB, no GPU; 2030-01-02, commit abc1234.") in out
+    # its step time against TRL
+    assert "TRL 10.00 s; meshrl, separate meshes 6.00 s (0.60x)." in out
+    # the full tables stay in the docs page
+    assert "### " not in out and "vLLM / HF generate" not in out
+
+
 def test_a_missing_result_is_one_line_naming_its_script(repo):
-    results, readme = repo
-    tables.main(["--results", str(results), "--readme", str(readme)])
-    out = section(readme)
+    results, docs, readme = repo
+    tables.main(paths(*repo))
+    out = section(docs)
     assert "### Learner throughput with 1 and 2 data-parallel processes\n\n" \
            "not yet measured: run `python benchmarks/learner_scaling.py`\n" in out
     assert "not yet measured: run `python benchmarks/sync_vs_async.py`" not in out
+    (results / "sync_vs_async.json").unlink()
+    (results / "vs_trl.json").unlink()
+    tables.main(paths(*repo))
+    out = headline(readme)
+    assert "The default job: not yet measured: run `python benchmarks/sync_vs_async.py`" in out
+    assert "Against TRL's GRPOTrainer: not yet measured: run `python benchmarks/vs_trl.py`" in out
 
 
-def test_only_the_text_between_the_markers_is_replaced(repo):
-    results, readme = repo
-    tables.main(["--results", str(results), "--readme", str(readme)])
-    text = readme.read_text()
-    before, after = README.split(tables.BEGIN)[0], README.split(tables.END)[1]
-    assert text.startswith(before + tables.BEGIN + "\n") and text.endswith(tables.END + after)
-    assert "stale 9.9%" not in text
-    first = text
-    tables.main(["--results", str(results), "--readme", str(readme)])  # idempotent
-    assert readme.read_text() == first
+def test_only_the_text_between_the_markers_is_replaced_in_both_files(repo):
+    results, docs, readme = repo
+    tables.main(paths(*repo))
+    for path, original, begin, end, stale in ((docs, DOCS, tables.BEGIN, tables.END, "stale 9.9%"),
+                                              (readme, README, tables.HEADLINE_BEGIN, tables.HEADLINE_END,
+                                               "stale 1.0%")):
+        text = path.read_text()
+        before, after = original.split(begin)[0], original.split(end)[1]
+        assert text.startswith(before + begin + "\n") and text.endswith(end + after)
+        assert stale not in text
+    first = docs.read_text(), readme.read_text()
+    tables.main(paths(*repo))  # idempotent
+    assert (docs.read_text(), readme.read_text()) == first
 
 
-def test_check_detects_a_stale_readme_and_changes_nothing(repo, capsys):
-    results, readme = repo
-    args = ["--results", str(results), "--readme", str(readme)]
+def test_check_detects_a_stale_file_and_changes_nothing(repo, capsys):
+    results, docs, readme = repo
+    args = paths(*repo)
     assert tables.main([*args, "--check"]) == 1
-    assert readme.read_text() == README
-    assert "out of date" in capsys.readouterr().out.strip().splitlines()[-1]
+    assert docs.read_text() == DOCS and readme.read_text() == README
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and all("out of date" in line for line in out)  # one line per stale file
     tables.main(args)
     assert tables.main([*args, "--check"]) == 0
+    capsys.readouterr()
+    # a result only the docs page shows changes: the docs page alone is stale
     data = json.loads((results / "generation.json").read_text())
-    data["ratio_vllm_vs_hf"] = 2.5  # a result changes: the README is stale again
+    data["ratio_vllm_vs_hf"] = 2.5
     (results / "generation.json").write_text(json.dumps(data))
     assert tables.main([*args, "--check"]) == 1
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"{docs} is out of date with {results}: run python benchmarks/tables.py"]
+    tables.main(args)
+    # a hand edit of the README's headline is stale too
+    readme.write_text(readme.read_text().replace("| 6.5% |", "| 7.5% |"))
+    assert tables.main([*args, "--check"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"{readme} is out of date")
 
 
-def test_a_readme_without_markers_is_refused(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("no markers\n")
-    assert tables.main(["--results", str(tmp_path), "--readme", str(readme)]) == 2
-    assert readme.read_text() == "no markers\n"
+def test_a_file_without_its_markers_is_refused_and_nothing_is_written(repo):
+    results, docs, readme = repo
+    readme.write_text("no markers\n")  # the docs page would change, but nothing is written
+    assert tables.main(paths(*repo)) == 2
+    assert docs.read_text() == DOCS and readme.read_text() == "no markers\n"
+    readme.write_text(DOCS)  # the bench markers are not the README's: it needs the headline pair
+    assert tables.main(paths(*repo)) == 2
+    docs.write_text(README)
+    readme.write_text(README)
+    assert tables.main(paths(*repo)) == 2
+    assert docs.read_text() == README
 
 
-def test_the_committed_readme_matches_the_committed_results():
+def test_the_committed_pages_match_the_committed_results():
     """Fails when a result JSON changed without `python benchmarks/tables.py`, or someone edited a
-    figure in the generated section by hand."""
-    assert tables.main(["--check"]) == 0, "run python benchmarks/tables.py and commit README.md"
+    figure in a generated section (docs/benchmarks.md or the README's headline) by hand."""
+    assert tables.main(["--check"]) == 0, "run python benchmarks/tables.py and commit docs/benchmarks.md and README.md"
