@@ -1,11 +1,11 @@
 # The two commands a newcomer needs:
 #   make run    set up and run the default training job (local meshes, packaged model)
 #   make test   set up and run the test suite
-# and, for the README's "Measured figures":
+# and, for the measured figures (docs/benchmarks.md and the README's headline):
 #   make bench  rerun the main benchmarks (BENCH_QUICK=1, the default: ~30 min on 2 cores, the
 #               ablation's summary rebuilt from its committed runs; BENCH_QUICK=0: their full
 #               length, the ablation's runs not yet recorded included: hours) and regenerate the
-#               README tables from the JSON
+#               tables from the JSON
 VENV ?= .venv
 PYTEST_ARGS ?=
 BENCH_QUICK ?= 1

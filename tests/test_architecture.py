@@ -1,4 +1,4 @@
-"""The allowed import directions (README, "Architecture"), checked on every import statement of the
+"""The allowed import directions (docs/architecture.md), checked on every import statement of the
 package, including imports inside functions:
 
   base < math < services and channel data < actors < controller and channel loops < cli
