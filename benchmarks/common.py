@@ -5,7 +5,7 @@
 
 `provenance()` describes the machine (CPU model, cores this process may use, memory, GPU if torch
 sees one), the date, the short commit and the 1-minute load average; `write_result` adds it to a
-payload and writes the JSON that `benchmarks/tables.py` renders into the README. A payload's own
+payload and writes the JSON that `benchmarks/tables.py` renders into docs/benchmarks.md. A payload's own
 keys win over the provenance's (a script that tracked the load average at start and end keeps its
 own `load_average_1m`).
 """
