@@ -154,8 +154,10 @@ class EnvConfig(Section):
     code: CodeEnvConfig = CodeEnvConfig()
     """Multi-turn code-execution environment."""
 
-    task_source: Literal["meshrl", "humaneval"] = "meshrl"
-    """Bundled meshrl function-writing tasks, or HumanEval (evaluation)."""
+    task_source: Literal["meshrl", "meshrl_easy", "humaneval"] = "meshrl"
+    """Bundled meshrl function-writing tasks, their easy tier `meshrl_easy` (one-line functions
+    such as adding a constant or joining words, that a 135M model sometimes solves: groups with
+    some successes for RL), or HumanEval (evaluation)."""
 
     split: Literal["train", "test", "all"] = "train"
     """Split of the bundled tasks (HumanEval has only one)."""

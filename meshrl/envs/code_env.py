@@ -32,7 +32,7 @@ from meshrl.config.env import CodeEnvConfig, EnvConfig
 from meshrl.envs.code_actions import CodeAction, ParsedAction, _as_action, parse_action
 from meshrl.envs.grading import GradeResult, grade
 from meshrl.envs.sandbox import Sandbox
-from meshrl.envs.tasks import CodeTask, load_code_tasks
+from meshrl.envs.tasks import BUNDLED_FILES, CodeTask, load_code_tasks
 
 #: hint templates for the SDPO channel, keyed by ``Observation.hint_template_key``;
 #: fields: {error} (first error line), {passed}, {total}, {entry_point}
@@ -408,7 +408,7 @@ def tasks_from_config(cfg: EnvConfig) -> list[CodeTask]:
         from meshrl.envs.humaneval import load_humaneval
 
         return load_humaneval(cfg.task_limit)
-    return load_code_tasks(cfg.split, cfg.difficulty, limit=cfg.task_limit)
+    return load_code_tasks(cfg.split, cfg.difficulty, BUNDLED_FILES[cfg.task_source], cfg.task_limit)
 
 
 def env_from_config(cfg: EnvConfig, sandbox: Sandbox | None = None, task_ids: Sequence[str] | None = None) -> CodeEnv:

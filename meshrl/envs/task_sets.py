@@ -53,10 +53,10 @@ class CodeTaskSet:
         if not train:
             raise ValueError("task.code.env selects no training tasks")
         self.stream = SeededStream(train, data_seed)
-        held = cfg.env.model_copy(update={"split": "test", "task_source": "meshrl", "task_limit": None,
+        bundled = "meshrl" if cfg.env.task_source == "humaneval" else cfg.env.task_source
+        source = "humaneval" if cfg.heldout_split == "humaneval" else bundled
+        held = cfg.env.model_copy(update={"split": "test", "task_source": source, "task_limit": None,
                                           "difficulty": None})
-        if cfg.heldout_split == "humaneval":
-            held = held.model_copy(update={"task_source": "humaneval"})
         self.held = tasks_from_config(held)[: cfg.heldout_limit]
 
     def train_batch(self, cursor: int, n: int) -> list:

@@ -2,8 +2,10 @@
 
 The bundled set (``data/code_tasks.jsonl``, written for this project) has small function-writing
 problems graded by difficulty (1 easy .. 3 hard), each with hidden tests and a reference solution.
-The reference is used only to validate the task set in the test-suite: it is never put in a
-prompt, in the sandbox, or anywhere the policy's code can reach.
+Its easy tier (``data/code_tasks_easy.jsonl``, `task_source: meshrl_easy`, written by
+``scripts/make_easy_code_tasks.py``) has one-line functions in the same format. The reference is
+used only to validate the task sets in the test-suite: it is never put in a prompt, in the
+sandbox, or anywhere the policy's code can reach.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any, Iterable
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CODE_TASKS_FILE = DATA_DIR / "code_tasks.jsonl"
+EASY_CODE_TASKS_FILE = DATA_DIR / "code_tasks_easy.jsonl"
+BUNDLED_FILES = {"meshrl": CODE_TASKS_FILE, "meshrl_easy": EASY_CODE_TASKS_FILE}
+"""The file of each bundled `task_source`."""
 SPLITS = ("train", "test", "all")
 
 
