@@ -7,10 +7,14 @@ groups with some successes and some failures to learn from.
 
 Every task comes from a *family* (add a constant, largest of a list, join with a separator, ...).
 A family has several variants, each with its own function name and, where the family has one, its
-own constant; a seeded shuffle puts a quarter of each family's variants (at least one) in the
+own constant; a seeded shuffle puts 30 % of each family's variants (at least one) in the
 `test` split and the rest in `train`, so the held-out split measures whether a skill transfers
 to new names and constants, not whether a task was memorised. Expected values are computed from
 the reference solutions here and checked again in the sandbox by the test-suite.
+
+The families were chosen by measuring the base model (`benchmarks/code_tier.py`): greedy, it
+solves some of them always, most sometimes, and some never within the 32 new tokens a code turn
+gets by default (it copies the docstring first), which leaves the held-out split room to improve.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ SOURCE = "meshrl_easy"
 SEED = 0
 
 WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine",
-         10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen", 15: "fifteen", 20: "twenty"}
+         10: "ten", 11: "eleven", 12: "twelve", 15: "fifteen", 20: "twenty"}
 
 INTS = [(3,), (0,), (-4,), (10,), (27,)]
 PAIRS = [(3, 8), (10, 2), (-5, 5), (0, 0), (7, -1)]
@@ -75,8 +79,8 @@ def family(family: str, variants: list[dict], name: str, params: str, returns: s
            inputs) -> list[Spec]:
     """One task per variant: ``name``, ``params``, ``doc`` and ``expr`` are templates filled with the
     variant's fields; ``inputs`` is a list of argument tuples or a function of the variant."""
-    return [Spec(family, name.format(**v), params.format(**v), returns.format(**v), doc.format(**v), expr.format(**v),
-                 inputs(v) if callable(inputs) else inputs) for v in variants]
+    return [Spec(family, name.format(**v), params.format(**v), returns.format(**v), doc.format(**v),
+                 expr.format(**v), inputs(v) if callable(inputs) else inputs) for v in variants]
 
 
 NUMS = ("nums", "values", "numbers", "xs", "scores", "items")
@@ -84,6 +88,8 @@ TEXTS = ("s", "text", "word", "string", "message")
 UNITS = [("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7),
          ("feet", "inches", 12), ("meters", "centimeters", 100), ("kilometers", "meters", 1000),
          ("dollars", "cents", 100), ("years", "months", 12), ("kilograms", "grams", 1000)]
+LINEAR = [("double", 2, "plus", 3), ("triple", 3, "minus", 2), ("double", 2, "minus", 5), ("triple", 3, "plus", 4),
+          ("double", 2, "plus", 7), ("triple", 3, "minus", 6)]
 GEOMETRY = [("perimeter_of_square", "side: int", "int", "perimeter of a square with sides of length `side`",
              "4 * side"),
             ("area_of_square", "side: int", "int", "area of a square with sides of length `side`", "side * side"),
@@ -107,34 +113,34 @@ def families() -> list[list[Spec]]:
     """Every family of easy tasks."""
     return [
         # one number and a constant
-        family("add_constant", numbers(2, 3, 5, 7, 11, 20), "add_{w}", "x: int", "int", "Return `x` plus {k}.",
+        family("add_constant", numbers(2, 5, 7, 11), "add_{w}", "x: int", "int", "Return `x` plus {k}.",
                "x + {k}", INTS),
-        family("subtract_constant", numbers(2, 4, 6, 8, 10, 15), "subtract_{w}", "x: int", "int",
+        family("subtract_constant", numbers(4, 6, 10, 15), "subtract_{w}", "x: int", "int",
                "Return `x` minus {k}.", "x - {k}", INTS),
-        family("linear", [{"w": f"{m}_{op}_{WORDS[b]}", "m": k, "op": op, "b": b, "s": "+" if op == "plus" else "-"}
-                          for (m, k), op, b in ((("double", 2), "plus", 3), (("triple", 3), "minus", 2),
-                                                (("double", 2), "minus", 5), (("triple", 3), "plus", 4),
-                                                (("double", 2), "plus", 7), (("triple", 3), "minus", 6))],
-               "{w}", "x: int", "int", "Return {m} times `x` {op} {b}.", "{m} * x {s} {b}", INTS),
-        family("between", [{"lo": lo, "hi": hi, "w": f"{WORDS.get(lo, 'zero')}_and_{WORDS[hi]}"}
-                           for lo, hi in ((0, 10), (2, 8), (5, 15), (3, 9), (10, 20), (4, 12))],
-               "is_between_{w}", "x: int", "bool", "Return True if `x` is between {lo} and {hi} (both included), "
-               "else False.", "{lo} <= x <= {hi}",
-               lambda v: [(v["lo"],), (v["hi"],), (v["lo"] - 1,), (v["hi"] + 1,), ((v["lo"] + v["hi"]) // 2,)]),
+        family("linear", [{"w": f"{m}_{op}_{WORDS[b]}", "m": k, "op": op, "b": b, "sign": "+" if op == "plus" else "-"}
+                          for m, k, op, b in LINEAR],
+               "{w}", "x: int", "int", "Return {m} times `x` {op} {b}.", "{m} * x {sign} {b}", INTS),
         family("geometry", [{"n": n, "p": p, "r": r, "what": w, "f": f} for n, p, r, w, f in GEOMETRY],
                "{n}", "{p}", "{r}", "Return the {what}.", "{f}",
                lambda v: [(3, 4), (5, 5), (0, 7), (10, 2)] if "," in v["p"] else [(2,), (5,), (0,), (11,)]),
         family("is_multiple", numbers(2, 3, 4, 5, 6, 7, 8, 9, 10, 11), "is_multiple_of_{w}", "n: int", "bool",
                "Return True if `n` is divisible by {k}, else False.", "n % {k} == 0",
                lambda v: [(3 * v["k"],), (3 * v["k"] + 1,), (0,), (v["k"] + 1,), (-v["k"],)]),
+        family("at_least", numbers(3, 5, 8, 10, 12, 20), "at_least_{w}", "x: int", "bool",
+               "Return True if `x` is {k} or more, else False.", "x >= {k}",
+               lambda v: [(v["k"] - 1,), (v["k"],), (v["k"] + 1,), (0,), (50,)]),
+        family("at_most", numbers(2, 4, 6, 9, 11, 15), "at_most_{w}", "x: int", "bool",
+               "Return True if `x` is {k} or less, else False.", "x <= {k}",
+               lambda v: [(v["k"] - 1,), (v["k"],), (v["k"] + 1,), (0,), (50,)]),
         family("unit_conversion", [{"src": a, "dst": b, "k": k} for a, b, k in UNITS], "{src}_to_{dst}",
                "{src}: int", "int", "Convert `{src}` (a number of {src}) to {dst}.", "{src} * {k}",
                [(1,), (0,), (3,), (10,)]),
-        family("threshold", [{"n": n, "a": a, "cond": c, "what": w, "t": int(c.split()[1])} for n, a, c, w in THRESHOLDS],
+        family("threshold", [{"n": n, "a": a, "cond": c, "what": w, "t": int(c.split()[1])}
+                             for n, a, c, w in THRESHOLDS],
                "{n}", "{a}: int", "bool", "Return True if `{a}` is {what}, else False.", "{a} {cond}",
                lambda v: [(v["t"] - 1,), (v["t"],), (v["t"] + 1,), (v["t"] + 40,), (v["t"] - 40,)]),
-        # one string and a constant
-        family("repeat_string", numbers(2, 3, 4, 5, 6, 10), "repeat_{w}_times", "s: str", "str",
+        # one string (or list of strings) and a constant
+        family("repeat_string", numbers(2, 3, 5, 10), "repeat_{w}_times", "s: str", "str",
                "Return the string `s` repeated {k} times.", "s * {k}", [("ab",), ("x",), ("",), ("hi ",)]),
         family("join_with", [{"w": w, "k": k} for w, k in (("dash", "-"), ("comma", ","), ("space", " "),
                                                              ("underscore", "_"), ("plus", "+"), ("slash", "/"),
@@ -142,17 +148,10 @@ def families() -> list[list[Spec]]:
                "join_with_{w}", "words: list[str]", "str",
                "Join the strings in `words` into one string, with '{k}' between them.", "'{k}'.join(words)",
                [(["a", "b", "c"],), (["hello", "world"],), (["one"],), ([],)]),
-        family("greet", [{"w": w.lower(), "k": w} for w in ("Hello", "Goodbye", "Welcome", "Thanks")],
-               "say_{w}", "name: str", "str", "Return '{k}, ' followed by `name` and an exclamation mark.",
-               "'{k}, ' + name + '!'", [("Ada",), ("Bob",), ("",), ("world",)]),
         family("add_suffix", [{"w": w, "k": k} for w, k in (("exclamation_mark", "!"), ("question_mark", "?"),
                                                               ("period", "."), ("semicolon", ";"), ("star", "*"))],
                "add_{w}", "s: str", "str", "Return `s` with '{k}' added at the end.", "s + '{k}'",
                [("hi",), ("",), ("Hello world",), ("ok",)]),
-        family("wrap", [{"w": w, "k": k} for w, k in (("parentheses", "()"), ("brackets", "[]"), ("braces", "{}"),
-                                                        ("angle_brackets", "<>"), ("bars", "||"))],
-               "wrap_in_{w}", "s: str", "str", "Return `s` between '{k[0]}' and '{k[1]}'.", "'{k[0]}' + s + '{k[1]}'",
-               [("hi",), ("",), ("a b",), ("x",)]),
         family("first_chars", numbers(2, 3, 4, 5), "first_{w}_chars", "s: str", "str",
                "Return the first {k} characters of `s` (all of `s` when it is shorter).", "s[:{k}]",
                [("abcdefgh",), ("",), ("hi",), ("Python code",)]),
@@ -191,12 +190,7 @@ def families() -> list[list[Spec]]:
                "{n}", "{a}: str", "str", "Return `{a}` with every letter in upper case.", "{a}.upper()", STRINGS),
         family("lower", named("to_lower", "whisper", "lowercase", "make_lower", "no_caps", args=TEXTS),
                "{n}", "{a}: str", "str", "Return `{a}` with every letter in lower case.", "{a}.lower()", STRINGS),
-        family("capitalize", named("capitalize", "capitalize_first", "cap_first", "sentence_case", args=TEXTS),
-               "{n}", "{a}: str", "str",
-               "Return `{a}` with its first character in upper case and the rest in lower case.",
-               "{a}.capitalize()", [("hello world",), ("PYTHON",), ("",), ("data Science",)]),
-        family("reverse_string", named("reverse_string", "backwards", "reverse_word", "flip_string", "mirror",
-                                       args=TEXTS),
+        family("reverse_string", named("reverse_string", "backwards", "reverse_word", "flip_string", args=TEXTS),
                "{n}", "{a}: str", "str", "Return the string `{a}` reversed.", "{a}[::-1]", STRINGS),
         family("string_length", named("string_length", "text_length", "num_chars", "count_chars", args=TEXTS),
                "{n}", "{a}: str", "int", "Return the number of characters in `{a}`.", "len({a})", STRINGS),
@@ -262,10 +256,10 @@ def families() -> list[list[Spec]]:
 
 
 def split_of(specs: list[Spec]) -> dict[str, str]:
-    """Function name -> split: a seeded quarter of the family (at least one) is held out."""
+    """Function name -> split: a seeded 30 % of the family (at least one) is held out."""
     names = [s.name for s in specs]
     random.Random(f"{SEED}:{specs[0].family}").shuffle(names)
-    n_test = max(1, len(names) // 4)
+    n_test = max(1, round(0.3 * len(names)))
     return {n: ("test" if i < n_test else "train") for i, n in enumerate(names)}
 
 
@@ -276,7 +270,7 @@ def record(spec: Spec, split: str) -> dict:
     fn = namespace[spec.name]
     calls = [f"{spec.name}({', '.join(repr(a) for a in args)})" for args in spec.inputs]
     expected = [repr(fn(*args)) for args in spec.inputs]
-    prompt = (f'{spec.signature}:\n    """{spec.doc}\n\n    >>> {calls[0]}\n    {expected[0]}\n    """')
+    prompt = f'{spec.signature}:\n    """{spec.doc}\n\n    >>> {calls[0]}\n    {expected[0]}\n    """'
     return {
         "task_id": f"easy/{spec.name}", "prompt": prompt, "entry_point": spec.name,
         "tests": [{"call": c, "expected": e} for c, e in zip(calls, expected)],
