@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -211,9 +213,87 @@ def test_api_key_goes_to_the_server_and_nowhere_else(monkeypatch, caplog, capfd)
         assert len(srv.chat_requests()) == 2  # no request without the key
 
     assert "Incorrect API key" in error.detail and "***" in error.detail
+    chained, cause = [], error  # the SDK's exception, whose message quotes the body, is not chained
+    while cause is not None:
+        chained.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    assert not any(WRONG_SECRET in text for text in chained)
     captured = capfd.readouterr()
     assert "teacher-m" in caplog.text  # the warnings were captured
     for secret in (SECRET, WRONG_SECRET):
         for text in (str(error), repr(error), error.detail, caplog.text, captured.out, captured.err,
                      repr(client), repr(wrong_client), repr(reply)):
             assert secret not in text
+
+
+def test_ambient_openai_credentials_never_reach_a_teacher(monkeypatch):
+    ambient = {"OPENAI_API_KEY": SECRET, "OPENAI_ORG_ID": "org-ambient", "OPENAI_PROJECT_ID": "proj-ambient"}
+    for name, value in ambient.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TEACHER_KEY", WRONG_SECRET)
+    with FakeOpenAIServer(script={"m": "4"}) as srv:
+        _, without_key, _ = call(endpoint(srv))
+        _, with_key, _ = call(endpoint(srv, api_key_env="TEACHER_KEY"))
+        anonymous, keyed = srv.chat_requests()
+    assert isinstance(without_key, TeacherReply) and isinstance(with_key, TeacherReply)
+    for request in (anonymous, keyed):
+        assert "openai-organization" not in request.headers and "openai-project" not in request.headers
+    assert "authorization" not in anonymous.headers
+    assert keyed.headers["authorization"] == f"Bearer {WRONG_SECRET}"
+
+
+class FixedBodyServer:
+    """Loopback HTTP server answering every request with status 200 and one body, for bodies the
+    fake OpenAI server does not send (a proxy's HTML page, JSON that is not an object, ...)."""
+
+    def __init__(self, content_type: str, body: bytes):
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> FixedBodyServer:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+COMPLETION = b'{"choices": [{"message": {"role": "assistant", "content": "4"}}]}'
+
+
+@pytest.mark.parametrize(
+    "content_type, body, kind",
+    [
+        ("text/html", b"<html><body>Please sign in</body></html>", "malformed_json"),
+        ("application/json", b'{"choices": [{"message": {"content": "\xff\xfe"}}]}', "malformed_json"),
+        ("application/json", b"[1, 2]", "bad_schema"),
+        ("application/json", b"null", "bad_schema"),
+        ("application/json", b'{"choices": []}', "bad_schema"),
+        ("application/json", b'{"choices": [{"message": "4"}]}', "bad_schema"),
+        ("application/json", b'{"choices": [{"message": {"content": null, "tool_calls": []}}]}', "bad_schema"),
+        ("text/plain", COMPLETION, None),  # JSON is read whatever the declared type
+        ("application/json", COMPLETION, None),  # no other field of a completion is required
+    ],
+)
+def test_a_2xx_body_is_a_chat_completion_or_fails_without_retry(content_type, body, kind):
+    with FixedBodyServer(content_type, body) as srv:
+        client, outcome, _ = call(endpoint(srv))
+    if kind is None:
+        assert isinstance(outcome, TeacherReply) and outcome.text == "4"
+        assert client.counts == {"ok": 1, "usage_estimated": 1}
+    else:
+        assert isinstance(outcome, TeacherError) and (outcome.kind, outcome.attempts) == (kind, 1)
+        assert client.counts == {kind: 1}

@@ -1,10 +1,21 @@
-"""Async client for one OpenAI-compatible chat endpoint, with bounded concurrency, retries with
-exponential backoff and full jitter, Retry-After, typed errors, outcome counters and a shared spend
-budget.
+"""Async client for one OpenAI-compatible chat endpoint, built on the official ``openai`` SDK
+(``AsyncOpenAI``: transport, typed errors, response parsing), with bounded concurrency, retries
+with exponential backoff and full jitter, Retry-After, typed errors, outcome counters and a shared
+spend budget.
 
-The API key is read from the configured environment variable at request time, sent only in the
-Authorization header, and kept out of logs, exception texts and reprs (server error bodies are
-redacted before they are quoted).
+Retries are ours, not the SDK's (it runs with ``max_retries=0``): its backoff starts at 0.5 s and
+is capped at 8 s by module constants with at most 25 % jitter, it waits out any Retry-After up to
+120 s (and gives up past that), and it also retries 408/409; none of that can be set to
+``backoff_base_s``, ``backoff_max_s`` or ``jitter``. Retrying in our loop also frees the
+concurrency slot during a backoff, re-checks the spend budget before every attempt, and counts the
+attempts and retries of each call.
+
+The API key is read from the configured environment variable for every attempt, sent only in that
+request's Authorization header, and kept out of logs, exception texts and reprs: response bodies
+are redacted before they are quoted, and the SDK's exceptions, whose messages quote bodies
+unredacted, are neither quoted nor chained to ours. The SDK's ambient credentials never reach a
+teacher: it gets a placeholder instead of ``OPENAI_API_KEY``, and the organization and project ids
+it would take from ``OPENAI_ORG_ID`` and ``OPENAI_PROJECT_ID`` are left out of every request.
 """
 
 from __future__ import annotations
@@ -17,10 +28,11 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
+import openai
 
 from meshrl.config.teachers import TeacherEndpointConfig
 
@@ -137,17 +149,61 @@ class _AttemptFailed(Exception):
         self.retry_after_s = retry_after_s
 
 
+SDK_PLACEHOLDER_KEY = "per-request"
+"""The client-wide key the SDK insists on. Ours is read for every attempt and sent in that request's
+own Authorization header (or that header is omitted), which overrides this one: it is never sent."""
+
+
+def _request_headers(key: str) -> dict[str, str | openai.Omit]:
+    """Headers of one request: the key (no Authorization header at all without one), and none of the
+    ids the SDK would add from ``OPENAI_ORG_ID`` and ``OPENAI_PROJECT_ID``."""
+    return {
+        "Authorization": f"Bearer {key}" if key else openai.omit,
+        "OpenAI-Organization": openai.omit,
+        "OpenAI-Project": openai.omit,
+    }
+
+
 def _redact(text: str, secret: str) -> str:
     return text.replace(secret, "***") if secret else text
 
 
-def _retry_after_seconds(headers: httpx.Headers) -> float | None:
+def _retry_after_seconds(headers: Mapping[str, str]) -> float | None:
     value = headers.get("retry-after")
     try:
         seconds = float(value) if value is not None else None
     except ValueError:  # an HTTP date: fall back to our own backoff
         return None
     return max(0.0, seconds) if seconds is not None else None
+
+
+def _status_kind(error: openai.APIStatusError) -> ErrorKind:
+    if isinstance(error, openai.RateLimitError):
+        return "rate_limited"
+    if isinstance(error, openai.InternalServerError) or error.status_code >= 500:
+        return "server_error"
+    if isinstance(error, (openai.AuthenticationError, openai.PermissionDeniedError)):
+        return "auth"
+    return "bad_request"  # BadRequestError, NotFoundError, UnprocessableEntityError and any other 4xx
+
+
+def _failure(error: openai.APIStatusError | openai.APIConnectionError, key: str) -> _AttemptFailed:
+    """What an SDK exception other than a timeout means for the attempt. The SDK's own message is
+    not used: it may quote a response body that quotes the key."""
+    if isinstance(error, openai.APIStatusError):
+        kind = _status_kind(error)
+        quoted = _redact(error.response.text[:BODY_QUOTE_CHARS], key)
+        retry_after = _retry_after_seconds(error.response.headers) if kind == "rate_limited" else None
+        return _AttemptFailed(kind, f"HTTP {error.status_code}: {quoted}", retry_after)
+    cause = error.__cause__ or error  # the transport's exception, e.g. ConnectError or ReadError
+    reason = _redact(str(cause), key)
+    name = type(cause).__name__
+    return _AttemptFailed("connection", f"{name}: {reason}" if reason else name)
+
+
+def _not_json(body: str, key: str) -> _AttemptFailed:
+    quoted = _redact(body[:BODY_QUOTE_CHARS], key)
+    return _AttemptFailed("malformed_json", f"response is not JSON: {quoted!r}")
 
 
 def _estimate_tokens(text: str) -> int:
@@ -166,9 +222,14 @@ class TeacherClient:
         self.meter = meter if meter is not None else SpendMeter()
         self.counts: Counter[str] = Counter()
         self._semaphore = asyncio.Semaphore(cfg.max_concurrency)
-        # Concurrency is limited by the semaphore, not the connection pool, so that time spent
-        # waiting for a slot does not count against a request's timeout.
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s))
+        # Concurrency is limited by the semaphore, not the SDK's connection pool, so that time
+        # spent waiting for a slot does not count against a request's timeout.
+        self._openai = openai.AsyncOpenAI(
+            base_url=cfg.base_url,
+            api_key=SDK_PLACEHOLDER_KEY,
+            timeout=cfg.timeout_s,
+            max_retries=0,  # retries are ours (see the module docstring)
+        )
 
     def __repr__(self) -> str:
         return f"TeacherClient(name={self.cfg.name!r}, model={self.cfg.model!r}, base_url={self.cfg.base_url!r})"
@@ -178,7 +239,7 @@ class TeacherClient:
         return self.cfg.name
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._openai.close()
 
     async def __aenter__(self) -> TeacherClient:
         return self
@@ -254,56 +315,44 @@ class TeacherClient:
 
     async def _attempt(self, messages: list[dict[str, Any]], key: str) -> tuple[str, int, int]:
         cfg = self.cfg
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        body = {
-            "model": cfg.model,
-            "messages": messages,
-            "temperature": cfg.temperature,
-            "max_tokens": cfg.max_tokens,
-        }
+        call = self._openai.chat.completions.create(
+            model=cfg.model,
+            messages=messages,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            extra_headers=_request_headers(key),
+        )
         try:
-            response = await asyncio.wait_for(
-                self._http.post(f"{cfg.base_url}/chat/completions", json=body, headers=headers),
-                timeout=cfg.timeout_s,
-            )
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise _AttemptFailed("timeout", f"no response within {cfg.timeout_s:g}s") from None
-        except httpx.DecodingError:
-            raise _AttemptFailed("malformed_json", "response body could not be decoded") from None
-        except httpx.RequestError as e:
-            reason = _redact(str(e), key)
-            raise _AttemptFailed("connection", f"{type(e).__name__}: {reason}" if reason else type(e).__name__) from None
+            # the SDK's timeout bounds each phase (connect, every read); this bounds the attempt
+            completion = await asyncio.wait_for(call, timeout=cfg.timeout_s)
+        except (asyncio.TimeoutError, openai.APITimeoutError):
+            failure = _AttemptFailed("timeout", f"no response within {cfg.timeout_s:g}s")
+        except (openai.APIStatusError, openai.APIConnectionError) as e:
+            failure = _failure(e, key)
+        except json.JSONDecodeError as e:  # a body declared as JSON that is not
+            failure = _not_json(e.doc, key)
+        except UnicodeDecodeError as e:
+            failure = _not_json(e.object.decode("utf-8", errors="replace"), key)
+        else:
+            if isinstance(completion, str):  # the SDK returns any other body it cannot parse as text
+                raise _not_json(completion, key)
+            return self._read_completion(completion, messages)
+        raise failure  # outside the except clauses, so that the SDK's exception is not chained to it
 
-        status = response.status_code
-        if not 200 <= status < 300:
-            quoted = _redact(response.text[:BODY_QUOTE_CHARS], key)
-            detail = f"HTTP {status}: {quoted}"
-            if status == 429:
-                raise _AttemptFailed("rate_limited", detail, _retry_after_seconds(response.headers))
-            if status >= 500:
-                raise _AttemptFailed("server_error", detail)
-            if status in (401, 403):
-                raise _AttemptFailed("auth", detail)
-            raise _AttemptFailed("bad_request", detail)
+    def _read_completion(self, completion: Any, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
+        """Text and token counts of a parsed reply. The SDK builds it without validation, so any
+        part may be missing or of another type (a JSON body that is not an object is returned as
+        is): only the fields used here are checked."""
         try:
-            payload = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            quoted = _redact(response.text[:BODY_QUOTE_CHARS], key)
-            raise _AttemptFailed("malformed_json", f"response is not JSON: {quoted!r}") from None
-        return self._parse_completion(payload, messages)
-
-    def _parse_completion(self, payload: Any, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
-        try:
-            text = payload["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
+            text = completion.choices[0].message.content
+        except (AttributeError, IndexError, KeyError, TypeError):
             raise _AttemptFailed("bad_schema", "no choices[0].message.content in the response") from None
         if not isinstance(text, str):
             raise _AttemptFailed("bad_schema", f"message content is {type(text).__name__}, not a string")
-        usage = payload.get("usage")
-        if isinstance(usage, dict):
-            prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
-                return text, prompt_tokens, completion_tokens
+        prompt_tokens = getattr(completion.usage, "prompt_tokens", None)
+        completion_tokens = getattr(completion.usage, "completion_tokens", None)
+        if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+            return text, prompt_tokens, completion_tokens
         self.counts["usage_estimated"] += 1
         prompt_chars = json.dumps(messages, ensure_ascii=False)
         return text, _estimate_tokens(prompt_chars), _estimate_tokens(text)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
+import httpx
+
 log = logging.getLogger(__name__)
 
 FaultKind = Literal["slow", "rate_limit", "server_error", "malformed_json", "bad_schema", "reset"]
@@ -56,7 +58,9 @@ class RecordedRequest:
 
     method: str
     path: str
-    headers: dict[str, str]
+    headers: httpx.Headers
+    """Looked up case-insensitively, as HTTP header names are (the openai SDK sends them in lower
+    case)."""
     body: Any
     model: str | None
     messages: list[dict[str, Any]] | None
@@ -197,7 +201,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("fake openai: %s %s", self.command, self.path)
 
     def do_GET(self) -> None:
-        self.fake._record(RecordedRequest("GET", self.path, dict(self.headers), None, None, None))
+        self.fake._record(RecordedRequest("GET", self.path, httpx.Headers(self.headers.items()), None, None, None))
         if self.path.rstrip("/") != "/v1/models":
             return self._send_json(404, {"error": {"message": "not found"}})
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.fake.models()]
@@ -211,7 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = None
         model = body.get("model") if isinstance(body, dict) else None
         messages = body.get("messages") if isinstance(body, dict) else None
-        index = self.fake._record(RecordedRequest("POST", self.path, dict(self.headers), body, model, messages))
+        headers = httpx.Headers(self.headers.items())
+        index = self.fake._record(RecordedRequest("POST", self.path, headers, body, model, messages))
         if self.path.rstrip("/") != "/v1/chat/completions":
             return self._send_json(404, {"error": {"message": "not found"}})
         if not isinstance(model, str) or not isinstance(messages, list):
