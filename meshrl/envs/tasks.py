@@ -4,8 +4,9 @@ The bundled set (``data/code_tasks.jsonl``, written for this project) has small 
 problems graded by difficulty (1 easy .. 3 hard), each with hidden tests and a reference solution.
 Its easy tier (``data/code_tasks_easy.jsonl``, `task_source: meshrl_easy`, written by
 ``scripts/make_easy_code_tasks.py``) has one-line functions in the same format. The reference is
-used only to validate the task sets in the test-suite: it is never put in a prompt, in the
-sandbox, or anywhere the policy's code can reach.
+used to validate the task sets in the test-suite and by the oracle teacher
+(``meshrl.teachers.oracle``, a stand-in for a stronger model in trace replay); it is never put in
+a prompt, in the policy's sandbox, or anywhere the policy's code can reach.
 """
 
 from __future__ import annotations
