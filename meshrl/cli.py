@@ -1,5 +1,5 @@
-"""The `meshrl` command line: train, launch, plan, serve, models, teachers, rollout shards, run
-reports, config reference."""
+"""The `meshrl` command line: train, launch, plan, eval, sft, serve, models, teachers, rollout
+shards, run reports, config reference."""
 
 from __future__ import annotations
 
@@ -222,6 +222,40 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`meshrl eval PATH`: held-out accuracy or pass@k of a run directory's latest checkpoint, a
+    checkpoint or an exported HF model (meshrl.controller.evaluate)."""
+    from meshrl.controller.evaluate import eval_main
+
+    return eval_main(args.path, args.config, list(args.overrides), size=args.size, k=args.k, samples=args.samples,
+                     batch=args.batch, out=args.out, default_config=default_config_path())
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    """`meshrl sft DATA.jsonl`: supervised fine-tuning on a file of conversations
+    (meshrl.controller.sft)."""
+    from meshrl.config.sft import SFTRunConfig
+    from meshrl.controller.sft import sft_main
+
+    data, overrides = args.data, list(args.overrides)
+    if data is not None and "=" in data and not Path(data).exists():  # only overrides were given
+        data, overrides = None, [data, *overrides]
+    if args.resume:
+        if data or overrides or args.config or args.eval_file or args.overwrite:
+            return _fail("sft --resume RUN_DIR continues the run with its saved config: give no data file, "
+                         "-c, --eval-file, --overwrite or overrides with it")
+        return sft_main(None, resume=args.resume)
+    try:
+        cfg = load_config(SFTRunConfig, args.config or default_config_path(), overrides)
+        if data:
+            cfg.sft.data = data
+        if args.eval_file:
+            cfg.sft.eval_data = args.eval_file
+    except ConfigError as e:
+        return _fail(str(e))
+    return sft_main(cfg, overwrite=args.overwrite)
+
+
 def cmd_config_reference(args: argparse.Namespace) -> int:
     print(config_reference_markdown(), end="")
     return 0
@@ -243,6 +277,14 @@ def config_reference_markdown() -> str:
     for key, default, doc in describe_fields(RunConfig):
         doc = " ".join(doc.split()).replace("|", "\\|")
         lines.append(f"| `{key}` | `{default}` | {doc} |")
+    from meshrl.config.sft import SFTConfig
+
+    lines += ["", "## `meshrl sft`", "",
+              "`meshrl sft` reads the same configuration with one more section, `sft` (`meshrl sft DATA.jsonl "
+              "sft.batch_size=16`):", "", "| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in describe_fields(SFTConfig, "sft."):
+        doc = " ".join(doc.split()).replace("|", "\\|")
+        lines.append(f"| `{key}` | `{default}` | {doc} |")
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +295,16 @@ def _gpu_count(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a GPU count >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
 
 
@@ -284,6 +336,37 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", help="dotted overrides such as meshes.learner.procs=4")
     plan.add_argument("--host-gpus", type=_gpu_count, metavar="N", help="plan for a host with N GPUs (default: the GPUs of this host)")
     plan.set_defaults(func=cmd_plan)
+
+    ev = sub.add_parser("eval", help="held-out accuracy (greedy) or pass@k of a run directory's latest checkpoint, "
+                        "a checkpoint or an exported HF model, without training")
+    ev.add_argument("path", metavar="PATH", help="a run directory (its saved config and latest checkpoint), a "
+                    "checkpoint (RUN/checkpoints/step-N) or an HF model directory (e.g. RUN/final_model)")
+    ev.add_argument("-c", "--config", help="YAML run config (default: the run's config.yaml beside PATH, else "
+                    "configs/default.yaml)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides such as task.code.heldout_limit=20")
+    ev.add_argument("--size", type=_positive, metavar="N", help="held-out problems or tasks (default: "
+                    "trainer.eval.size; at most the task's held-out set)")
+    ev.add_argument("--k", type=_positive, default=1, metavar="K", help="report pass@K from --samples samples per task "
+                    "at generator.sampling.temperature (default 1: one greedy sample, as training evaluates)")
+    ev.add_argument("--samples", type=_positive, metavar="N", help="samples per task for pass@K, at least K "
+                    "(default K); pass@K is the unbiased estimate from N")
+    ev.add_argument("--batch", type=_positive, default=64, metavar="N", help="tasks per generation call (default 64)")
+    ev.add_argument("--out", metavar="FILE", help="write the result (metrics, per-task counts) as JSON")
+    ev.set_defaults(func=cmd_eval)
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning (full or LoRA) on a JSONL file of conversations")
+    sft.add_argument("data", nargs="?", metavar="DATA.jsonl", help="one JSON object per line with a `messages` list "
+                     "of {role, content} (sets sft.data)")
+    sft.add_argument("-c", "--config", help="YAML run config with an optional sft section (default: "
+                     "configs/default.yaml)")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides such as sft.batch_size=16 "
+                     "learner.lora.enabled=true")
+    sft.add_argument("--eval-file", metavar="FILE", help="held-out conversations for the NLL evaluation (sets "
+                     "sft.eval_data; default: sft.eval_fraction of DATA)")
+    sft.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from "
+                     "its last checkpoint")
+    sft.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    sft.set_defaults(func=cmd_sft)
 
     serve = sub.add_parser("serve", help="serve the Tinker HTTP API (the `tinker` SDK with TINKER_BASE_URL) "
                            "until Ctrl-C")
@@ -339,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow flags (`train --overwrite learner.lr=1e-5`): argparse leaves those over
-    if extra and (args.command not in ("train", "launch", "plan", "serve") or any(e.startswith("-") for e in extra)):
+    if extra and (args.command not in ("train", "launch", "plan", "serve", "eval", "sft")
+                  or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from meshrl.config.meshes import GENERATOR
 from meshrl.config.run import RunConfig
+from meshrl.controller.evaluate import eval_request, evaluate_tasks
 from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_and_filter
 from meshrl.controller.rollout import Counters, RolloutStrategy
 from meshrl.engines import SampleRequest
@@ -116,10 +117,10 @@ class GRPOLoop:
         (e.g. after a resume) samples exactly the same tokens given the same weights."""
         return (self.cfg.generator.seed * 1_000_003 + cursor * 7919) % (2**31 - 1)
 
-    def _request(self, seed: int | None, greedy: bool = False) -> SampleRequest:
+    def _request(self, seed: int | None) -> SampleRequest:
         s = self.cfg.generator.sampling
-        return SampleRequest(n=1, max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
-                             top_p=1.0 if greedy else s.top_p, stop_token_ids=self.stop_tokens, seed=seed)
+        return SampleRequest(n=1, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                             stop_token_ids=self.stop_tokens, seed=seed)
 
     # ---- the producer's work (runs in its thread) -------------------------------------------
     @property
@@ -340,18 +341,17 @@ class GRPOLoop:
         metrics.update(self.client.sup.metrics())
 
     def evaluate(self) -> dict:
-        """Greedy success rate (accuracy) on the held-out tasks, with the latest published weights."""
+        """Greedy success rate (accuracy) on the held-out tasks, with the latest published weights
+        (meshrl.controller.evaluate: the evaluation `meshrl eval` makes too)."""
         t0 = time.perf_counter()
         with self.producer.paused():
             self.client.step = self.step_index
             if self.client.version < self.published:
                 self._sync(self.published)
             held = self.task.heldout(self.cfg.trainer.eval.size)
-            trajectories, _ = self.strategy.collect(held, 1, self._request(None, greedy=True), f"eval{self.version}")
-        n = max(len(trajectories), 1)
-        return {"eval/accuracy": sum(bool(t.info.get("correct")) for t in trajectories) / n,
-                "eval/reward_mean": sum(t.reward for t in trajectories) / n,
-                "eval/n": len(trajectories), "timing/eval_s": time.perf_counter() - t0}
+            metrics, _ = evaluate_tasks(self.strategy, held, eval_request(self.cfg.generator.sampling, self.stop_tokens),
+                                        f"eval{self.version}")
+        return {**metrics, "timing/eval_s": time.perf_counter() - t0}
 
     # ---- state --------------------------------------------------------------------------------
     def stop_producer(self) -> None:

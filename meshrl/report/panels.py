@@ -48,6 +48,8 @@ PANELS: tuple[Panel, ...] = (
         Series("loss/sdpo_jsd", "SDPO JSD (unweighted)"),
         Series("loss/replay_dpo", "replay DPO (unweighted)"),
         Series("loss/total", "total (weighted sum)", ls="--"),
+        Series("train/nll", "SFT NLL (train)"),  # meshrl sft
+        Series("eval/nll", "SFT NLL (held-out)", kind="eval", ls="--"),
     )),
     Panel("Sampler vs learner mismatch KL", "KL (nats / token)", (
         Series("train/kl_sampler_learner_k1", "k1 estimator"),

@@ -35,7 +35,9 @@ def headline(run: Run) -> str:
     wall = wall_seconds(run)
     if wall is not None:
         parts.append(f"{wall / 60:.1f} min")
-    if run.eval:
+    if run.eval and not values(run.eval, "eval/accuracy")[0] and values(run.eval, "eval/nll")[0]:  # meshrl sft
+        parts.append(f"held-out NLL {_first_last(run.eval, 'eval/nll', '{:.3f}', steps=False)}")
+    elif run.eval:
         parts.append(f"held-out accuracy {_first_last(run.eval, 'eval/accuracy', '{:.1%}', steps=False)}")
     if run.faults:
         parts.append(f"{len(run.faults)} fault{'s' if len(run.faults) != 1 else ''} recovered")
