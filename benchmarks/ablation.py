@@ -237,8 +237,11 @@ def main() -> None:
             started = time.perf_counter()
             cmd = command(arm, task, seed, s)
             print("$", " ".join(cmd), flush=True)
-            subprocess.run(cmd, cwd=ROOT, check=True)
+            code = subprocess.run(cmd, cwd=ROOT).returncode
             wall = time.perf_counter() - started
+        if code != 0:  # the others still run; this one stays unrecorded, so a later invocation retries it
+            print(f"{run_name(*key)} failed with exit code {code}; going on", flush=True)
+            continue
         run = {**summarise(arm, task, seed, s), "wall_s": wall, "command": " ".join(cmd[2:]), **served,
                **{k: v for k, v in provenance().items() if k != "load_average_1m"},
                "load_1m": {"mean": sum(load.samples) / max(len(load.samples), 1), "max": max(load.samples, default=0.0)}}
