@@ -101,6 +101,33 @@ def test_micro_batch_size_does_not_change_the_gradient(model_path, name):
     _assert_same_grads(reference, _grads(capped))
 
 
+def test_ppo_on_a_tinker_datum_reports_the_kl_of_the_reply_only(model_path):
+    """The cookbook's datum: sampler logprobs 0 on the prompt and real on the reply, advantage 0 on
+    the prompt; mapped as `meshrl serve` maps it (weight 1 everywhere). When the sampler agrees with
+    the learner on the reply, the sampler/learner KL is ~0, nothing is clipped, and `tokens` counts
+    the reply positions only."""
+    from meshrl.api.losses import core_call
+
+    trainer = _trainer(model_path)
+    plain = []
+    for i in range(3):
+        toks = _tokens(20 + i, 10 + 2 * i)
+        plain.append(Datum.from_sequence(toks, logprobs=[0.0] * len(toks), advantages=[0.0] * len(toks)))
+    learner = trainer.forward(plain)
+    datums = []
+    for d, lp in zip(plain, learner):
+        reply = torch.arange(d.length) >= d.length - 4  # the last 4 targets are the reply
+        datums.append(Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                            "logprobs": torch.where(reply, lp, torch.zeros_like(lp)),
+                                            "advantages": reply.float() * 0.5}))
+    mapped, config = core_call("ppo", None, datums)
+    out = trainer.forward_backward(mapped, "ppo", config)
+    assert abs(out["kl_sampler_learner_k3"]) < 1e-6 and abs(out["kl_sampler_learner_k1"]) < 1e-5
+    assert out["clip_fraction"] == 0.0 and out["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out["tokens"] == 12 and out["num_tokens"] == sum(d.length for d in datums)
+    assert 0 < out["entropy"] < math.log(V)
+
+
 def test_per_sequence_advantages_equal_per_token_advantages(model_path):
     datums = _rl_datums()
     per_token = [Datum(d.model_input, {**d.loss_fn_inputs,

@@ -198,6 +198,35 @@ def test_ppo_clip_fraction_counts_only_valid_tokens():
     assert out.loss.item() == pytest.approx(-(1.2 + 1.2 + 1.0))
 
 
+@pytest.mark.parametrize("loss_fn", [importance_sampling, ppo, cispo])
+def test_metrics_average_over_the_trained_tokens_not_the_prompt(loss_fn):
+    # A Tinker datum: every position has weight 1, the prompt carries sampler logprob 0 and
+    # advantage 0, the reply the sampler's real logprobs. Learner and sampler agree on the reply
+    # (p = q = 0.5, 0.25); on the prompt the learner says p = 0.1, 0.2 against "q = 1".
+    target = torch.tensor([[LN(0.1), LN(0.2), LN(0.5), LN(0.25)]], dtype=torch.float64, requires_grad=True)
+    sampling = torch.tensor([[0.0, 0.0, LN(0.5), LN(0.25)]], dtype=torch.float64)
+    adv = torch.tensor([[0.0, 0.0, 1.0, -1.0]], dtype=torch.float64)
+    out = loss_fn(target, sampling, adv, torch.ones(1, 4))
+    # over the reply: rho = 1, so k1 = k3 = 0 and nothing is clipped; over all four positions
+    # k3 would be ((0.1 - 1 - ln 0.1) + (0.2 - 1 - ln 0.2)) / 4 = (1.4026 + 0.8094) / 4 = 0.553
+    assert out.metrics["kl_sampler_learner_k1"] == 0.0
+    assert out.metrics["kl_sampler_learner_k3"] == 0.0
+    assert out.metrics["ratio_mean"] == 1.0 and out.metrics["ratio_max"] == 1.0
+    assert out.metrics.get("clip_fraction", 0.0) == 0.0
+    assert out.metrics["num_tokens"] == 4  # the loss still reads (and sums over) every position
+    assert out.signal.tolist() == [[False, False, True, True]]
+
+
+def test_clip_fraction_is_a_fraction_of_the_trained_tokens():
+    # rho = 2 on both reply tokens (A = 1: clipped above 1.2); two prompt positions with A = 0
+    sampling = torch.tensor([[0.0, 0.0, LN(0.25), LN(0.25)]], dtype=torch.float64)
+    target = torch.tensor([[LN(0.5), LN(0.5), LN(0.5), LN(0.25)]], dtype=torch.float64, requires_grad=True)
+    out = ppo(target, sampling, torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=torch.float64), torch.ones(1, 4))
+    assert out.metrics["clip_fraction"] == pytest.approx(1 / 2)  # token 2 of the 2 trained, not 1 of 4
+    assert out.metrics["ratio_mean"] == pytest.approx((2 + 1) / 2)
+    assert out.loss.item() == pytest.approx(-(1.2 + 1.0))
+
+
 # ----------------------------------------------------------------------------- CISPO
 
 

@@ -13,6 +13,11 @@ class LossOutput:
 
     loss: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    signal: torch.Tensor | None = None
+    """The positions that carry a training signal ([B, T] bool, like the loss's logprobs), when
+    the loss reads positions that do not (a policy-gradient token with advantage 0): the learner
+    averages its per-token diagnostics (entropy) over them and weighs the metrics by their count.
+    None: every position the loss reads."""
 
 
 def as_weights(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,11 +13,14 @@ No mean is taken: normalisation (token-mean over the global batch, per-sequence 
 the caller by scaling ``mask`` (see :mod:`meshrl.losses.aggregation`).  Masked positions contribute
 exactly zero loss and zero gradient even when their logprobs are garbage (inf/nan-free by ``where``).
 
-Metrics (Python floats, over tokens with w_t != 0):
-  num_tokens, ratio_mean, ratio_max,
+Metrics (Python floats): num_tokens counts the tokens with w_t != 0; the others are means over
+the tokens that carry a training signal, w_t != 0 and A_t != 0 (a token with advantage 0, such as a
+prompt position of a Tinker datum, adds nothing to these losses, so it says nothing about them):
+  ratio_mean, ratio_max,
   kl_sampler_learner_k1 = mean(log q - log p)          (KL(q || p) estimated on samples from q)
   kl_sampler_learner_k3 = mean(rho - 1 - log rho)      (unbiased, always >= 0)
   clip_fraction(_low/_high) for ppo and cispo.
+The same positions are the LossOutput's ``signal``.
 """
 
 from __future__ import annotations
@@ -52,38 +55,42 @@ def _on_valid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, values, torch.zeros_like(values))
 
 
-def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor,
+                   signal: torch.Tensor) -> dict[str, float]:
+    """num_tokens (``valid``), and the ratio and sampler/learner KL means over ``signal``."""
     lr = log_ratio.detach()
     r = ratio.detach()
     return {
         "num_tokens": float(valid.sum()),
-        "ratio_mean": masked_mean(r, valid),
-        "ratio_max": masked_max(r, valid),
-        "kl_sampler_learner_k1": masked_mean(kl_from_log_ratio(lr, "k1"), valid),
-        "kl_sampler_learner_k3": masked_mean(kl_from_log_ratio(lr, "k3"), valid),
+        "ratio_mean": masked_mean(r, signal),
+        "ratio_max": masked_max(r, signal),
+        "kl_sampler_learner_k1": masked_mean(kl_from_log_ratio(lr, "k1"), signal),
+        "kl_sampler_learner_k3": masked_mean(kl_from_log_ratio(lr, "k3"), signal),
     }
 
 
 def _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask):
-    """(w, valid, A, log rho, rho) for the ratio-based losses, each exactly 0 on invalid tokens."""
+    """(w, valid, A, log rho, rho, signal) for the ratio-based losses, each exactly 0 on invalid
+    tokens; ``signal`` marks the valid tokens with A != 0."""
     _check_logprobs(target_logprobs, sampling_logprobs)
     w, valid = as_weights(mask, target_logprobs)
     adv = _on_valid(broadcast_advantages(advantages, target_logprobs), valid)
     log_ratio = _log_ratio(target_logprobs, sampling_logprobs, valid)
-    return w, valid, adv, log_ratio, torch.exp(log_ratio)
+    return w, valid, adv, log_ratio, torch.exp(log_ratio), valid & (adv != 0)
 
 
-def _clipped_output(loss, log_ratio, ratio, valid, clipped_low, clipped_high) -> LossOutput:
-    """LossOutput with ratio metrics plus clip fractions (of valid tokens) below, above and in total."""
-    n = max(int(valid.sum()), 1)
+def _clipped_output(loss, log_ratio, ratio, valid, signal, clipped_low, clipped_high) -> LossOutput:
+    """LossOutput with ratio metrics plus clip fractions (of the signal tokens) below, above and in
+    total."""
+    n = max(int(signal.sum()), 1)
     metrics = {
         "loss": float(loss.detach()),
-        **_ratio_metrics(log_ratio, ratio, valid),
-        "clip_fraction_high": float(clipped_high.sum()) / n,
-        "clip_fraction_low": float(clipped_low.sum()) / n,
-        "clip_fraction": float((clipped_high | clipped_low).sum()) / n,
+        **_ratio_metrics(log_ratio, ratio, valid, signal),
+        "clip_fraction_high": float((clipped_high & signal).sum()) / n,
+        "clip_fraction_low": float((clipped_low & signal).sum()) / n,
+        "clip_fraction": float(((clipped_high | clipped_low) & signal).sum()) / n,
     }
-    return LossOutput(loss, metrics)
+    return LossOutput(loss, metrics, signal)
 
 
 def cross_entropy(
@@ -123,10 +130,10 @@ def importance_sampling(
     mask: torch.Tensor | None = None,
 ) -> LossOutput:
     """L = -sum_t w_t rho_t A_t.  At rho = 1 its gradient equals REINFORCE's, -sum_t w_t A_t grad log p_t."""
-    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
+    w, valid, adv, log_ratio, ratio, signal = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     loss = -(_on_valid(ratio * adv, valid) * w).sum()
-    metrics = {"loss": float(loss.detach()), **_ratio_metrics(log_ratio, ratio, valid)}
-    return LossOutput(loss, metrics)
+    metrics = {"loss": float(loss.detach()), **_ratio_metrics(log_ratio, ratio, valid, signal)}
+    return LossOutput(loss, metrics, signal)
 
 
 def ppo(
@@ -141,18 +148,18 @@ def ppo(
 
     DAPO clip-higher is ``eps_high=0.28``.  A token is *clipped* (zero gradient) when A > 0 and
     rho > 1 + eps_high (clip_fraction_high) or A < 0 and rho < 1 - eps_low (clip_fraction_low);
-    clip_fraction is their sum, as a fraction of valid tokens.
+    clip_fraction is their sum, as a fraction of the signal tokens.
     """
     if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
+    w, valid, adv, log_ratio, ratio, signal = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -(_on_valid(torch.minimum(unclipped, clipped), valid) * w).sum()
     r = ratio.detach()
-    clipped_high = valid & (adv > 0) & (r > 1.0 + eps_high)
-    clipped_low = valid & (adv < 0) & (r < 1.0 - eps_low)
-    return _clipped_output(loss, log_ratio, ratio, valid, clipped_low, clipped_high)
+    clipped_high = (adv > 0) & (r > 1.0 + eps_high)
+    clipped_low = (adv < 0) & (r < 1.0 - eps_low)
+    return _clipped_output(loss, log_ratio, ratio, valid, signal, clipped_low, clipped_high)
 
 
 def cispo(
@@ -166,15 +173,15 @@ def cispo(
     """L = -sum_t w_t sg(clip(rho_t, clip_low, clip_high)) A_t log p_t  (clip bounds are absolute ratios).
 
     Unlike PPO no token loses its gradient: the IS weight is clipped and detached instead.
-    clip_fraction counts valid tokens whose ratio lies outside [clip_low, clip_high].
+    clip_fraction counts the signal tokens whose ratio lies outside [clip_low, clip_high].
     """
     if not 0.0 <= clip_low <= clip_high:
         raise ValueError(f"need 0 <= clip_low <= clip_high, got {clip_low}, {clip_high}")
-    w, valid, adv, log_ratio, ratio = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
+    w, valid, adv, log_ratio, ratio, signal = _ratio_terms(target_logprobs, sampling_logprobs, advantages, mask)
     coef = ratio.detach().clamp(clip_low, clip_high)
     loss = -(coef * adv * _on_valid(target_logprobs, valid) * w).sum()
     r = ratio.detach()
-    return _clipped_output(loss, log_ratio, ratio, valid, valid & (r < clip_low), valid & (r > clip_high))
+    return _clipped_output(loss, log_ratio, ratio, valid, signal, r < clip_low, r > clip_high)
 
 
 # ---- registered forms: Datum fields `logprobs` (sampler), `advantages` (per sequence [B] or per

@@ -197,7 +197,10 @@ class PolicyTrainer:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
         (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
         each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
-        nothing). ``padding`` datums add nothing (see :meth:`_passes`)."""
+        nothing). ``tokens`` counts the positions that carry a training signal (the loss's
+        ``signal``, else every position it reads): the policy entropy is their mean, and the
+        micro-batches' metrics are weighted by them. ``padding`` datums add nothing (see
+        :meth:`_passes`)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         started = time.perf_counter()
@@ -212,13 +215,14 @@ class PolicyTrainer:
             if outputs:
                 logp = fp.logprobs().detach().float().cpu()
                 per_datum.update((id(d), logp[row, : d.length].tolist()) for row, d in enumerate(group))
-            n_valid = int(fp.valid.sum())
+            signal = fp.valid if out.signal is None else out.signal
+            n_signal = int(signal.sum())
             metrics = {**out.metrics, "loss": float(out.loss.detach())}
             if fp.entropy is not None:
-                metrics["entropy"] = float(fp.entropy[fp.valid].mean()) if n_valid else 0.0
-            weight = n_valid if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
+                metrics["entropy"] = float(fp.entropy[signal].mean()) if n_signal else 0.0
+            weight = n_signal if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
             parts.append((float(weight), metrics))
-            tokens += n_valid
+            tokens += n_signal
         result = combine_metrics(parts)
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
         if outputs:
