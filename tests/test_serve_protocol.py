@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -27,7 +26,6 @@ import pytest
 import torch
 
 import tinker
-import uvicorn
 import zstandard
 from tinker import types as T
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -40,8 +38,10 @@ from meshrl.config.serve import ServeConfig
 from meshrl.serve import wire
 from meshrl.serve.app import TinkerServer, build_app
 from meshrl.serve.catalogue import ModelCatalogue
+from meshrl.serve.tenants import OPEN_TENANT
 from meshrl.serve.futures import JsonResult
 from meshrl.serve.training import LoraSpec
+from meshrl.testing.app_server import serve_in_thread
 from meshrl.testing.fake_api import FakeService, fake_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,20 +61,8 @@ class _Served:
 def served():
     """The app over a fresh fake, served by uvicorn in a thread; stopped at the end."""
     fake = FakeService("fake-model", 4096)
-    app = build_app(fake, ServeConfig(poll_hold_s=0.25, seq_gap_timeout_s=1.0))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield _Served(f"http://127.0.0.1:{sock.getsockname()[1]}", fake)
-    server.should_exit = True
-    thread.join(timeout=20)
-    assert not thread.is_alive(), "the server did not stop"
+    with serve_in_thread(build_app(fake, ServeConfig(poll_hold_s=0.25, seq_gap_timeout_s=1.0))) as url:
+        yield _Served(url, fake)
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +287,7 @@ def test_a_session_without_heartbeats_is_finished():
         fake = FakeService()
         server = TinkerServer(fake, ServeConfig(session_timeout_s=0.2),
                               ModelCatalogue(fake.get_server_capabilities(), {}, None))
-        session_id = server.create_session()["session_id"]
+        session_id = server.create_session(OPEN_TENANT)["session_id"]
         request_id, model_id = server.training.create(session_id, 0, LoraSpec("fake-model", 1))
         assert await server.futures.wait(request_id, 5) == JsonResult({"model_id": model_id, "type": "create_model"})
         await asyncio.sleep(0.6)
@@ -343,22 +331,31 @@ def _free_port() -> int:
 
 
 def test_meshrl_serve_runs_until_sigterm(tmp_path):
+    """`meshrl serve` itself, with a keys file: it serves its key, refuses another, stops on
+    SIGTERM, and its log names the keys file's counts but no key."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     log = tmp_path / "serve.log"
+    key, wrong_key = "tml-serve-test-5e1f", "tml-wrong-9c2d"
+    (tmp_path / "keys.txt").write_text(f"{key} tester\n")
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "meshrl.cli", "serve",
                                  "serve.backend=meshrl.testing.fake_api:fake_service", "model.name_or_path=served-fake",
-                                 "--port", str(port)],
+                                 f"serve.keys_file={tmp_path / 'keys.txt'}", "--port", str(port)],
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         line = proc.stdout.readline() if ready else ""
         assert line.startswith(f"serving at http://127.0.0.1:{port}"), f"{line!r}\n{log.read_text()}"
-        caps = tinker.RestClient(base_url=f"http://127.0.0.1:{port}").get_server_capabilities().result(timeout=30)
+        url = f"http://127.0.0.1:{port}"
+        caps = tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result(timeout=30)
         assert {"served-fake", ALIAS} <= {m.model_name for m in caps.supported_models}
+        refused = httpx.get(f"{url}/api/v1/get_server_capabilities", headers={"X-API-Key": wrong_key}, timeout=30)
+        assert refused.status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
+        text = log.read_text()
+        assert "serve.keys_file: 1 keys of 1 tenants" in text and key not in text and wrong_key not in text
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import shutil
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,6 +104,16 @@ class ServiceClient:
         if not match:
             raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name>")
         return self.root / _safe(match["run"]) / match["kind"] / match["name"]
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Delete the checkpoint at ``path`` (sampling clients made from it keep their weights);
+        UserError when there is none."""
+        directory = self.checkpoint_dir(path)
+        if not directory.is_dir():
+            raise UserError(f"path {path!r}: no checkpoint there")
+        shutil.rmtree(directory)
+        with self._lock:
+            self._sampler_versions.pop(path, None)
 
     def register_sampler(self, path: str, version: int) -> None:
         with self._lock:

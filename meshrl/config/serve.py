@@ -44,6 +44,12 @@ class ServeConfig(Section):
     served model's local directory; the fake backend has none, and the SDK then guesses one from
     the model name)."""
 
+    keys_file: str | None = None
+    """API keys that keep tenants apart: a text file of `<key> <tenant>` lines (`#` comments; keys
+    start with `tml-`, as the SDK requires; a tenant may have several). With it, a request without
+    a listed `X-API-Key` gets 401 and a tenant reaches only its own sessions, models, samplers and
+    checkpoints (403 otherwise). None: the server runs open, for local use (any key; one tenant)."""
+
     max_context_length: int | None = Field(None, ge=1)
     """Context length advertised by `get_server_capabilities`; None advertises what the backend
     reports."""

@@ -8,6 +8,15 @@ capabilities, training models (`create_model`, `get_info`, `forward_backward`, `
 submitted request is answered. Request bodies are parsed with the SDK's own request models and
 protobuf module, so a field the SDK renames fails loudly here.
 
+It also serves the `RestClient` listings of a tenant's sessions, training runs and checkpoints
+(`listing`), checkpoint deletion and expiry, and refuses every other SDK call in one line naming an
+alternative (`REFUSED`).
+
+Access (`tenants`): with `serve.keys_file` every request needs a listed `X-API-Key` (401) and
+reaches only its own tenant's sessions, models, samplers, checkpoints and request ids (403); every
+route is registered through `route`, which checks each id the request names before its handler
+runs. Without a keys file the server says at start that it runs open.
+
 Errors: a request the SDK polls for fails through its future as ``{"error", "category"}``
 (`user` for a bad request, `server` otherwise); a direct call answers 400 (user) or 500 (server)
 with the same body; a body that does not parse answers 400 naming the field. None of these stop
@@ -21,24 +30,27 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import pydantic
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types as sdk
 
 from meshrl.api.errors import UserError
 from meshrl.config.serve import ServeConfig
-from meshrl.serve import wire
+from meshrl.serve import listing, wire
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FutureStore, JsonResult, ProtoResult, failure, then
 from meshrl.serve.sampling import Sampler, Samplers
-from meshrl.serve.training import LoraSpec, TrainingModels
+from meshrl.serve.tenants import (CHECKPOINT_PREFIX, OPEN_TENANT, REQUEST_ID_FIELD, AccessDenied, Forbidden, Keys,
+                                  load_keys, resources, session_of)
+from meshrl.serve.training import LoraSpec, SavedCheckpoint, TrainingModels
 from meshrl.types import AdamParams
 
 log = logging.getLogger(__name__)
@@ -49,10 +61,60 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 _POOL_THREADS = 8
 
 
+# SDK calls this server does not serve: (method, path) -> the one-line refusal naming an alternative
+REFUSED = {
+    ("POST", "copy_weights"): "ServiceClient/RestClient.copy_weights is not served (there are no projects or "
+                              "organisations to copy between); load your own checkpoint with "
+                              "create_training_client_from_state",
+    ("POST", "save_weights_external"): "TrainingClient.save_weights_external is not served (no external weights "
+                                       "store); save_state and save_weights_for_sampler write tinker:// checkpoints",
+    ("GET", "training_runs/{training_run_id}/checkpoints/{kind}/{name}/external_weights_urls"):
+        "RestClient.get_external_weights_urls is not served (no external weights store); the server keeps "
+        "checkpoints under its output.dir",
+    ("POST", "training_runs/{training_run_id}/checkpoints/{kind}/{name}/publish"):
+        "RestClient.publish_checkpoint_from_tinker_path is not served: checkpoints stay private to the tenant "
+        "that saved them; use them from a client with that tenant's key",
+    ("DELETE", "training_runs/{training_run_id}/checkpoints/{kind}/{name}/publish"):
+        "RestClient.unpublish_checkpoint_from_tinker_path is not served: no checkpoint is ever public here",
+    ("PUT", "sessions/{session_id}/project"): "RestClient.assign_session_project is not served (no projects; "
+                                              "tenants come from serve.keys_file)",
+    ("GET", "sessions/{session_id}/trace_export"): "RestClient.export_session_trace is not served (no traces are "
+                                                   "recorded); use get_session and list_checkpoints",
+    ("POST", "sessions/search"): "RestClient.search_sessions is not served; use RestClient.list_sessions and "
+                                 "get_session",
+    ("GET", "audit"): "AdminClient.get_audit_log is not served (no audit log); the server's log names failed requests",
+    ("GET", "billing/usage/events"): "AdminClient.get_billing_usage is not served: nothing is billed here",
+    ("GET", "billing/usage/checkpoints/current"): "AdminClient.get_current_checkpoint_storage_usage is not served; "
+                                                  "RestClient.list_user_checkpoints lists your checkpoints",
+    ("POST", "create_custom_loss"): "uploading a custom loss is not served (client/config says "
+                                    "custom_loss_server_side: false): forward_backward_custom runs it client-side",
+    ("POST", "join_sampling_session"): "join_sampling_session is not served (client/config says "
+                                       "sample_join_sampling_session: false)",
+    ("POST", "retrieve_futures"): "retrieve_futures is not served (client/config says sample_use_retrieve_futures: "
+                                  "false); poll retrieve_future",
+    ("POST", "auth/token"): "JWT exchange is not served (client/config says pjwt_auth_enabled: false); send an "
+                            "API key",
+}
+
+
 @dataclass
 class _Session:
+    tenant: str = OPEN_TENANT
+    user_metadata: dict[str, Any] | None = None
+    display_name: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    """One admitted request: the caller's tenant, its parsed body (None for a bodiless one), its
+    URL parameters and its query."""
+
+    tenant: str
+    body: Any
+    params: Mapping[str, str]
+    query: Mapping[str, str]
 
 
 def _error(message: str, category: str, status: int) -> JSONResponse:
@@ -82,9 +144,10 @@ class TinkerServer:
     """The state behind the routes: sessions, training models, samplers and pending results.
     Built when the app starts, on its event loop."""
 
-    def __init__(self, service: Any, cfg: ServeConfig, catalogue: ModelCatalogue):
+    def __init__(self, service: Any, cfg: ServeConfig, catalogue: ModelCatalogue, keys: Keys | None = None):
         loop = asyncio.get_running_loop()
         self.cfg = cfg
+        self.keys = keys or Keys(None)
         self.catalogue = catalogue
         self.service = service
         self.futures = FutureStore(loop, cfg.result_ttl_s, cfg.request_timeout_s)
@@ -93,16 +156,16 @@ class TinkerServer:
                                        cfg.tokenizer or service.tokenizer_id())
         self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s)
         self.sessions: dict[str, _Session] = {}
-        self._reaper = loop.create_task(self._finish_silent_sessions())
+        self._reaper = loop.create_task(self._housekeeping())
 
     def close(self) -> None:
         self._reaper.cancel()
         self.training.close_all()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _finish_silent_sessions(self) -> None:
+    async def _housekeeping(self) -> None:
         """Finish the sessions whose clients stopped sending heartbeats (crashed or killed), so
-        their training clients do not hold the backend forever."""
+        their training clients do not hold the backend forever, and delete expired checkpoints."""
         timeout = self.cfg.session_timeout_s
         while True:
             await asyncio.sleep(min(timeout / 4, 30.0))
@@ -112,6 +175,36 @@ class TinkerServer:
                     log.warning("session %s sent no heartbeat for %g s (serve.session_timeout_s): finishing it",
                                 session_id, timeout)
                     self.finish_session(session_id)
+            now = datetime.now(timezone.utc)
+            for saved in list(self.training.checkpoints.values()):
+                if saved.expires_at is not None and saved.expires_at <= now:
+                    try:
+                        await self.delete_checkpoint(saved.path)
+                    except Exception:  # noqa: BLE001 - logged; the next round tries again
+                        log.exception("deleting expired checkpoint %s failed", saved.path)
+
+    # ---- access -----------------------------------------------------------------------------
+
+    def owner(self, field_name: str, value: str) -> str | None:
+        """The tenant that owns the resource a request field names; None if nobody known does."""
+        if field_name == REQUEST_ID_FIELD:
+            return self.futures.owner(value)
+        session = self.sessions.get(session_of(value))
+        return None if session is None else session.tenant
+
+    def admit(self, tenant: str, named: Mapping[str, str]) -> None:
+        """Forbidden unless every resource the request names is the tenant's own or unknown (an
+        unknown id fails in its handler). With keys, a checkpoint path must be one this tenant's
+        sessions saved: other files under the checkpoint root have no known owner."""
+        for field_name, value in named.items():
+            if field_name in ("path", "model_path", "tinker_path") and not value.startswith(CHECKPOINT_PREFIX):
+                continue  # a checkpoint's name, not a path
+            owner = self.owner(field_name, value)
+            if owner is None and value.startswith(CHECKPOINT_PREFIX) and not self.keys.open:
+                raise Forbidden(f"{field_name} {value!r}: not a checkpoint of tenant {tenant!r} "
+                                "(only checkpoints your own sessions saved on this server can be used)")
+            if owner is not None and owner != tenant:
+                raise Forbidden(f"{field_name} {value!r} belongs to another tenant")
 
     def session(self, session_id: str) -> _Session:
         session = self.sessions.get(session_id)
@@ -126,16 +219,18 @@ class TinkerServer:
     def create_model(self, req: sdk.CreateModelRequest) -> dict:
         self.session(req.session_id)
         if req.lora_config is None:
-            raise UserError("create_model: lora_config is missing (only LoRA training is served)")
-        if req.optimizer_config.type != "adamw":
-            raise UserError(f"create_model: optimizer_config.type = {req.optimizer_config.type!r}; "
-                            "only adamw is served")
+            raise UserError("create_model: full fine-tuning (no lora_config) is not served; "
+                            "use create_lora_training_client")
+        _adamw_only("create_model", req.optimizer_config)
         lora = req.lora_config
         spec = LoraSpec(req.base_model, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed)
-        request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec)
+        request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec, req.user_metadata)
         return _future(request_id, model_id=model_id)
 
     def forward_backward(self, msg: Any) -> dict:
+        if msg.loss_fn == "custom":
+            raise UserError("forward_backward: loss_fn 'custom' (an uploaded custom loss) is not served; "
+                            "forward_backward_custom runs the loss client-side against this server")
         call = "forward" if msg.forward_only else "forward_backward"
 
         def run(client: Any) -> Future:
@@ -148,7 +243,8 @@ class TinkerServer:
         def run(client: Any) -> Future:
             params = req.optim_params
             if not isinstance(params, sdk.AdamParams):
-                raise UserError(f"optim_step: {type(params).__name__} given; only AdamParams are served")
+                raise UserError(f"optim_step: {type(params).__name__} ({params.type}) is not served; "
+                                "pass adam_params=AdamParams(...) (AdamW is the one optimizer here)")
             try:
                 adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
                                   eps=params.eps, weight_decay=params.weight_decay,
@@ -164,22 +260,31 @@ class TinkerServer:
         def run(client: Any) -> Future:
             if not req.path:
                 raise UserError("save_weights: path (the checkpoint name) is missing")
+            existing = listing.checkpoint_path(req.model_id, f"weights/{req.path}")
+            if not req.overwrite and existing in self.training.checkpoints:
+                raise UserError(f"save_weights: {existing} exists; pass overwrite=True or another name")
             return client.save_state(req.path)
 
         return _future(self.training.submit(req.model_id, req.seq_id, run, lambda path: self._saved(
-            req.model_id, path, {"path": path, "type": "save_weights"})))
+            req.model_id, path, {"path": path, "type": "save_weights"}, req.ttl_seconds, req.user_metadata)))
 
-    def _saved(self, model_id: str, path: str, reply: dict) -> JsonResult:
-        self.training.remember_checkpoint(model_id, path)
+    def _saved(self, model_id: str, path: str, reply: dict, ttl_seconds: int | None,
+               user_metadata: dict[str, str] | None) -> JsonResult:
+        self.training.remember_checkpoint(model_id, path, ttl_seconds, user_metadata)
         return JsonResult(reply)
 
     def load_weights(self, req: sdk.LoadWeightsRequest) -> dict:
+        if req.weights_access_token is not None:
+            raise UserError("load_weights: weights_access_token is not served (no cross-organisation access); "
+                            "load checkpoints your own tenant saved")
+        if req.optimizer_config is not None:
+            _adamw_only("load_weights", req.optimizer_config)
         if req.model_id is None:  # create-via-load: a new training client from a checkpoint
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: needs model_id, or session_id with model_seq_id")
             self.session(req.session_id)
             return _future(self.training.create_from_checkpoint(req.session_id, req.model_seq_id, req.path,
-                                                                req.optimizer, req.base_model))
+                                                                req.optimizer, req.base_model, req.user_metadata))
 
         def run(client: Any) -> Future:
             return client.load_state_with_optimizer(req.path) if req.optimizer else client.load_state(req.path)
@@ -188,16 +293,19 @@ class TinkerServer:
             {"path": req.path, "model_id": req.model_id, "type": "load_weights"})))
 
     def save_weights_for_sampler(self, req: sdk.SaveWeightsForSamplerRequest) -> dict:
+        if req.kind != "snapshot":
+            raise UserError(f"save_weights_for_sampler: kind={req.kind!r} is not served (a sampler samples the "
+                            "weights of one save); use kind='snapshot' and save again after each optim_step")
         if req.path is not None:
             return _future(self.training.submit(
                 req.model_id, req.seq_id, lambda client: client.save_weights_for_sampler(req.path),
-                lambda path: self._saved(req.model_id, path, {"path": path, "type": "save_weights_for_sampler"})))
+                lambda path: self._saved(req.model_id, path, {"path": path, "type": "save_weights_for_sampler"},
+                                         req.ttl_seconds, req.user_metadata)))
         seq = req.sampling_session_seq_id
 
         def run(client: Any) -> Future:
             if seq is None:
                 raise UserError("save_weights_for_sampler: needs path or sampling_session_seq_id")
-            # a snapshot either way: `inflight` samplers also see the weights of this moment
             saved = client.save_weights_for_sampler(f"sampler-{seq}")
             return then(saved, lambda path: (path, self.service.create_sampling_client(model_path=path)), self.pool)
 
@@ -207,15 +315,17 @@ class TinkerServer:
             sampler_id = f"{model.session_id}:sample:{seq}"
             self.samplers.add(Sampler(sampler_id, model.session_id, client, model.spec.base_model, path))
             return self._saved(req.model_id, path, {"path": path, "sampling_session_id": sampler_id,
-                                                    "type": "save_weights_for_sampler"})
+                                                    "type": "save_weights_for_sampler"},
+                               req.ttl_seconds, req.user_metadata)
 
         return _future(self.training.submit(req.model_id, req.seq_id, run, opened))
 
     # ---- sessions and sampling --------------------------------------------------------------
 
-    def create_session(self) -> dict:
+    def create_session(self, tenant: str, user_metadata: dict[str, Any] | None = None,
+                       display_name: str | None = None) -> dict:
         session_id = f"session-{uuid.uuid4().hex[:16]}"
-        self.sessions[session_id] = _Session()
+        self.sessions[session_id] = _Session(tenant, user_metadata, display_name)
         return {"type": "create_session", "session_id": session_id}
 
     def finish_session(self, session_id: str) -> None:
@@ -238,6 +348,66 @@ class TinkerServer:
         request_id, sequence_ids = self.samplers.sample(req)
         return _future(request_id, sample_sequence_ids=sequence_ids)
 
+    # ---- RestClient: listings, deletion, expiry ------------------------------------------------
+
+    def list_sessions(self, call: Call) -> dict:
+        limit, offset = listing.page_bounds(dict(call.query), 20)
+        owned = [sid for sid, session in reversed(self.sessions.items()) if session.tenant == call.tenant]
+        return {"sessions": listing.page(owned, limit, offset)[0]}
+
+    def get_session(self, session_id: str) -> dict:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UserError(f"unknown session_id {session_id!r}")
+        runs = [run_id for run_id, run in self.training.runs.items() if run.session_id == session_id]
+        return {"training_run_ids": runs, "sampler_ids": self.samplers.ids_of(session_id),
+                "user_metadata": session.user_metadata, "display_name": session.display_name}
+
+    def training_run(self, model_id: str) -> dict:
+        run = self.training.runs.get(model_id)
+        if run is None:
+            raise UserError(f"unknown training_run_id {model_id!r}")
+        return listing.training_run(run, self.sessions[run.session_id].tenant, self._checkpoints_of(model_id))
+
+    def list_training_runs(self, call: Call) -> dict:
+        limit, offset = listing.page_bounds(dict(call.query), 20)
+        owned = [model_id for model_id, run in reversed(self.training.runs.items())
+                 if self.sessions[run.session_id].tenant == call.tenant]
+        runs, cursor = listing.page(owned, limit, offset)
+        return {"training_runs": [self.training_run(model_id) for model_id in runs], "cursor": cursor}
+
+    def _checkpoints_of(self, model_id: str) -> list[SavedCheckpoint]:
+        return [saved for saved in self.training.checkpoints.values() if saved.model_id == model_id]
+
+    def list_checkpoints(self, model_id: str) -> dict:
+        if model_id not in self.training.runs:
+            raise UserError(f"unknown training_run_id {model_id!r}")
+        return {"checkpoints": [c.sdk() for c in listing.newest_first(self._checkpoints_of(model_id))]}
+
+    def list_user_checkpoints(self, call: Call) -> dict:
+        limit, offset = listing.page_bounds(dict(call.query), 100)
+        owned = [c for c in listing.newest_first(self.training.checkpoints.values())
+                 if self.owner("path", c.path) == call.tenant]
+        saved, cursor = listing.page(owned, limit, offset)
+        return {"checkpoints": [c.sdk() for c in saved], "cursor": cursor}
+
+    def saved_checkpoint(self, path: str) -> SavedCheckpoint:
+        saved = self.training.checkpoints.get(path)
+        if saved is None:
+            raise UserError(f"unknown checkpoint {path!r} (not saved through this server, or deleted)")
+        return saved
+
+    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> dict:
+        self.saved_checkpoint(path).expire_after(ttl_seconds)
+        return {}
+
+    async def delete_checkpoint(self, path: str) -> dict:
+        """Delete a checkpoint's files and forget it (samplers already made from it keep sampling)."""
+        self.saved_checkpoint(path)
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.service.delete_checkpoint, path)
+        self.training.checkpoints.pop(path, None)
+        return {}
+
     async def retrieve(self, req: sdk.FutureRetrieveRequest) -> Response:
         try:
             outcome = await self.futures.wait(req.request_id, self.cfg.poll_hold_s)
@@ -253,21 +423,52 @@ class TinkerServer:
         return JSONResponse({"error": outcome.message, "category": outcome.category})
 
 
+def _adamw_only(where: str, config: Any) -> None:
+    if config.type != "adamw":
+        raise UserError(f"{where}: optimizer_config type {config.type!r} is not served; leave optimizer unset "
+                        "(AdamW, the one optimizer here)")
+
+
+Handler = Callable[[TinkerServer, Call], Any]
+Parser = Callable[[Request], Awaitable[Any]]
+
+
+async def _forward_backward_body(request: Request) -> Any:
+    return wire.forward_backward_request(await request.body(), request.headers.get("content-encoding"))
+
+
+def _refuse(message: str) -> Handler:
+    def refuse(server: TinkerServer, call: Call) -> Any:
+        raise UserError(message)
+    return refuse
+
+
 def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     """The FastAPI app serving ``service`` as configured; ConfigError if the model aliases name
-    models the backend does not serve."""
+    models the backend does not serve, or the keys file is unreadable or malformed."""
     catalogue = ModelCatalogue(service.get_server_capabilities(), cfg.model_aliases, cfg.max_context_length)
+    keys = Keys(None if cfg.keys_file is None else load_keys(cfg.keys_file))
+    (log.warning if keys.open else log.info)("%s", keys.describe())
     holder: dict[str, TinkerServer] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        holder["server"] = TinkerServer(service, cfg, catalogue)
+        holder["server"] = TinkerServer(service, cfg, catalogue, keys)
         try:
             yield
         finally:
             holder.pop("server").close()
 
-    app = FastAPI(title="meshrl serve (Tinker protocol)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    async def authenticate(request: Request) -> None:
+        """Every route's first step: the tenant of the request's key (401 without a known one)."""
+        request.state.tenant = keys.tenant(request.headers.get("x-api-key"))
+
+    app = FastAPI(title="meshrl serve (Tinker protocol)", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(authenticate)])
+
+    @app.exception_handler(AccessDenied)
+    async def access_denied(_: Request, exc: AccessDenied) -> JSONResponse:
+        return _error(str(exc), "user", exc.status)
 
     @app.exception_handler(UserError)
     async def user_error(_: Request, exc: UserError) -> JSONResponse:
@@ -279,11 +480,30 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
         bad = failure(exc)
         return _error(bad.message, bad.category, 500)
 
+    def route(method: str, path: str, handler: Handler, body: type[pydantic.BaseModel] | Parser | None = None) -> None:
+        """Serve ``handler`` at ``/api/v1/{path}``: the request's body is parsed (an SDK request
+        model, or a parser), every id it or its URL names is checked against the caller's tenant,
+        and a request id in the reply is recorded as the caller's."""
+        async def endpoint(request: Request) -> Any:
+            server, tenant = holder["server"], request.state.tenant
+            if body is None:
+                parsed = None
+            elif isinstance(body, type):
+                parsed = await _body(request, body)
+            else:
+                parsed = await body(request)
+            server.admit(tenant, resources(parsed, request.path_params))
+            result = handler(server, Call(tenant, parsed, request.path_params, request.query_params))
+            if asyncio.iscoroutine(result):
+                result = await result
+            if isinstance(result, dict) and REQUEST_ID_FIELD in result:
+                server.futures.claim(result[REQUEST_ID_FIELD], tenant)
+            return result
+        endpoint.admits_tenants = True  # what tests/test_serve_tenants.py checks every route for
+        app.add_api_route(f"/api/v1/{path}", endpoint, methods=[method], name=f"{method} {path}")
+
     def post(path: str, model: type[M], handler: Callable[[TinkerServer, M], Any]) -> None:
-        async def route(request: Request) -> Any:
-            result = handler(holder["server"], await _body(request, model))
-            return await result if asyncio.iscoroutine(result) else result
-        app.add_api_route(f"/api/v1/{path}", route, methods=["POST"], name=path)
+        route("POST", path, lambda server, call: handler(server, call.body), model)
 
     def heartbeat(server: TinkerServer, session_id: str) -> Any:
         session = server.sessions.get(session_id)
@@ -294,12 +514,27 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
         session.last_seen = time.monotonic()
         return {"type": "session_heartbeat"}
 
+    def finish(server: TinkerServer, session_id: str) -> Any:
+        if session_id not in server.sessions:
+            return _error(f"unknown session_id {session_id!r}", "user", 404)
+        server.finish_session(session_id)
+        return {}
+
+    def sampler(server: TinkerServer, sampler_id: str) -> dict:
+        found = server.samplers.get(sampler_id)
+        return {"sampler_id": found.sampler_id, "base_model": found.base_model, "model_path": found.model_path}
+
+    def checkpoint(call: Call) -> str:
+        return listing.checkpoint_path(call.params["training_run_id"], f"{call.params['kind']}/{call.params['name']}")
+
     post("client/config", sdk.ClientConfigRequest, lambda s, r: {"use_pyqwest_transport": False})
     post("client/dynamic_config", sdk.ClientConfigRequest, lambda s, r: {})
-    post("create_session", sdk.CreateSessionRequest, lambda s, r: s.create_session())
+    route("POST", "create_session", lambda s, c: s.create_session(c.tenant, c.body.user_metadata, c.body.display_name),
+          sdk.CreateSessionRequest)
     post("session_heartbeat", sdk.SessionHeartbeatRequest, lambda s, r: heartbeat(s, r.session_id))
     post("create_model", sdk.CreateModelRequest, TinkerServer.create_model)
     post("get_info", sdk.GetInfoRequest, lambda s, r: s.training.info(r.model_id))
+    route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body)
     post("optim_step", sdk.OptimStepRequest, TinkerServer.optim_step)
     post("save_weights", sdk.SaveWeightsRequest, TinkerServer.save_weights)
     post("load_weights", sdk.LoadWeightsRequest, TinkerServer.load_weights)
@@ -307,35 +542,25 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     post("create_sampling_session", sdk.CreateSamplingSessionRequest, TinkerServer.create_sampling_session)
     post("asample", sdk.SampleRequest, TinkerServer.asample)
     post("retrieve_future", sdk.FutureRetrieveRequest, TinkerServer.retrieve)
-
-    @app.post("/api/v1/forward_backward")
-    async def forward_backward(request: Request) -> dict:
-        msg = wire.forward_backward_request(await request.body(), request.headers.get("content-encoding"))
-        return holder["server"].forward_backward(msg)
-
-    @app.post("/api/v1/telemetry")
-    async def telemetry() -> dict:
-        return {"status": "accepted"}
-
-    @app.get("/api/v1/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/api/v1/get_server_capabilities")
-    async def capabilities() -> dict:
-        return {"supported_models": catalogue.capabilities()}
-
-    @app.get("/api/v1/samplers/{sampler_id}")
-    async def sampler(sampler_id: str) -> dict:
-        found = holder["server"].samplers.get(sampler_id)
-        return {"sampler_id": found.sampler_id, "base_model": found.base_model, "model_path": found.model_path}
-
-    @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish(session_id: str) -> dict:
-        server = holder["server"]
-        if session_id not in server.sessions:
-            return _error(f"unknown session_id {session_id!r}", "user", 404)
-        server.finish_session(session_id)
-        return {}
-
+    route("POST", "telemetry", lambda s, c: {"status": "accepted"})
+    route("GET", "healthz", lambda s, c: {"status": "ok"})
+    route("GET", "get_server_capabilities", lambda s, c: {"supported_models": catalogue.capabilities()})
+    route("GET", "samplers/{sampler_id}", lambda s, c: sampler(s, c.params["sampler_id"]))
+    route("POST", "sessions/{session_id}/finish", lambda s, c: finish(s, c.params["session_id"]))
+    route("GET", "sessions", TinkerServer.list_sessions)
+    route("GET", "sessions/{session_id}", lambda s, c: s.get_session(c.params["session_id"]))
+    route("GET", "training_runs", TinkerServer.list_training_runs)
+    route("GET", "training_runs/{training_run_id}", lambda s, c: s.training_run(c.params["training_run_id"]))
+    route("GET", "training_runs/{training_run_id}/checkpoints",
+          lambda s, c: s.list_checkpoints(c.params["training_run_id"]))
+    route("GET", "checkpoints", TinkerServer.list_user_checkpoints)
+    route("DELETE", "training_runs/{training_run_id}/checkpoints/{kind}/{name}",
+          lambda s, c: s.delete_checkpoint(checkpoint(c)))
+    route("PUT", "training_runs/{training_run_id}/checkpoints/{kind}/{name}/ttl",
+          lambda s, c: s.set_checkpoint_ttl(checkpoint(c), c.body.ttl_seconds), listing.CheckpointTtlRequest)
+    route("POST", "weights_info", lambda s, c: listing.weights_info(s.saved_checkpoint(c.body.tinker_path)),
+          listing.WeightsInfoRequest)
+    route("GET", "whoami", lambda s, c: {"user_urn": f"meshrl:tenant:{c.tenant}", "org_urn": "meshrl:server"})
+    for (method, path), message in REFUSED.items():
+        route(method, path, _refuse(message))
     return app

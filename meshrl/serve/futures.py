@@ -62,6 +62,7 @@ class _Entry:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
     settled_at: float = 0.0
+    owner: str | None = None  # the tenant the request id was returned to
 
 
 class FutureStore:
@@ -79,6 +80,18 @@ class FutureStore:
         request_id = uuid.uuid4().hex
         self._entries[request_id] = _Entry()
         return request_id
+
+    def claim(self, request_id: str, owner: str) -> None:
+        """Record the tenant a request id was returned to (the first one, if it is returned again
+        to a retry)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.owner is None:
+            entry.owner = owner
+
+    def owner(self, request_id: str) -> str | None:
+        """The tenant a request id was returned to; None if unknown or forgotten."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.owner
 
     def settle(self, request_id: str, outcome: Outcome) -> None:
         """Record the outcome of a pending request; later outcomes for it are ignored (a request

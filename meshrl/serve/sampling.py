@@ -25,9 +25,15 @@ from meshrl.serve import wire
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FailedResult, FutureStore, ProtoResult, run_on
 
-# SampleRequest options this server does not implement, with the value that means "not asked for"
-_UNSUPPORTED = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
-                "prompt_alt_tokens_k": 0, "record_stability_info": None}
+# SampleRequest options this server does not implement: (the value that means "not asked for", the
+# alternative the refusal names)
+_UNSUPPORTED = {
+    "topk_prompt_logprobs": (0, "include_prompt_logprobs=True gives the prompt tokens' own logprobs"),
+    "topk_sample_logprobs": (0, "every sampled token comes with its own logprob"),
+    "target_prompt_logprobs": (None, "a TrainingClient.forward with target_tokens scores chosen tokens"),
+    "prompt_alt_tokens_k": (0, "sample from a prompt prefix to draw alternatives at a position"),
+    "record_stability_info": (None, "train with importance_sampling or ppo, which need no stability info"),
+}
 
 
 @dataclass(frozen=True)
@@ -121,17 +127,21 @@ class Samplers:
     def _check(self, request: sdk.SampleRequest) -> Sampler:
         if request.sampling_session_id is None:
             raise UserError("asample: sampling_session_id is missing (sample through a sampling session)")
-        for name, off in _UNSUPPORTED.items():
+        for name, (off, alternative) in _UNSUPPORTED.items():
             if getattr(request, name) not in (off, False):
-                raise UserError(f"asample: {name} is not supported by this server")
+                raise UserError(f"asample: {name} is not served; {alternative}")
         if request.num_samples < 1:
             raise UserError(f"asample: num_samples = {request.num_samples}, expected >= 1")
         if request.prompt_logprobs_last_n is not None and not request.prompt_logprobs:
             raise UserError("asample: prompt_logprobs_last_n needs prompt_logprobs")
         return self.get(request.sampling_session_id)
 
+    def ids_of(self, session_id: str) -> list[str]:
+        """The ids of a session's open samplers."""
+        return [s for s, sampler in self._samplers.items() if sampler.session_id == session_id]
+
     def close_session(self, session_id: str) -> None:
         """Forget a session's samplers."""
-        for sampler_id in [s for s, sampler in self._samplers.items() if sampler.session_id == session_id]:
+        for sampler_id in self.ids_of(session_id):
             del self._samplers[sampler_id]
             self._creating.pop(sampler_id, None)

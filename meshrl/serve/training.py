@@ -9,14 +9,16 @@ retried with a `seq_id` already seen gets the first attempt's request id.
 
 Checkpoints saved through the server are remembered with the LoRA settings of the model that
 saved them: a training client can be created from one of those (a checkpoint from elsewhere does
-not say which adapter shape to create).
+not say which adapter shape to create). The records of models (`TrainingRun`) and checkpoints
+(`SavedCheckpoint`) outlive their sessions, for the SDK's `RestClient` listings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from meshrl.api.errors import UserError
@@ -38,6 +40,49 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class TrainingRun:
+    """What the SDK calls a training run: one model this server created, open or closed."""
+
+    model_id: str
+    session_id: str
+    spec: LoraSpec
+    user_metadata: dict[str, str] | None = None
+    last_request: datetime = field(default_factory=_now)
+
+
+@dataclass
+class SavedCheckpoint:
+    """A checkpoint saved through this server: its `tinker://` path, the model that saved it (and
+    so its adapter's shape), when, and when it expires (None: never)."""
+
+    path: str
+    model_id: str
+    spec: LoraSpec
+    user_metadata: dict[str, str] | None = None
+    time: datetime = field(default_factory=_now)
+    expires_at: datetime | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """``weights/<name>`` or ``sampler_weights/<name>``: the path after the model id."""
+        return self.path.split("/", 3)[3]
+
+    def expire_after(self, ttl_seconds: int | None) -> None:
+        self.expires_at = None if ttl_seconds is None else _now() + timedelta(seconds=ttl_seconds)
+
+    def sdk(self) -> dict:
+        """As the SDK's `Checkpoint`."""
+        kind = "training" if self.checkpoint_id.startswith("weights/") else "sampler"
+        return {"checkpoint_id": self.checkpoint_id, "checkpoint_type": kind, "time": self.time.isoformat(),
+                "tinker_path": self.path, "user_metadata": self.user_metadata,
+                "expires_at": None if self.expires_at is None else self.expires_at.isoformat()}
 
 
 class TrainingModel:
@@ -81,35 +126,37 @@ class TrainingModels:
         self._gap_timeout_s = gap_timeout_s
         self._models: dict[str, TrainingModel] = {}
         self._creations: dict[str, str] = {}  # model id -> request id of its creation
-        self._checkpoints: dict[str, LoraSpec] = {}  # tinker:// path -> the model that saved it
+        self.runs: dict[str, TrainingRun] = {}  # model id -> its record, open or closed
+        self.checkpoints: dict[str, SavedCheckpoint] = {}  # tinker:// path -> its record
 
-    def create(self, session_id: str, model_seq_id: int, spec: LoraSpec) -> tuple[str, str]:
+    def create(self, session_id: str, model_seq_id: int, spec: LoraSpec,
+               user_metadata: dict[str, str] | None = None) -> tuple[str, str]:
         """Start creating a LoRA training model; (request id, model id)."""
         return self._create(session_id, model_seq_id, spec, None,
-                            lambda model_id: JsonResult({"model_id": model_id, "type": "create_model"}))
+                            lambda model_id: JsonResult({"model_id": model_id, "type": "create_model"}),
+                            user_metadata)
 
     def create_from_checkpoint(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool,
-                               base_model: str | None) -> str:
+                               base_model: str | None, user_metadata: dict[str, str] | None = None) -> str:
         """Start creating a training model loaded from a checkpoint this server saved; request id."""
-        spec = self._checkpoints.get(path)
-        if spec is None:
+        saved = self.checkpoints.get(path)
+        if saved is None:
             request_id = self._futures.create()
             self._futures.settle(request_id, FailedResult(
                 f"unknown checkpoint {path!r}: a training client can only be created from a checkpoint "
                 "this server saved (it records the LoRA shape)", "user"))
             return request_id
-        if base_model is not None:
-            spec = replace(spec, base_model=base_model)
+        spec = saved.spec if base_model is None else replace(saved.spec, base_model=base_model)
 
         def load(client: Any) -> Future:
             return client.load_state_with_optimizer(path) if with_optimizer else client.load_state(path)
 
         request_id, _ = self._create(session_id, model_seq_id, spec, load, lambda model_id: JsonResult(
-            {"path": path, "model_id": model_id, "type": "load_weights"}))
+            {"path": path, "model_id": model_id, "type": "load_weights"}), user_metadata)
         return request_id
 
     def _create(self, session_id: str, model_seq_id: int, spec: LoraSpec, first: Operation | None,
-                encode: Callable[[str], Outcome]) -> tuple[str, str]:
+                encode: Callable[[str], Outcome], user_metadata: dict[str, str] | None) -> tuple[str, str]:
         """Create a model's backend client on its worker, then run ``first`` on it (if given); the
         request id answers ``encode(model_id)`` once both are done."""
         model_id = f"{session_id}:train:{model_seq_id}"
@@ -122,6 +169,7 @@ class TrainingModels:
             self._futures.settle(request_id, FailedResult(str(exc), "user"))
             return request_id, model_id
         model = self._models[model_id] = TrainingModel(model_id, session_id, spec, self._gap_timeout_s)
+        self.runs[model_id] = TrainingRun(model_id, session_id, spec, user_metadata)
 
         def create() -> Future:
             model.client = self._service.create_lora_training_client(
@@ -166,6 +214,7 @@ class TrainingModels:
             self._futures.settle(request_id, FailedResult(f"{model_id}: seq_id is missing", "user"))
             return request_id
         model.requests[seq_id] = request_id
+        self.runs[model_id].last_request = _now()
         if len(model.requests) > _REMEMBERED_SEQ_IDS:  # only a recent request can be retried
             del model.requests[next(iter(model.requests))]
 
@@ -178,17 +227,19 @@ class TrainingModels:
         model.order.arrive(seq_id, start, fail)
         return request_id
 
-    def remember_checkpoint(self, model_id: str, path: str) -> None:
+    def remember_checkpoint(self, model_id: str, path: str, ttl_seconds: int | None = None,
+                            user_metadata: dict[str, str] | None = None) -> None:
         """Record that ``path`` holds a checkpoint of ``model_id``'s adapter (if the model is
-        still open)."""
+        still open), expiring after ``ttl_seconds`` (None: never)."""
         model = self._models.get(model_id)
         if model is not None:
-            self._checkpoints[path] = model.spec
+            saved = self.checkpoints[path] = SavedCheckpoint(path, model_id, model.spec, user_metadata)
+            saved.expire_after(ttl_seconds)
 
     def checkpoint_base_model(self, path: str) -> str | None:
         """The model name of the model that saved ``path``, if this server saved it."""
-        spec = self._checkpoints.get(path)
-        return None if spec is None else spec.base_model
+        saved = self.checkpoints.get(path)
+        return None if saved is None else saved.spec.base_model
 
     def close_session(self, session_id: str) -> None:
         """Close the backend clients of a session's models (after their queued calls)."""

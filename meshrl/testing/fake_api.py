@@ -242,6 +242,10 @@ class FakeService:
         self._check_model(base_model or "")
         return FakeSamplingClient(self, None, self.model_name, 0.0)
 
+    def delete_checkpoint(self, path: str) -> None:
+        if self.checkpoints.pop(path, None) is None and self.sampler_weights.pop(path, None) is None:
+            raise UserError(f"unknown checkpoint path {path!r}")
+
 
 def fake_service(cfg: Any) -> FakeService:
     """`serve.backend` factory: the fake serving `model.name_or_path` with `model.max_model_len`."""
