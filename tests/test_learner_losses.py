@@ -128,6 +128,59 @@ def test_ppo_on_a_tinker_datum_reports_the_kl_of_the_reply_only(model_path):
     assert 0 < out["entropy"] < math.log(V)
 
 
+def test_tinkers_dro_gspo_and_stable_reinforce_through_the_learner_equal_their_formulas(model_path):
+    """Tinker datums (the prompt with sampler logprob 0 and advantage 0) mapped as the API maps
+    them, trained by the learner: each loss equals its definition evaluated on the learner's own
+    logprobs of the same weights."""
+    from meshrl.api.errors import UserError
+    from meshrl.api.losses import core_call
+
+    trainer = _trainer(model_path)
+    plain = [Datum.from_sequence(_tokens(30 + i, 9 + i), advantages=[0.0] * (9 + i)) for i in range(3)]
+    learner = trainer.forward(plain)
+    g = torch.Generator().manual_seed(7)
+    datums, parts = [], []
+    for i, (d, lp) in enumerate(zip(plain, learner)):
+        reply = torch.arange(d.length) >= d.length - 4
+        q = torch.where(reply, lp + 0.3 * torch.randn(d.length, generator=g), torch.zeros_like(lp))
+        adv = reply.float() * (1.0 - i)  # 1, 0 (a group's equal rewards), -1
+        datums.append(Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": q,
+                                            "advantages": adv, "sequence_ratio_mask": reply.float(),
+                                            "mask": reply.float()}))
+        parts.append((lp.double(), q.double(), adv.double(), reply))
+
+    def run(loss_fn, config=None, keep=("target_tokens", "logprobs", "advantages")):
+        data = [Datum(d.model_input, {k: d.loss_fn_inputs[k] for k in keep}) for d in datums]
+        mapped, cfg = core_call(loss_fn, config, data)
+        out = trainer.forward_backward(mapped, loss_fn, cfg)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return out["loss"]
+
+    dro = -sum(float((a * lp - 0.5 * 0.1 * (lp - q) ** 2).sum()) for lp, q, a, _ in parts)
+    assert run("dro", {"beta": 0.1}) == pytest.approx(dro, rel=1e-4)
+
+    def gspo_value(lp, q, a, reply):
+        s = torch.exp((lp - q)[reply].mean())
+        return float(torch.minimum(s * a, s.clamp(0.9, 1.1) * a).sum())
+
+    gspo = -sum(gspo_value(*p) for p in parts)
+    assert run("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+               ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")) == pytest.approx(gspo, rel=1e-4)
+
+    stable = -sum(float((torch.exp(lp - q).clamp(max=2.0) * a * lp)[r].sum()) for lp, q, a, r in parts)
+    assert run("stable_reinforce", None, ("target_tokens", "logprobs", "advantages", "mask")) == \
+        pytest.approx(stable, rel=1e-4)
+
+    with pytest.raises(UserError, match="stable_reinforce takes nonzero advantages only on sampled tokens"):
+        core_call("stable_reinforce", None, [Datum(d.model_input, {**d.loss_fn_inputs, "mask": torch.zeros(d.length)})
+                                             for d in datums])
+    with pytest.raises(UserError, match=r"data\[0\].loss_fn_inputs\['sequence_ratio_mask'\] marks no token"):
+        core_call("gspo", None, [Datum(d.model_input, {**d.loss_fn_inputs,
+                                                       "sequence_ratio_mask": torch.zeros(d.length)}) for d in datums])
+    with pytest.raises(UserError, match="loss_fn_config for 'dro': unknown key 'clip_low_threshold'"):
+        core_call("dro", {"clip_low_threshold": 0.5}, datums)
+
+
 def test_per_sequence_advantages_equal_per_token_advantages(model_path):
     datums = _rl_datums()
     per_token = [Datum(d.model_input, {**d.loss_fn_inputs,

@@ -12,8 +12,10 @@ from meshrl.losses import (
     cispo,
     cross_entropy,
     dpo,
+    dro,
     generalized_jsd,
     generalized_jsd_topk,
+    gspo,
     importance_sampling,
     ppo,
     sequence_logprobs,
@@ -249,6 +251,117 @@ def test_cispo_lower_clip():
     out = cispo(target, sampling, torch.tensor([1.0], dtype=torch.float64), clip_low=0.5, clip_high=2.0)
     assert out.loss.item() == pytest.approx(-0.5 * LN(0.1))
     assert out.metrics["clip_fraction_low"] == 1.0
+
+
+# ----------------------------------------------------------------------------- DRO, GSPO, StableReinforce
+
+
+def test_dro_hand_values_and_gradient():
+    # p = 0.5, 0.25; q = 0.25, 0.25 (log rho = ln 2, 0); A = 1, -2; beta = 0.5; token 2 is padding
+    target = torch.tensor([[LN(0.5), LN(0.25), float("-inf")]], dtype=torch.float64, requires_grad=True)
+    sampling = torch.tensor([[LN(0.25), LN(0.25), float("nan")]], dtype=torch.float64)
+    out = dro(target, sampling, torch.tensor([[1.0, -2.0, float("nan")]], dtype=torch.float64),
+              torch.tensor([[1, 1, 0]]), beta=0.5)
+    # L = -[(1 ln 0.5 - 0.25 (ln 2)^2) + (-2 ln 0.25 - 0)] = -(-0.693147 - 0.120113 + 2.772589) = -1.959329
+    assert out.loss.item() == pytest.approx(-(LN(0.5) - 0.25 * LN(2) ** 2 - 2 * LN(0.25)), rel=1e-12)
+    assert out.loss.item() == pytest.approx(-1.959329, abs=1e-6)
+    out.loss.backward()
+    # dL/dlog p = -(A - beta log rho): -(1 - 0.5 ln 2) = -0.653426 and -(-2 - 0) = 2; padding 0
+    torch.testing.assert_close(target.grad, torch.tensor([[-(1 - 0.5 * LN(2)), 2.0, 0.0]], dtype=torch.float64))
+    assert out.metrics["kl_sampler_learner_k1"] == pytest.approx(-LN(2) / 2)
+
+
+def test_dro_penalty_trains_tokens_without_advantage_and_counts_them():
+    # a prompt token with A = 0 and sampler logprob 0: the penalty still pulls log p (= ln 0.5) to 0
+    target = torch.tensor([LN(0.5), LN(0.5)], dtype=torch.float64, requires_grad=True)
+    sampling = torch.tensor([0.0, LN(0.5)], dtype=torch.float64)
+    adv = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    penalised = dro(target, sampling, adv, beta=0.1)
+    assert penalised.loss.item() == pytest.approx(-(0 - 0.05 * LN(0.5) ** 2 + LN(0.5)))
+    assert penalised.signal.tolist() == [True, True]
+    (grad,) = torch.autograd.grad(penalised.loss, target)
+    assert grad.tolist() == pytest.approx([0.1 * LN(0.5), -1.0])  # -(0 - 0.1 ln 0.5), -(1 - 0)
+    assert dro(target, sampling, adv, beta=0.0).signal.tolist() == [False, True]
+
+
+def _gspo_batch():
+    # two sequences of three tokens; log rho per token and the tokens forming each sequence ratio
+    log_rho = torch.log(torch.tensor([[2.0, 1.1, 1.0], [1.5, 1.5, 3.0]], dtype=torch.float64))
+    sampling = torch.log(torch.tensor([[0.2, 0.3, 0.4], [0.1, 0.2, 0.25]], dtype=torch.float64))
+    target = (sampling + log_rho).requires_grad_()
+    ratio_mask = torch.tensor([[0, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([[0.0, 1.0, -1.0], [2.0, -1.0, 0.5]], dtype=torch.float64)
+    return target, sampling, adv, ratio_mask
+
+
+def test_gspo_sequence_ratio_hand_values_and_gradient():
+    target, sampling, adv, ratio_mask = _gspo_batch()
+    out = gspo(target, sampling, adv, ratio_mask=ratio_mask)  # clip to [0.8, 1.2]
+    # s0 = exp((ln 1.1 + ln 1)/2) = sqrt(1.1) = 1.048809: inside the bounds, so sequence 0 adds
+    #   -(s0 * 1 + s0 * -1) = 0; s1 = exp((ln 1.5 + ln 1.5)/2) = 1.5 (token 2's ln 3 is not in M):
+    #   token 0 (A = 2 > 0, s > 1.2) -> 1.2 * 2 = 2.4, token 1 (A = -1) -> min(-1.5, -1.2) = -1.5,
+    #   token 2 (A = 0.5 > 0, s > 1.2) -> 1.2 * 0.5 = 0.6; L = -(0 + 2.4 - 1.5 + 0.6) = -1.5
+    assert out.loss.item() == pytest.approx(-1.5, rel=1e-12)
+    out.loss.backward()
+    # each token's gradient is -s A_t through its own log p (s itself has none); clipped tokens get 0
+    s0 = math.sqrt(1.1)
+    torch.testing.assert_close(target.grad, torch.tensor([[0.0, -s0, s0], [0.0, 1.5, 0.0]], dtype=torch.float64))
+    # 5 signal tokens (A != 0); clipped above: sequence 1's tokens 0 and 2
+    assert out.metrics["clip_fraction_high"] == pytest.approx(2 / 5)
+    assert out.metrics["clip_fraction"] == pytest.approx(2 / 5) and out.metrics["clip_fraction_low"] == 0.0
+    assert out.metrics["ratio_mean"] == pytest.approx((2 * s0 + 3 * 1.5) / 5)
+    # k1 over the signal tokens' own log ratios: -(ln 1.1 + 0 + ln 1.5 + ln 1.5 + ln 3) / 5
+    assert out.metrics["kl_sampler_learner_k1"] == pytest.approx(-(LN(1.1) + 2 * LN(1.5) + LN(3)) / 5)
+
+
+def test_gspo_of_one_token_sequences_is_ppo_and_the_mask_is_the_default_ratio_mask():
+    target, sampling, adv, mask = _ragged_batch(seed=6)
+    singles = (target.reshape(-1, 1), sampling.reshape(-1, 1), adv[:, None].expand(-1, 5).reshape(-1, 1),
+               mask.reshape(-1, 1))
+    assert gspo(*singles).loss.item() == pytest.approx(ppo(*singles).loss.item(), rel=1e-12)
+    assert gspo(target, sampling, adv, mask).loss.item() == pytest.approx(
+        gspo(target, sampling, adv, mask, ratio_mask=mask.long()).loss.item(), rel=1e-12)
+
+
+class _Pass:
+    """A ForwardPass over given learner logprobs (what the learner hands a registered loss)."""
+
+    def __init__(self, learner_logprobs, **inputs):
+        self._logprobs, self.inputs = learner_logprobs, inputs
+
+    def logprobs(self):
+        return self._logprobs
+
+
+def test_stable_reinforce_is_reinforce_with_a_truncated_importance_weight():
+    from meshrl.losses import get_loss
+
+    # prompt position (mask 0), then p = 0.75, 0.25 against the sampler's q = 0.25, 0.5: rho = 3, 0.5
+    target = torch.tensor([[LN(0.1), LN(0.75), LN(0.25)]], dtype=torch.float64, requires_grad=True)
+    fp = _Pass(target, logprobs=torch.tensor([[0.0, LN(0.25), LN(0.5)]], dtype=torch.float64),
+               advantages=torch.tensor([[0.0, 1.0, -2.0]], dtype=torch.float64), mask=torch.tensor([[0, 1, 1]]))
+    out = get_loss("stable_reinforce").fn(fp, truncation=2.0)
+    # weights sg(min(rho, 2)) = 2, 0.5: L = -(2 * 1 * ln 0.75 + 0.5 * -2 * ln 0.25) = -0.810930
+    assert out.loss.item() == pytest.approx(-(2 * LN(0.75) - LN(0.25)), rel=1e-12)
+    assert out.loss.item() == pytest.approx(-0.810930, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(target.grad, torch.tensor([[0.0, -2.0, 1.0]], dtype=torch.float64))
+    assert out.metrics["clip_fraction_high"] == pytest.approx(1 / 2)  # rho = 3 was truncated
+
+
+def test_registered_gspo_reads_sequence_ratio_mask_else_the_mask():
+    from meshrl.losses import get_loss
+
+    target, sampling, adv, ratio_mask = _gspo_batch()
+    inputs = {"logprobs": sampling, "advantages": adv, "mask": torch.ones(2, 3)}
+    spec = get_loss("gspo")
+    with_mask = spec.fn(_Pass(target, sequence_ratio_mask=ratio_mask.float(), **inputs), **spec.config())
+    assert with_mask.loss.item() == pytest.approx(-1.5, rel=1e-12)  # the hand-computed case above
+    without = spec.fn(_Pass(target, **inputs), **spec.config())
+    assert without.loss.item() == pytest.approx(gspo(target, sampling, adv).loss.item(), rel=1e-12)
+    assert without.loss.item() != pytest.approx(-1.5)
+    assert get_loss("dro").config({"beta": 0.2}) == {"beta": 0.2}
+    assert spec.config() == {"eps_low": 0.2, "eps_high": 0.2}
 
 
 # ----------------------------------------------------------------------------- generalized JSD

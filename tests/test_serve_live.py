@@ -24,7 +24,7 @@ import torch
 import tinker
 from tinker import types as T
 
-from meshrl.losses import token_losses
+from meshrl.losses import dro, gspo, token_losses
 from tests.conftest import sdk_user_error
 
 pytestmark = [pytest.mark.monarch, pytest.mark.slow]
@@ -133,6 +133,47 @@ def test_values_through_the_server_equal_the_core_losses(service):
     tc.optim_step(T.AdamParams(learning_rate=0.0)).result(timeout=120)
 
 
+def test_dro_gspo_and_stable_reinforce_through_the_server_equal_the_core_losses(service):
+    """The cookbook's datums from a sampler that records stability info, trained with each of the
+    SDK's other RL losses: the server's loss equals the registered loss on a forward's logprobs
+    (stable_reinforce's sampler logprobs are the recorded ones the response carried)."""
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=5).result(timeout=120)
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result(timeout=120)
+    prompt = [5, 17, 42, 9]
+    resp = sampler.sample(T.ModelInput.from_ints(prompt), 3, T.SamplingParams(max_tokens=6, seed=1)).result(120)
+    data = []
+    for seq, advantage in zip(resp.sequences, [1.0, -0.5, 0.25]):
+        tokens, n = prompt + list(seq.tokens), len(prompt) - 1
+        reply = [0.0] * n + [1.0] * len(seq.tokens)
+        datum = T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "logprobs": np.array([0.0] * n + list(seq.logprobs), dtype=np.float32),
+            "advantages": np.array(reply, dtype=np.float32) * advantage,
+            "sequence_ratio_mask": np.array(reply, dtype=np.float32)})
+        sid = seq.sequence_id
+        data.append(datum.with_provenance(
+            model_input=[T.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                         T.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens) - 1)],
+            loss_fn_inputs=[T.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n),
+                            T.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens))]))
+    learner = logprobs(tc.forward(data, "stable_reinforce").result(timeout=120))
+    def pad(rows):
+        return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r) for r in rows], batch_first=True)
+
+    lp = pad([x.copy() for x in learner])
+    q, adv, reply = (pad([d.loss_fn_inputs[k].to_numpy().copy() for d in data])
+                     for k in ("logprobs", "advantages", "sequence_ratio_mask"))
+    real = pad([np.ones(d.model_input.length, dtype=np.float32) for d in data])  # 0 on the padding
+    for loss_fn, config, core in (
+            ("dro", {"beta": 0.1}, dro(lp, q, adv, real, beta=0.1)),
+            ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+             gspo(lp, q, adv, real, ratio_mask=reply, eps_low=0.1, eps_high=0.1)),
+            ("stable_reinforce", None, token_losses.cispo(lp, q, adv, reply, clip_low=0.0, clip_high=2.0))):
+        got = tc.forward_backward(data, loss_fn, config).result(timeout=120).metrics["loss:sum"]
+        assert got == pytest.approx(core.metrics["loss"], rel=1e-5, abs=1e-5), loss_fn
+    tc.optim_step(T.AdamParams(learning_rate=0.0)).result(timeout=120)
+
+
 def test_sampling_logprobs_match_a_learner_forward(service):
     tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1)
     tc.forward_backward(sl_data(2), "cross_entropy")
@@ -171,7 +212,7 @@ def test_state_round_trip_and_two_clients_do_not_mix(service):
 
 def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, server):
     tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=9)
-    assert "dro" in sdk_user_error(tc.forward_backward(sl_data(0), "dro"))
+    assert "'dro' needs 'logprobs'" in sdk_user_error(tc.forward_backward(sl_data(0), "dro"))
     short = T.Datum(model_input=T.ModelInput.from_ints([1, 2, 3]),
                     loss_fn_inputs={"target_tokens": np.array([1, 2], dtype=np.int64),
                                     "weights": np.ones(2, dtype=np.float32)})

@@ -179,6 +179,63 @@ def test_sampling_returns_sequences_and_prompt_logprobs(service, served):
         pytest.approx(fake_logprobs([11, 12, 13, 14], 0.0).tolist())
 
 
+def _with_provenance(datum: T.Datum, prompt_length: int, seq) -> T.Datum:
+    """The runs the cookbook names a single-turn datum's tokens with (rl_loop.with_sampled_provenance)."""
+    sid = seq.sequence_id
+    return datum.with_provenance(
+        model_input=[T.PromptProvenanceSpan(sequence_id=sid, length=prompt_length),
+                     T.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens) - 1)],
+        loss_fn_inputs=[T.PromptProvenanceSpan(sequence_id=sid, offset=1, length=prompt_length - 1),
+                        T.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens))])
+
+
+def test_stable_reinforce_trains_on_what_the_sampler_recorded(service, served):
+    tc = service.create_lora_training_client("fake-model", rank=2).result(timeout=30)
+    tc.forward_backward([ce_datum([1, 2, 3])], "cross_entropy")
+    tc.optim_step(T.AdamParams(learning_rate=0.25)).result(timeout=30)
+    w = -0.25 * 2.0  # the learner's weight; the sampler below samples the base model (w = 0)
+    sampler = service.create_sampling_client(base_model="fake-model", record_stability_info=True).result(timeout=30)
+    prompt = [5, 6, 10]
+    resp = sampler.sample(T.ModelInput.from_ints(prompt), 2, T.SamplingParams(max_tokens=4)).result(timeout=30)
+    data, expected = [], 0.0
+    for seq, advantage in zip(resp.sequences, [1.0, -0.5]):
+        tokens, n = prompt + seq.tokens, len(prompt) - 1
+        datum = T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "logprobs": np.full(len(tokens) - 1, -7.0, dtype=np.float32),  # not the sampler's: unused
+            "advantages": np.array([0.0] * n + [advantage] * len(seq.tokens), dtype=np.float32)})
+        data.append(_with_provenance(datum, len(prompt), seq))
+        # the fake's RL value -sum(exp(learner - sampler logprob) A), with the sampler's RECORDED logprobs
+        recorded = fake_logprobs(seq.tokens, 0.0).numpy()
+        expected -= float(np.sum(np.exp(expected_logprobs(datum, w)[n:] - recorded) * advantage))
+    out = tc.forward_backward(data, "stable_reinforce").result(timeout=30)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-6)
+
+    unrecorded = service.create_sampling_client(base_model="fake-model").result(timeout=30)
+    [plain] = unrecorded.sample(T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=4)).result(30).sequences
+    assert f"no recorded sequence {plain.sequence_id!r}" in sdk_user_error(
+        tc.forward_backward([_with_provenance(data[0], len(prompt), plain)], "stable_reinforce"))
+    assert "needs the datum's provenance" in sdk_user_error(
+        tc.forward_backward([T.Datum(model_input=data[0].model_input, loss_fn_inputs=data[0].loss_fn_inputs)],
+                            "stable_reinforce"))
+    with tinker.ServiceClient(base_url=served.url) as other:  # another session cannot name these sequences
+        stranger = other.create_lora_training_client("fake-model", rank=2).result(timeout=30)
+        assert "no recorded sequence" in sdk_user_error(stranger.forward_backward(data, "stable_reinforce"))
+
+
+def test_dro_and_gspo_reach_the_backend_with_their_config(service, served):
+    tc = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
+    datum = T.Datum(model_input=T.ModelInput.from_ints([70, 71, 72]), loss_fn_inputs={
+        "target_tokens": np.array([71, 72, 73], dtype=np.int64), "logprobs": np.zeros(3, dtype=np.float32),
+        "advantages": np.array([0.0, 1.0, 2.0], dtype=np.float32),
+        "sequence_ratio_mask": np.array([0.0, 1.0, 1.0], dtype=np.float32)})
+    expected = -float(np.sum(np.exp(expected_logprobs(datum, 0.0)) * np.array([0.0, 1.0, 2.0])))
+    for loss_fn, config in (("dro", {"beta": 0.1}), ("gspo", {"clip_low_threshold": 0.9})):
+        out = tc.forward_backward([datum], loss_fn, config).result(timeout=30)
+        assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-6)
+    assert served.fake.calls_of(tc.model_id) == [("forward_backward", (70,))] * 2
+
+
 def test_a_result_slower_than_a_poll_hold_arrives_after_408s(service, served):
     tc = service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
     served.fake.delay_s = 1.0  # four polls of serve.poll_hold_s = 0.25 s time out first
@@ -277,7 +334,7 @@ def test_leaving_the_service_client_finishes_its_session(served):
     with tinker.ServiceClient(base_url=served.url) as client:
         tc = client.create_lora_training_client("fake-model", rank=1).result(timeout=30)
         session_id = client.holder.get_session_id()
-    assert _eventually(lambda: served.fake.calls_of(tc.model_id)[-1] == ("close", ()))
+    assert _eventually(lambda: served.fake.calls_of(tc.model_id)[-1:] == [("close", ())])
     heartbeat = httpx.post(f"{served.url}/api/v1/session_heartbeat", json={"session_id": session_id}, timeout=30)
     assert heartbeat.status_code == 410
 

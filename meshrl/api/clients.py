@@ -272,20 +272,31 @@ def _chain(src: Future, dst: Future, fn) -> None:
         dst.set_exception(e)
 
 
-def _loss_metrics(loss_fn: str, config: dict, datums: list[Datum], logprobs: list[torch.Tensor]) -> dict:
-    """The loss of a no-grad pass, from the target logprobs with the registry's pure functions."""
-    from meshrl.losses import token_losses
+class _GivenLogprobs:
+    """A `meshrl.losses.ForwardPass` over target logprobs already computed ([B, T], padded)."""
 
-    lp = torch.cat(logprobs)
-    cat = {k: torch.cat([d.loss_fn_inputs[k].expand(d.model_input.length) if d.loss_fn_inputs[k].dim() == 0
-                         else d.loss_fn_inputs[k] for d in datums]) for k in (*REQUIRED[loss_fn], "mask")
-           if k in datums[0].loss_fn_inputs}
+    def __init__(self, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]):
+        self._logprobs, self.inputs = logprobs, inputs
+
+    def logprobs(self) -> torch.Tensor:
+        return self._logprobs
+
+
+def _loss_metrics(loss_fn: str, config: dict, datums: list[Datum], logprobs: list[torch.Tensor]) -> dict:
+    """The loss of a no-grad pass, from the target logprobs with the registered loss."""
+    from meshrl.losses import get_loss
+    from meshrl.training.batching import pad_datums
+
+    keys = (*REQUIRED[loss_fn], "mask")
+    batch = pad_datums([Datum(d.model_input, {k: v for k, v in d.loss_fn_inputs.items() if k in keys})
+                        for d in datums], pad_id=0)
+    lp = torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True)
     if loss_fn == "cross_entropy":
-        w = cat["weights"].float()
+        w = batch.inputs["weights"].float()
         loss = -(w * lp).sum()
         return {"loss": float(loss), "num_tokens": float((w != 0).sum())}
-    fn = getattr(token_losses, loss_fn)
-    return fn(lp, cat["logprobs"].float(), cat["advantages"].float(), mask=cat["mask"], **config).metrics
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in batch.inputs.items()}
+    return get_loss(loss_fn).fn(_GivenLogprobs(lp, inputs), **config).metrics
 
 
 def _safe(text: str) -> str:

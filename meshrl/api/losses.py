@@ -2,10 +2,15 @@
 
 Tinker's losses are token-level and sum-reduced over every position of every datum, exactly what
 `meshrl.losses` computes with a weight of 1 per position: the RL losses get ``mask = 1`` wherever
-the datum has none (prompt positions carry advantage 0, so they add nothing). Tinker's clip bounds
-are ratios (`clip_low_threshold` 0.8, `clip_high_threshold` 1.2 for PPO), meshrl's PPO bounds are
-distances from 1 (`eps_low`, `eps_high`); CISPO's are ratios in both. They come in `loss_fn_config`
-or as per-datum inputs (equal across the batch)."""
+the datum has none (prompt positions carry advantage 0, so they add nothing, except to `dro`'s
+penalty, which Tinker's formula applies at every position). Tinker's clip bounds are ratios
+(`clip_low_threshold` 0.8, `clip_high_threshold` 1.2 for PPO and GSPO), meshrl's PPO and GSPO bounds
+are distances from 1 (`eps_low`, `eps_high`); CISPO's are ratios in both. They come in
+`loss_fn_config` or as per-datum inputs (equal across the batch). `dro` takes `beta` (0.05).
+
+`stable_reinforce` reads the sampler's logprobs and a `mask` of the sampled positions: `meshrl
+serve` fills both from what its samplers recorded for the sequences the datum's provenance names
+(`meshrl.serve.stability`); in process, the caller passes them."""
 
 from __future__ import annotations
 
@@ -21,13 +26,19 @@ REQUIRED = {
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+    "stable_reinforce": ("target_tokens", "logprobs", "advantages", "mask"),
 }
 """The built-in losses and the `loss_fn_inputs` each needs."""
 
-CLIPS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+CLIPS = {"ppo": (0.8, 1.2), "gspo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 """Default (clip_low_threshold, clip_high_threshold) ratios."""
 
 THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
+
+DRO_BETA = 0.05
+"""`dro`'s default `beta` (the value Tinker's documentation shows)."""
 
 
 def core_call(loss_fn: str, loss_fn_config: dict | None, data: list[Datum]) -> tuple[list[Datum], dict]:
@@ -37,7 +48,8 @@ def core_call(loss_fn: str, loss_fn_config: dict | None, data: list[Datum]) -> t
         raise UserError(f"loss_fn {loss_fn!r} is not supported: use one of {sorted(REQUIRED)} "
                         "(or forward_backward_custom)")
     config = dict(loss_fn_config or {})
-    unknown = sorted(set(config) - (set(THRESHOLDS) if loss_fn in CLIPS else set()))
+    known = set(THRESHOLDS) if loss_fn in CLIPS else {"beta"} if loss_fn == "dro" else set()
+    unknown = sorted(set(config) - known)
     if unknown:
         raise UserError(f"loss_fn_config for {loss_fn!r}: unknown key {unknown[0]!r}")
     if not data:
@@ -51,14 +63,32 @@ def core_call(loss_fn: str, loss_fn_config: dict | None, data: list[Datum]) -> t
                 raise UserError(f"data[{i}].loss_fn_inputs[{name!r}]: not finite")
     if loss_fn == "cross_entropy":
         return list(data), {}
+    _check_positions(loss_fn, data)
     low, high = _thresholds(loss_fn, config, data)
     datums = [d if "mask" in d.loss_fn_inputs else
               Datum(d.model_input, {**d.loss_fn_inputs, "mask": torch.ones(d.model_input.length)}) for d in data]
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         return datums, {"eps_low": 1.0 - low, "eps_high": high - 1.0}
     if loss_fn == "cispo":
         return datums, {"clip_low": low, "clip_high": high}
+    if loss_fn == "dro":
+        beta = config.get("beta", DRO_BETA)
+        if isinstance(beta, str) or not (math.isfinite(beta) and beta >= 0):
+            raise UserError(f"loss_fn_config for 'dro': beta = {beta!r}; expected a number >= 0")
+        return datums, {"beta": float(beta)}
     return datums, {}
+
+
+def _check_positions(loss_fn: str, data: list[Datum]) -> None:
+    """`gspo`: every datum's sequence ratio has a token; `stable_reinforce`: advantages only on the
+    sampled positions (its `mask`)."""
+    for i, datum in enumerate(data):
+        inputs = datum.loss_fn_inputs
+        if loss_fn == "gspo" and not bool((inputs["sequence_ratio_mask"] != 0).any()):
+            raise UserError(f"data[{i}].loss_fn_inputs['sequence_ratio_mask'] marks no token: the sequence ratio "
+                            "is a mean over the tokens it marks (the sampled tokens)")
+        if loss_fn == "stable_reinforce" and bool(((inputs["advantages"] != 0) & (inputs["mask"] == 0)).any()):
+            raise UserError(f"data[{i}]: stable_reinforce takes nonzero advantages only on sampled tokens")
 
 
 def _thresholds(loss_fn: str, config: dict, data: list[Datum]) -> tuple[float, float]:
@@ -74,8 +104,8 @@ def _thresholds(loss_fn: str, config: dict, data: list[Datum]) -> tuple[float, f
             raise UserError(f"{key} = {value}: not finite")
         values.append(value)
     low, high = values
-    if loss_fn == "ppo" and not 0.0 < low <= 1.0 <= high:
-        raise UserError(f"ppo needs 0 < clip_low_threshold <= 1 <= clip_high_threshold, got {low}, {high}")
+    if loss_fn in ("ppo", "gspo") and not 0.0 < low <= 1.0 <= high:
+        raise UserError(f"{loss_fn} needs 0 < clip_low_threshold <= 1 <= clip_high_threshold, got {low}, {high}")
     if loss_fn == "cispo" and not 0.0 <= low <= high:
         raise UserError(f"cispo needs 0 <= clip_low_threshold <= clip_high_threshold, got {low}, {high}")
     return low, high

@@ -14,13 +14,14 @@ class LossConfig(Section):
 
     name: str = Field("ppo", min_length=1)
     """A registered loss of kind `policy_gradient`: `ppo` (clipped ratio), `importance_sampling`
-    (p/q weighted), `cispo`, or one that a module in `plugins` registers
-    (`meshrl.losses.register_loss(..., kind="policy_gradient")`)."""
+    (p/q weighted), `cispo`, `dro`, `gspo`, `stable_reinforce` (docs/losses.md), or one that a
+    module in `plugins` registers (`meshrl.losses.register_loss(..., kind="policy_gradient")`)."""
 
     params: dict[str, Any] = {}
-    """The loss's parameters, checked against the typed parameters it was registered with (`ppo`:
-    `eps_low`, `eps_high`, both 0.2 by default, DAPO clip-higher uses eps_high 0.28; `cispo`:
-    `clip_low` 0, `clip_high` 4); unset ones take their defaults."""
+    """The loss's parameters, checked against the typed parameters it was registered with (`ppo`
+    and `gspo`: `eps_low`, `eps_high`, both 0.2 by default, DAPO clip-higher uses eps_high 0.28;
+    `cispo`: `clip_low` 0, `clip_high` 4; `dro`: `beta` 0.05; `stable_reinforce`: `truncation` 2);
+    unset ones take their defaults."""
 
     normalize: Literal["token_mean", "sequence_mean", "sum"] = "token_mean"
     """How token losses are aggregated: `token_mean` divides by all valid tokens of the step's batch

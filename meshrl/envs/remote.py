@@ -380,10 +380,12 @@ class ServerProcess:
 
 
 def spawn_server(factory: str, kwargs: dict | None = None, host: str = "127.0.0.1", timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``python -m meshrl.envs.remote`` in a child process and wait until it listens."""
-    cmd = [sys.executable, "-m", "meshrl.envs.remote", "--factory", factory, "--kwargs", json.dumps(kwargs or {}),
-           "--host", host, "--port", "0"]
+                 env: dict[str, str] | None = None, module: str = "meshrl.envs.remote",
+                 args: list[str] | tuple[str, ...] = ()) -> ServerProcess:
+    """Start ``python -m <module>`` (this module's server, or another that prints the same ready
+    line, with ``args`` added) in a child process and wait until it listens."""
+    cmd = [sys.executable, "-m", module, "--factory", factory, "--kwargs", json.dumps(kwargs or {}),
+           "--host", host, "--port", "0", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     deadline = time.monotonic() + timeout_s
     url = None
@@ -411,9 +413,14 @@ def spawn_server(factory: str, kwargs: dict | None = None, host: str = "127.0.0.
 def serve(factory: Callable[[], Environment], host: str = "127.0.0.1", port: int = 0, action_cls: type[Action] = TextAction,
           log_level: str = "warning") -> None:
     """Serve until killed; prints ``MESHRL_ENV_SERVER_READY <url>`` once the socket listens."""
+    serve_app(create_app(factory, action_cls=action_cls), host, port, log_level)
+
+
+def serve_app(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    """Serve the ASGI ``app`` until killed; prints ``MESHRL_ENV_SERVER_READY <url>`` once the
+    socket listens (``port`` 0: a free one)."""
     import uvicorn
 
-    app = create_app(factory, action_cls=action_cls)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

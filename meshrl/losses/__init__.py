@@ -12,6 +12,7 @@ import pkgutil as _pkgutil
 from meshrl.losses.aggregation import Aggregation, GlobalCounts, aggregation_weights, global_scale, local_weights
 from meshrl.losses.base import LossOutput
 from meshrl.losses.distill import IGNORE_INDEX, generalized_jsd, generalized_jsd_topk, jsd_per_token
+from meshrl.losses.offpolicy import dro, gspo
 from meshrl.losses.preference import dpo, sequence_logprobs
 from meshrl.losses.registry import LOSSES, ForwardPass, LossSpec, get_loss, register_loss
 from meshrl.losses.token_losses import cispo, cross_entropy, importance_sampling, ppo
@@ -28,10 +29,12 @@ __all__ = [
     "cispo",
     "cross_entropy",
     "dpo",
+    "dro",
     "generalized_jsd",
     "generalized_jsd_topk",
     "global_scale",
     "get_loss",
+    "gspo",
     "importance_sampling",
     "jsd_per_token",
     "local_weights",

@@ -228,12 +228,12 @@ class TinkerServer:
         return _future(request_id, model_id=model_id)
 
     def forward_backward(self, msg: Any) -> dict:
-        if msg.loss_fn == "custom":
-            raise UserError("forward_backward: loss_fn 'custom' (an uploaded custom loss) is not served; "
-                            "forward_backward_custom runs the loss client-side against this server")
         call = "forward" if msg.forward_only else "forward_backward"
 
         def run(client: Any) -> Future:
+            if msg.loss_fn == "custom":
+                raise UserError("forward_backward: loss_fn 'custom' (an uploaded custom loss) is not served; "
+                                "forward_backward_custom runs the loss client-side against this server")
             return getattr(client, call)(wire.datums(msg), msg.loss_fn, wire.loss_fn_config(msg))
 
         return _future(self.training.submit(msg.model_id, msg.seq_id, run,
@@ -243,7 +243,7 @@ class TinkerServer:
         def run(client: Any) -> Future:
             params = req.optim_params
             if not isinstance(params, sdk.AdamParams):
-                raise UserError(f"optim_step: {type(params).__name__} ({params.type}) is not served; "
+                raise UserError(f"optim_step: optimizer {params.type!r} is not served; "
                                 "pass adam_params=AdamParams(...) (AdamW is the one optimizer here)")
             try:
                 adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
@@ -274,12 +274,8 @@ class TinkerServer:
         return JsonResult(reply)
 
     def load_weights(self, req: sdk.LoadWeightsRequest) -> dict:
-        if req.weights_access_token is not None:
-            raise UserError("load_weights: weights_access_token is not served (no cross-organisation access); "
-                            "load checkpoints your own tenant saved")
-        if req.optimizer_config is not None:
-            _adamw_only("load_weights", req.optimizer_config)
         if req.model_id is None:  # create-via-load: a new training client from a checkpoint
+            _load_options_served(req)
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: needs model_id, or session_id with model_seq_id")
             self.session(req.session_id)
@@ -287,18 +283,22 @@ class TinkerServer:
                                                                 req.optimizer, req.base_model, req.user_metadata))
 
         def run(client: Any) -> Future:
+            _load_options_served(req)
             return client.load_state_with_optimizer(req.path) if req.optimizer else client.load_state(req.path)
 
         return _future(self.training.submit(req.model_id, req.seq_id, run, lambda _: JsonResult(
             {"path": req.path, "model_id": req.model_id, "type": "load_weights"})))
 
     def save_weights_for_sampler(self, req: sdk.SaveWeightsForSamplerRequest) -> dict:
-        if req.kind != "snapshot":
-            raise UserError(f"save_weights_for_sampler: kind={req.kind!r} is not served (a sampler samples the "
-                            "weights of one save); use kind='snapshot' and save again after each optim_step")
+        def snapshot(client: Any, name: str) -> Future:
+            if req.kind != "snapshot":
+                raise UserError(f"save_weights_for_sampler: kind={req.kind!r} is not served (a sampler samples the "
+                                "weights of one save); use kind='snapshot' and save again after each optim_step")
+            return client.save_weights_for_sampler(name)
+
         if req.path is not None:
             return _future(self.training.submit(
-                req.model_id, req.seq_id, lambda client: client.save_weights_for_sampler(req.path),
+                req.model_id, req.seq_id, lambda client: snapshot(client, req.path),
                 lambda path: self._saved(req.model_id, path, {"path": path, "type": "save_weights_for_sampler"},
                                          req.ttl_seconds, req.user_metadata)))
         seq = req.sampling_session_seq_id
@@ -306,7 +306,7 @@ class TinkerServer:
         def run(client: Any) -> Future:
             if seq is None:
                 raise UserError("save_weights_for_sampler: needs path or sampling_session_seq_id")
-            saved = client.save_weights_for_sampler(f"sampler-{seq}")
+            saved = snapshot(client, f"sampler-{seq}")
             return then(saved, lambda path: (path, self.service.create_sampling_client(model_path=path)), self.pool)
 
         def opened(result: tuple[str, Any]) -> JsonResult:
@@ -323,7 +323,10 @@ class TinkerServer:
     # ---- sessions and sampling --------------------------------------------------------------
 
     def create_session(self, tenant: str, user_metadata: dict[str, Any] | None = None,
-                       display_name: str | None = None) -> dict:
+                       display_name: str | None = None, project_id: str | None = None) -> dict:
+        if project_id is not None:
+            raise UserError(f"create_session: project_id {project_id!r} is not served (no projects here; tenants "
+                            "come from serve.keys_file); unset project_id / TINKER_PROJECT_ID")
         session_id = f"session-{uuid.uuid4().hex[:16]}"
         self.sessions[session_id] = _Session(tenant, user_metadata, display_name)
         return {"type": "create_session", "session_id": session_id}
@@ -370,6 +373,8 @@ class TinkerServer:
         return listing.training_run(run, self.sessions[run.session_id].tenant, self._checkpoints_of(model_id))
 
     def list_training_runs(self, call: Call) -> dict:
+        if "project_id" in call.query:
+            raise UserError("list_training_runs: project_id is not served (no projects here); leave it unset")
         limit, offset = listing.page_bounds(dict(call.query), 20)
         owned = [model_id for model_id, run in reversed(self.training.runs.items())
                  if self.sessions[run.session_id].tenant == call.tenant]
@@ -421,6 +426,14 @@ class TinkerServer:
         if isinstance(outcome, JsonResult):
             return JSONResponse(outcome.payload)
         return JSONResponse({"error": outcome.message, "category": outcome.category})
+
+
+def _load_options_served(req: sdk.LoadWeightsRequest) -> None:
+    if req.weights_access_token is not None:
+        raise UserError("load_weights: weights_access_token is not served (no cross-organisation access); "
+                        "load checkpoints your own tenant saved")
+    if req.optimizer_config is not None:
+        _adamw_only("load_weights", req.optimizer_config)
 
 
 def _adamw_only(where: str, config: Any) -> None:
@@ -529,8 +542,8 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
 
     post("client/config", sdk.ClientConfigRequest, lambda s, r: {"use_pyqwest_transport": False})
     post("client/dynamic_config", sdk.ClientConfigRequest, lambda s, r: {})
-    route("POST", "create_session", lambda s, c: s.create_session(c.tenant, c.body.user_metadata, c.body.display_name),
-          sdk.CreateSessionRequest)
+    route("POST", "create_session", lambda s, c: s.create_session(c.tenant, c.body.user_metadata, c.body.display_name,
+                                                                  c.body.project_id), sdk.CreateSessionRequest)
     post("session_heartbeat", sdk.SessionHeartbeatRequest, lambda s, r: heartbeat(s, r.session_id))
     post("create_model", sdk.CreateModelRequest, TinkerServer.create_model)
     post("get_info", sdk.GetInfoRequest, lambda s, r: s.training.info(r.model_id))
@@ -560,7 +573,6 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
           lambda s, c: s.set_checkpoint_ttl(checkpoint(c), c.body.ttl_seconds), listing.CheckpointTtlRequest)
     route("POST", "weights_info", lambda s, c: listing.weights_info(s.saved_checkpoint(c.body.tinker_path)),
           listing.WeightsInfoRequest)
-    route("GET", "whoami", lambda s, c: {"user_urn": f"meshrl:tenant:{c.tenant}", "org_urn": "meshrl:server"})
     for (method, path), message in REFUSED.items():
         route(method, path, _refuse(message))
     return app

@@ -8,7 +8,8 @@ reports and what the SDK loads a tokenizer for.
 
 `asample` answers at once with a request id and one sequence id per sample; the result is the
 backend's `SampleResponse` as protobuf. Backend calls run on a shared worker pool, never on the
-event loop.
+event loop. A request with `record_stability_info` records its samples under their sequence ids
+(`stability`) for `stable_reinforce` training in the same session.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from meshrl.api.errors import UserError
 from meshrl.serve import wire
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FailedResult, FutureStore, ProtoResult, run_on
+from meshrl.serve.stability import StabilityRecords
 
 # SampleRequest options this server does not implement: (the value that means "not asked for", the
 # alternative the refusal names)
@@ -32,7 +34,6 @@ _UNSUPPORTED = {
     "topk_sample_logprobs": (0, "every sampled token comes with its own logprob"),
     "target_prompt_logprobs": (None, "a TrainingClient.forward with target_tokens scores chosen tokens"),
     "prompt_alt_tokens_k": (0, "sample from a prompt prefix to draw alternatives at a position"),
-    "record_stability_info": (None, "train with importance_sampling or ppo, which need no stability info"),
 }
 
 
@@ -59,6 +60,8 @@ class Samplers:
         self._timeout_s = timeout_s
         self._samplers: dict[str, Sampler] = {}
         self._creating: dict[str, asyncio.Future] = {}
+        self.stability = StabilityRecords()
+        """What the samplers recorded for `stable_reinforce` (requests with `record_stability_info`)."""
 
     async def create(self, session_id: str, seq_id: int, model_path: str | None, base_model: str | None,
                      known_base_model: str | None) -> str:
@@ -119,6 +122,8 @@ class Samplers:
             if len(response.sequences) != request.num_samples:  # the SDK pairs them with sequence_ids
                 raise ValueError(f"the backend returned {len(response.sequences)} sequences for "
                                  f"num_samples = {request.num_samples}")
+            if request.record_stability_info:
+                self.stability.record(sampler.session_id, sequence_ids, prompt.to_ints(), response.sequences)
             return ProtoResult(wire.sample_response(response, request.prompt_logprobs_last_n))
 
         self._futures.track(request_id, future, encode)
@@ -141,7 +146,8 @@ class Samplers:
         return [s for s, sampler in self._samplers.items() if sampler.session_id == session_id]
 
     def close_session(self, session_id: str) -> None:
-        """Forget a session's samplers."""
+        """Forget a session's samplers and what they recorded."""
         for sampler_id in self.ids_of(session_id):
             del self._samplers[sampler_id]
             self._creating.pop(sampler_id, None)
+        self.stability.close_session(session_id)

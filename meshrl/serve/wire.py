@@ -12,6 +12,7 @@ Anything malformed in a request raises `UserError` with a one-line message namin
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -84,6 +85,48 @@ def datums(msg: pb.ForwardBackwardRequest) -> list[Datum]:
             out.append(Datum(ModelInput.from_ints(tokens), inputs))
         except (TypeError, ValueError) as exc:
             raise UserError(f"{where}: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class ProvenanceSpan:
+    """One run of a datum's provenance (the SDK's `PromptProvenanceSpan` / `SampledProvenanceSpan`):
+    ``length`` consecutive positions of the field it tiles are positions ``offset``, ``offset + 1``,
+    ... of the prompt (``sampled`` False) or of the sampled tokens of sequence ``sequence_id``."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
+Provenance = tuple[list[ProvenanceSpan], list[ProvenanceSpan]]
+"""A datum's runs over its `model_input`, then over its `target_tokens`."""
+
+
+def provenance(msg: pb.ForwardBackwardRequest) -> list[Provenance | None]:
+    """Each datum's provenance (`Datum.with_provenance`), None for a datum without any."""
+    out: list[Provenance | None] = []
+    for i, datum in enumerate(msg.data):
+        runs = [_spans(datum.model_input_spans, f"data[{i}].model_input_spans"),
+                _spans(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")]
+        if not runs[0] and not runs[1]:
+            out.append(None)
+            continue
+        if not runs[0] or not runs[1]:
+            raise UserError(f"data[{i}]: provenance comes as a pair: runs over model_input and over target_tokens")
+        out.append((runs[0], runs[1]))
+    return out
+
+
+def _spans(spans, where: str) -> list[ProvenanceSpan]:
+    out = []
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise UserError(f"{where}[{j}]: neither prompt_tokens nor sampled_tokens")
+        run = getattr(span, kind)
+        out.append(ProvenanceSpan(kind == "sampled_tokens", run.sequence_id, run.offset, run.length))
     return out
 
 

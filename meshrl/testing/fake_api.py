@@ -5,9 +5,10 @@ The service serves one model and hands out training and sampling clients. A trai
 state is one float, its weight ``w`` (0 at creation): the log-probability of target token ``t`` at
 position ``i`` is ``fake_logprobs`` — ``-(1 + (7 t + i) mod 13) / 8 - w`` in float32 — so tests
 can predict every value the server returns. `forward_backward` accumulates a gradient (the sum of
-``weights`` for cross_entropy, of ``advantages`` for the RL losses) that `optim_step` applies as
-``w -= learning_rate * gradient``; checkpoints store ``w`` (and, for the optimizer, the step count
-and a momentum). Each training client executes its calls on one worker thread in submission
+``weights`` for cross_entropy, of ``advantages`` for the RL losses, whose value is
+``-sum(exp(logprobs - datum logprobs) * advantages)``, the ratio clamped for ppo) that
+`optim_step` applies as ``w -= learning_rate * gradient``; checkpoints store ``w`` (and, for the
+optimizer, the step count and a momentum). Each training client executes its calls on one worker thread in submission
 order, and every executed call is appended to `FakeService.calls` as
 ``(model_id, operation, first token of each datum)`` so tests can check the order the server
 kept; `FakeService.delay_s` makes every training call take that long.
@@ -38,7 +39,9 @@ from meshrl.types import AdamParams, Datum, ModelInput
 
 # the loss_fn_inputs each loss reads, besides target_tokens
 LOSS_INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs", "advantages"),
-               "ppo": ("logprobs", "advantages")}
+               "ppo": ("logprobs", "advantages"), "dro": ("logprobs", "advantages"),
+               "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
+               "stable_reinforce": ("logprobs", "advantages", "mask")}
 DEFAULT_MAX_TOKENS = 8
 
 

@@ -1,0 +1,223 @@
+"""The tinker 0.38 SDK's surface against `meshrl serve` (docs/tinker.md, "The SDK's surface"): each
+call or option the server does not serve fails in one line that names it and an alternative, and
+the calls and options served by this layer (checkpoint TTLs, overwrite, user metadata, custom losses
+run client-side, sampler handles) do what the SDK documents. The official SDK drives the app over
+the deterministic fake backend, served in a thread of this process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from datetime import datetime, timezone
+
+import httpx
+import numpy as np
+import pytest
+
+import tinker
+from tinker import types as T
+from tinker.lib.public_interfaces.admin_client import AdminClient
+
+from meshrl.config.serve import ServeConfig
+from meshrl.serve.app import TinkerServer, build_app
+from meshrl.serve.catalogue import ModelCatalogue
+from meshrl.serve.futures import JsonResult
+from meshrl.serve.tenants import OPEN_TENANT
+from meshrl.serve.training import LoraSpec
+from meshrl.testing.app_server import serve_in_thread
+from meshrl.testing.fake_api import FakeService, fake_logprobs
+from tests.conftest import sdk_user_error
+
+os.environ.setdefault("TINKER_API_KEY", "tml-test")
+os.environ["TINKER_TELEMETRY"] = "0"
+
+
+def ce_datum(tokens: list[int]) -> T.Datum:
+    return T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]),
+                   loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                                   "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+
+
+class Open:
+    def __init__(self, url: str, fake: FakeService):
+        self.url, self.fake = url, fake
+        self.service = tinker.ServiceClient(base_url=url)
+        self.rest = tinker.RestClient(base_url=url)
+        self.tc = self.service.create_lora_training_client("fake-model", rank=2).result(timeout=30)
+        self.state = self.tc.save_state("s0").result(timeout=30).path
+        self.sampler = self.service.create_sampling_client(base_model="fake-model").result(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    fake = FakeService()
+    with serve_in_thread(build_app(fake, ServeConfig(poll_hold_s=0.25))) as url:
+        served = Open(url, fake)
+        yield served
+        served.service.close("success").result(timeout=30)
+
+
+def refusal(call) -> str:
+    """The message of a direct call the server refused with 400 (the SDK's BadRequestError)."""
+    with pytest.raises(tinker.BadRequestError) as err:
+        call().result(timeout=30)
+    assert err.value.body["category"] == "user"
+    message = err.value.body["error"]
+    assert "\n" not in message
+    return message
+
+
+PROMPT = T.ModelInput.from_ints([4, 5, 6])
+PARAMS = T.SamplingParams(max_tokens=2)
+
+
+@pytest.mark.parametrize("option, value, alternative", [
+    ("topk_prompt_logprobs", 2, "include_prompt_logprobs=True"),
+    ("topk_sample_logprobs", 2, "every sampled token comes with its own logprob"),
+    ("target_prompt_logprobs", T.TensorData(data=[1, 2], dtype="int64", shape=[2, 1]), "TrainingClient.forward"),
+    ("prompt_alt_tokens_k", 2, "sample from a prompt prefix"),
+])
+def test_unserved_sampling_options_are_refused_naming_an_alternative(srv, option, value, alternative):
+    message = sdk_user_error(srv.sampler.sample(PROMPT, 1, PARAMS, **{option: value}), timeout=30)
+    assert f"asample: {option} is not served; " in message and alternative in message
+
+
+def test_inflight_sampling_clients_are_refused_naming_snapshot(srv):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        message = sdk_user_error(srv.tc.save_weights_and_get_sampling_client(kind="inflight"), timeout=30)
+    assert "kind='inflight' is not served" in message and "kind='snapshot'" in message
+    # the refused request kept its place in the client's order: the next one runs at once
+    assert srv.tc.forward([ce_datum([1, 2, 3])], "cross_entropy").result(timeout=5).loss_fn_outputs
+
+
+def test_other_optimizers_are_refused_naming_adam(srv):
+    message = refusal(lambda: srv.service.create_lora_training_client(
+        "fake-model", rank=1, optimizer=T.DimuonOptimizerConfig()))
+    assert "optimizer_config type 'dimuon' is not served" in message and "AdamW" in message
+    message = sdk_user_error(srv.tc.optim_step(T.DimuonParams(learning_rate=0.1)), timeout=30)
+    assert "optimizer 'dimuon' is not served" in message and "adam_params=AdamParams" in message
+
+
+def test_full_fine_tuning_and_uploaded_custom_losses_are_refused(srv):
+    session_id = srv.service.holder.get_session_id()
+    reply = httpx.post(f"{srv.url}/api/v1/create_model", timeout=30,
+                       json={"session_id": session_id, "model_seq_id": 900, "base_model": "fake-model"})
+    assert reply.status_code == 400 and "full fine-tuning (no lora_config) is not served; use " \
+                                      "create_lora_training_client" in reply.json()["error"]
+    message = sdk_user_error(srv.tc.forward_backward([ce_datum([1, 2, 3])], "custom"), timeout=30)
+    assert "loss_fn 'custom'" in message and "forward_backward_custom" in message
+
+
+def test_custom_losses_run_client_side(srv):
+    """create_custom_loss traces the loss in the SDK; forward_backward_custom runs a forward, the
+    loss on the client, and a cross_entropy backward weighted by -dloss/dlogprobs."""
+    def doubled_nll(logprobs, weights):
+        loss = -2.0 * (logprobs * weights).sum()
+        return loss, {"custom/doubled_nll:sum": loss}
+
+    handle = srv.service.create_custom_loss(doubled_nll, {"logprobs": 1, "weights": 1}).result(timeout=30)
+    tc = srv.service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
+    datum = ce_datum([3, 5, 8, 13])
+    out = tc.forward_backward_custom([datum], handle).result(timeout=30)
+    expected = float(-2.0 * fake_logprobs([5, 8, 13], 0.0).sum())
+    assert out.metrics["custom/doubled_nll:sum"] == pytest.approx(expected, rel=1e-6)
+    assert [op for op, _ in srv.fake.calls_of(tc.model_id)] == ["forward", "forward_backward"]
+    # the backward's weights were 2 per token: the fake's gradient is their sum
+    assert tc.optim_step(T.AdamParams(learning_rate=1.0)).result(timeout=30).metrics["grad:sum"] == 6.0
+
+
+def test_cross_organisation_access_and_projects_are_refused(srv):
+    message = refusal(lambda: srv.service.create_training_client_from_state(srv.state, weights_access_token="t"))
+    assert "weights_access_token is not served" in message and "your own tenant" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        message = sdk_user_error(srv.tc.load_state(srv.state, weights_access_token="t"), timeout=30)
+    assert "weights_access_token is not served" in message
+    with pytest.raises(tinker.BadRequestError, match="project_id 'p1' is not served"):
+        tinker.ServiceClient(base_url=srv.url, project_id="p1").create_lora_training_client(
+            "fake-model", rank=1).result(timeout=30)
+    assert "project_id is not served" in refusal(lambda: srv.rest.list_training_runs(project_id="p1"))
+
+
+@pytest.mark.parametrize("call, names", [
+    (lambda s: s.rest.copy_weights(s.state, destination_project_id="p"), "copy_weights is not served"),
+    (lambda s: s.tc.save_weights_external("x"), "save_weights_external is not served"),
+    (lambda s: s.rest.get_external_weights_urls(s.state.replace("/weights/", "/external_weights/")),
+     "get_external_weights_urls is not served"),
+    (lambda s: s.rest.publish_checkpoint_from_tinker_path(s.state), "publish_checkpoint_from_tinker_path"),
+    (lambda s: s.rest.unpublish_checkpoint_from_tinker_path(s.state), "unpublish_checkpoint_from_tinker_path"),
+    (lambda s: s.rest.assign_session_project(s.service.holder.get_session_id(), "p"), "assign_session_project"),
+    (lambda s: s.rest.export_session_trace(s.service.holder.get_session_id()), "export_session_trace"),
+    (lambda s: s.rest.search_sessions(T.SessionSearchRequest()), "search_sessions is not served; use"),
+    (lambda s: AdminClient(base_url=s.url).get_audit_log(), "get_audit_log is not served"),
+    (lambda s: AdminClient(base_url=s.url).get_billing_usage("2026-01-01", "2026-02-01"), "get_billing_usage"),
+    (lambda s: AdminClient(base_url=s.url).get_current_checkpoint_storage_usage(), "list_user_checkpoints"),
+])
+@pytest.mark.filterwarnings("ignore:RestClient.search_sessions is experimental")
+def test_unserved_rest_calls_are_refused_in_one_line(srv, call, names):
+    assert names in refusal(lambda: call(srv))
+
+
+@pytest.mark.parametrize("path, flag", [("create_custom_loss", "custom_loss_server_side: false"),
+                                        ("join_sampling_session", "sample_join_sampling_session: false"),
+                                        ("retrieve_futures", "sample_use_retrieve_futures: false"),
+                                        ("auth/token", "pjwt_auth_enabled: false")])
+def test_endpoints_the_client_config_turns_off_are_refused_naming_the_flag(srv, path, flag):
+    config = httpx.post(f"{srv.url}/api/v1/client/config", json={"sdk_version": "0.38.0"}, timeout=30).json()
+    assert config.get(flag.split(":")[0], False) is False
+    reply = httpx.post(f"{srv.url}/api/v1/{path}", json={}, timeout=30)
+    assert reply.status_code == 400 and flag in reply.json()["error"]
+
+
+def test_save_overwrite_ttl_and_user_metadata(srv):
+    tc = srv.service.create_lora_training_client("fake-model", rank=1, user_metadata={"run": "r1"}).result(30)
+    path = tc.save_state("same", ttl_seconds=3600, user_metadata={"step": "1"}).result(timeout=30).path
+    message = sdk_user_error(tc.save_state("same"), timeout=30)
+    assert f"{path} exists; pass overwrite=True or another name" in message
+    assert tc.save_state("same", overwrite=True).result(timeout=30).path == path
+    [saved] = srv.rest.list_checkpoints(tc.model_id).result(timeout=30).checkpoints
+    assert saved.expires_at is None and saved.user_metadata is None  # the overwrite's own settings
+    tc.save_state("kept", ttl_seconds=3600, user_metadata={"step": "2"}).result(timeout=30)
+    run = srv.rest.get_training_run(tc.model_id).result(timeout=30)
+    assert run.user_metadata == {"run": "r1"} and run.last_checkpoint.checkpoint_id == "weights/kept"
+    expires = run.last_checkpoint.expires_at
+    assert run.last_checkpoint.user_metadata == {"step": "2"}
+    assert 3500 < (expires - datetime.now(timezone.utc)).total_seconds() <= 3600
+    srv.rest.set_checkpoint_ttl_from_tinker_path(run.last_checkpoint.tinker_path, None).result(timeout=30)
+    assert srv.rest.get_training_run(tc.model_id).result(timeout=30).last_checkpoint.expires_at is None
+    info = srv.rest.get_weights_info_by_tinker_path(path).result(timeout=30)
+    assert (info.base_model, info.lora_rank, info.is_lora) == ("fake-model", 1, True)
+
+
+def test_an_expired_checkpoint_is_deleted():
+    async def scenario() -> tuple[FakeService, str, bool]:
+        fake = FakeService()
+        server = TinkerServer(fake, ServeConfig(session_timeout_s=0.2),
+                              ModelCatalogue(fake.get_server_capabilities(), {}, None))
+        session_id = server.create_session(OPEN_TENANT)["session_id"]
+        request_id, model_id = server.training.create(session_id, 0, LoraSpec("fake-model", 1))
+        await server.futures.wait(request_id, 5)
+        saved = server.save_weights(T.SaveWeightsRequest(model_id=model_id, path="brief", seq_id=1, ttl_seconds=1))
+        assert isinstance(await server.futures.wait(saved["request_id"], 5), JsonResult)
+        path = f"tinker://{model_id}/weights/brief"
+        listed_before = path in server.training.checkpoints and path in fake.checkpoints
+        await asyncio.sleep(1.3)  # past the TTL, and a housekeeping round (every 0.05 s here)
+        server.close()
+        return fake, path, listed_before and path not in server.training.checkpoints
+
+    fake, path, forgotten = asyncio.run(scenario())
+    assert forgotten and path not in fake.checkpoints
+
+
+def test_sampler_handles_and_logprob_options_are_served(srv):
+    handle = srv.sampler.get_sampler_handle()
+    clone = tinker.SamplingClient.from_sampler_handle(handle)
+    assert clone.sample(PROMPT, 1, PARAMS).result(timeout=30).sequences[0].tokens == [7, 8]
+    last = srv.sampler.compute_logprobs(T.ModelInput.from_ints([4, 5, 6, 7]), prompt_logprobs_last_n=2).result(30)
+    assert last[:2] == [None, None] and last[2:] == pytest.approx(fake_logprobs([5, 6, 7], 0.0)[1:].tolist())
+    image = T.ModelInput(chunks=[T.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=1)])
+    message = sdk_user_error(srv.sampler.sample(image, 1, PARAMS), timeout=30)
+    assert "image chunk; only encoded_text is supported" in message
+
