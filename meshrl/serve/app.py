@@ -234,7 +234,11 @@ class TinkerServer:
             if msg.loss_fn == "custom":
                 raise UserError("forward_backward: loss_fn 'custom' (an uploaded custom loss) is not served; "
                                 "forward_backward_custom runs the loss client-side against this server")
-            return getattr(client, call)(wire.datums(msg), msg.loss_fn, wire.loss_fn_config(msg))
+            data = wire.datums(msg)
+            if msg.loss_fn == "stable_reinforce":  # the sampler's records, named by each datum's provenance
+                data = self.samplers.stability.resolve(self.training.model(msg.model_id).session_id, data,
+                                                       wire.provenance(msg))
+            return getattr(client, call)(data, msg.loss_fn, wire.loss_fn_config(msg))
 
         return _future(self.training.submit(msg.model_id, msg.seq_id, run,
                                             lambda out: ProtoResult(wire.forward_backward_output(out))))
