@@ -109,6 +109,19 @@ class Learner(MeshrlActor):
         return self._tenants().load(name, Path(directory), with_optimizer)
 
     @endpoint
+    def snapshot_adapter(self, name: str, root: str, mark: int, wait: bool = False) -> dict:
+        """Copy the adapter's state now (after `optim_step` or a load) and write it under ``root``
+        as snapshot ``mark`` in the background (``wait``: before replying): ``{durable}``, the mark of
+        its newest snapshot on disk."""
+        return self._tenants().snapshot(name, Path(root), mark, wait)
+
+    @endpoint
+    def restore_adapter(self, name: str, root: str) -> dict:
+        """Load the adapter's newest snapshot under ``root`` (created if new), with its AdamW state
+        and step count: ``{name, rank, steps_applied, optimizer, mark}``."""
+        return self._tenants().restore(name, Path(root))
+
+    @endpoint
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
                          padding: bool = False, outputs: bool = False) -> dict:
         """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over

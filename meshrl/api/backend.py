@@ -2,26 +2,34 @@
 one base model (peft adapters, each with its own AdamW state), and generator replicas that sample
 from exactly the weight version a sampling client names.
 
-Learner calls of different training clients interleave one call at a time; before each, the
-client's adapter is made the active one (`use_adapter`). Every `save_weights_for_sampler` publishes
-the adapter's merged weights as a new version of the weight store (version 0 = the base model);
-a sampling request first brings every generator replica to its version (`load_version`, no transfer
-when already held), and a generator that fails is replaced and brought back to that version by the
-supervisor before the request is issued again."""
+Learner calls of different training clients go through a `TenantLearner`
+(meshrl.api.tenant_learner): one call at a time, each client's adapter made active first, and a
+learner whose process dies replaced with every tenant brought back to where its last completed
+call left it. Every `save_weights_for_sampler` publishes the adapter's merged weights as a new
+version of the weight store (version 0 = the base model); a sampling request first brings every
+generator replica to its version (`load_version`, no transfer when already held), and a generator
+that fails is replaced and brought back to that version by the supervisor before the request is
+issued again."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from pathlib import Path
 
 from meshrl.api.errors import UserError
+from meshrl.api.journal import LearnerJournal
+from meshrl.api.tenant_learner import TenantLearner
 from meshrl.config.base import ConfigError
 from meshrl.config.run import RunConfig
-from meshrl.config.meshes import GENERATOR
+from meshrl.config.meshes import GENERATOR, LEARNER
 from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger("meshrl")
+
+RECOVERY = ".recovery"
+"""The folder of the checkpoint root that holds the tenants' snapshots."""
 
 
 class MeshBackend:
@@ -47,12 +55,15 @@ class MeshBackend:
             self.client = session.client
             # a replaced generator comes back to the version being sampled, not the newest one
             session.supervisor.on_respawn(GENERATOR, lambda: self._load_on_generators(self._sampled_version))
-            self._learner_lock = threading.Lock()
             self._generator_lock = threading.Lock()
-            self._active: str | None = None
-            self._next_version = 1
             self._sampled_version = 0
+            journal = LearnerJournal(checkpoint_root(cfg) / RECOVERY, cfg.weight_sync.keep_versions)
+            shutil.rmtree(journal.root, ignore_errors=True)  # an earlier server's tenants are gone
+            # a replaced learner gets the published versions and the tenants back (sampling waits)
+            self.tenants = TenantLearner(self.client, session.supervisor, journal, self._generator_lock,
+                                         lambda: session.meshes.pids.get(LEARNER))
             self.client.publish(0)  # the base model (no adapter: the initial one's B is zero)
+            journal.published(0, None)
         except BaseException:
             session.close()
             raise
@@ -68,31 +79,16 @@ class MeshBackend:
     # ---- the learner ------------------------------------------------------------------------
     def learner(self, adapter: str | None, endpoint: str, *args):
         """``endpoint(*args)`` on the learner with ``adapter`` active (None: whatever is active)."""
-        with self._learner_lock:
-            if adapter is not None and adapter != self._active:
-                self._on_learner("use_adapter", adapter)
-                self._active = adapter
-            return self._on_learner(endpoint, *args)
-
-    def _on_learner(self, endpoint: str, *args):
-        return self.client.on_learners(endpoint, *args, supervised=False)
+        return self.tenants.call(adapter, endpoint, args)
 
     def forget_adapter(self, adapter: str) -> None:
-        """Drop ``adapter`` and its optimizer state from the learner (its training client closed);
-        the config's own adapter (`default`) becomes the active one if it was."""
-        with self._learner_lock:
-            if self._active == adapter:
-                self._on_learner("use_adapter", "default")
-                self._active = "default"
-            self._on_learner("remove_adapter", adapter)
+        """Drop ``adapter`` and its optimizer state from the learner (its training client closed)."""
+        self.tenants.forget(adapter)
 
-    def publish(self, adapter: str) -> int:
-        """Publish ``adapter``'s merged weights as a new version; returns it."""
-        with self._learner_lock:
-            version = self._next_version
-            self._next_version += 1
-        self.learner(adapter, "publish", version)
-        return version
+    def publish(self, adapter: str, source: Path) -> int:
+        """Publish ``adapter``'s merged weights as a new version (``source``: the sampler checkpoint
+        just saved from them); returns it."""
+        return self.tenants.publish(adapter, source)
 
     # ---- the generators ---------------------------------------------------------------------
     def generate(self, version: int, prompts: list[list[int]], request) -> list:

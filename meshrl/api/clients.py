@@ -211,7 +211,7 @@ class TrainingClient:
         """Publish the adapter's current weights for sampling; the future gives their path."""
         def run() -> str:
             path = self._save("sampler_weights", name)
-            self.service.register_sampler(path, self.backend.publish(self.adapter))
+            self.service.register_sampler(path, self.backend.publish(self.adapter, self.service.checkpoint_dir(path)))
             return path
         return self._submit(run)
 

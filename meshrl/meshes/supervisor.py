@@ -7,7 +7,8 @@ stopped and replaced, the new actors are brought back to the run's state by the 
 hook (e.g. generators pull the current weight version), and `fn` runs again. Calls are
 idempotent — generation is seeded per batch and nothing is trained until a call has returned —
 so no group is lost and none is trained twice. A learner failure is not retried here: it raises
-`LearnerLost` and the training loop resumes from the last checkpoint.
+`LearnerLost` and the training loop resumes from the last checkpoint. The API replaces its learner
+with `recover` itself, through a learner re-sync hook that brings its tenants back.
 """
 
 from __future__ import annotations
@@ -74,11 +75,18 @@ class RestartBudgetExceeded(RuntimeError):
     """A mesh failed more often than `faults.max_restarts` within `faults.restart_window_s`."""
 
 
-def recoverable_errors() -> tuple[type[BaseException], ...]:
+def process_errors() -> tuple[type[BaseException], ...]:
+    """What a call raises when a process serving it died or hung (an endpoint that raised is an
+    `ActorError` instead, and its actor lives on)."""
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    return (SupervisionError, CallTimeout, ProcessDied)
+
+
+def recoverable_errors() -> tuple[type[BaseException], ...]:
     from monarch.actor import ActorError
 
-    return (SupervisionError, ActorError, CallTimeout, ProcessDied)
+    return (*process_errors(), ActorError)
 
 
 class Supervisor:

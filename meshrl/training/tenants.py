@@ -9,27 +9,32 @@ its next `optim_step`. The adapter built at start from `learner.lora` is named `
 A saved adapter is a directory: a PEFT adapter (``adapter_model.safetensors`` and
 ``adapter_config.json``, loadable by ``peft.PeftModel.from_pretrained``), its AdamW state
 (``optimizer.pt``) and ``tenant.json`` (``steps_applied``). It is written into a temporary sibling
-directory and renamed into place, so a reader never sees a partial one.
+directory and renamed into place, so a reader never sees a partial one. `snapshot` copies an
+adapter's state between two calls and writes it in the background (meshrl.training.snapshots);
+`restore` loads the newest snapshot written, so a replacement learner can take a tenant back.
 
 Tenants need a single learner process: with data-parallel learners the calls raise.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from meshrl.training.snapshots import (CONFIG, META, OPTIMIZER, WEIGHTS, AdapterState, SnapshotWriter, clear_partial,
+                                       cpu_copy, latest_snapshot, write_adapter)
+
 DEFAULT = "default"
 """The adapter built at start from `learner.lora`."""
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-WEIGHTS, CONFIG, OPTIMIZER, META = "adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "tenant.json"
+SNAPSHOT_WAIT_S = 600.0
+"""Longest wait for a snapshot written before its call returns (`snapshot` with ``wait``)."""
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -49,6 +54,8 @@ class LoraTenants:
         self.trainer = trainer
         self.states: dict[str, TrainState] = {DEFAULT: trainer.state}
         self._created = 1  # adapters built so far: the seed of one added without a seed
+        self.snapshots = SnapshotWriter()
+        self._snapshot_roots: dict[str, Path] = {}  # adapter -> where its snapshots go
 
     @property
     def model(self):
@@ -93,30 +100,51 @@ class LoraTenants:
             raise ValueError(f"remove_adapter: {name!r} is the active adapter: use_adapter another one first")
         self.model.delete_adapter(name)
         del self.states[name]
+        if name in self._snapshot_roots:
+            self.snapshots.discard(name, self._snapshot_roots.pop(name))
+
+    def capture(self, name: str) -> AdapterState:
+        """Copies of the adapter's weights, LoRA config, AdamW state and step count, as they are now."""
+        from peft.utils import get_peft_model_state_dict
+
+        self._check(name)
+        state = self.states[name]
+        return AdapterState(name, cpu_copy(get_peft_model_state_dict(self.model, adapter_name=name)),
+                            copy.deepcopy(self.model.peft_config[name]), cpu_copy(state.optimizer.state_dict()),
+                            state.steps_applied)
 
     def save(self, name: str, directory: Path) -> dict:
         """Write the adapter's weights, LoRA config, AdamW state and step count into ``directory``
         (replaced if it exists)."""
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        self._check(name)
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir()
-        try:
-            weights = get_peft_model_state_dict(self.model, adapter_name=name)
-            save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
-            self.model.peft_config[name].save_pretrained(str(tmp))
-            state = self.states[name]
-            torch.save(state.optimizer.state_dict(), tmp / OPTIMIZER)
-            (tmp / META).write_text(json.dumps({"name": name, "steps_applied": state.steps_applied}))
-            _move_into_place(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        state = self.capture(name)
+        write_adapter(state, Path(directory))
         return {"path": str(directory), "steps_applied": state.steps_applied}
+
+    def snapshot(self, name: str, root: Path, mark: int, wait: bool) -> dict:
+        """Copy the adapter's state now (it must hold no accumulated gradient: right after
+        `optim_step` or a load) and write it as snapshot ``mark`` under ``root`` in the background;
+        ``wait``: return once it is on disk. ``{durable}``: the mark of its newest snapshot on disk."""
+        params = self.parameters(name)
+        if any(p.grad is not None for p in params):
+            raise ValueError(f"snapshot of LoRA adapter {name!r}: it holds accumulated gradients (snapshots are "
+                             "taken after optim_step)")
+        self.snapshots.submit(self.capture(name), Path(root), mark)
+        self._snapshot_roots[name] = Path(root)
+        durable = self.snapshots.wait(name, SNAPSHOT_WAIT_S) if wait else self.snapshots.durable(name)
+        return {"durable": durable}
+
+    def restore(self, name: str, root: Path) -> dict:
+        """Load adapter ``name`` (created if new) from its newest snapshot under ``root``, with its
+        AdamW state and step count: ``{name, rank, steps_applied, optimizer, mark}``.
+        FileNotFoundError if it has none."""
+        clear_partial(root, name)
+        found = latest_snapshot(root, name)
+        if found is None:
+            raise FileNotFoundError(f"LoRA adapter {name!r}: no snapshot under {root}")
+        mark, directory = found
+        out = self.load(name, directory, with_optimizer=True)
+        self._snapshot_roots[name] = Path(root)
+        return {**out, "mark": mark}
 
     def load(self, name: str, directory: Path, with_optimizer: bool) -> dict:
         """Load a saved adapter into ``name`` (rebuilt with the saved LoRA config when it is new or
@@ -196,13 +224,3 @@ class LoraTenants:
 def _shape(config) -> tuple:
     """What makes two LoRA configs build different adapters."""
     return (config.r, config.lora_alpha, sorted(config.target_modules), config.lora_dropout, config.use_rslora)
-
-
-def _move_into_place(tmp: Path, directory: Path) -> None:
-    if not directory.exists():
-        tmp.rename(directory)
-        return
-    old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
-    directory.rename(old)
-    tmp.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
