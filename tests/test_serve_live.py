@@ -1,6 +1,7 @@
 """`meshrl serve` for real, driven by the official, unmodified `tinker` SDK: a server subprocess
-over real Monarch meshes (one learner with LoRA tenants, one vLLM generator, the tiny model),
-stopped by its PID at the end."""
+over real Monarch meshes (one learner with LoRA tenants, one vLLM generator, the tiny model), with
+a keys file of two tenants (the tests use KEY; OTHER_KEY is the other tenant), stopped by its PID
+at the end."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.conftest import sdk_user_error
 pytestmark = [pytest.mark.monarch, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
+KEY, OTHER_KEY = "tml-test", "tml-other-tenant-3c9e"
 SERVE_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
               "learner.autocast_bf16=false", "weight_sync.keep_versions=4", "weight_sync.max_arenas=6"]
 
@@ -46,11 +48,13 @@ def server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp / "server.log"
+    keys = tmp / "keys.txt"
+    keys.write_text(f"{KEY} tester\n{OTHER_KEY} other\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "meshrl.cli", "serve", "-c", "configs/serve.yaml", *SERVE_TINY,
-                                 f"output.dir={tmp}", "--port", str(port)], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+                                 f"output.dir={tmp}", f"serve.keys_file={keys}", "--port", str(port)], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         line = proc.stdout.readline() if ready else ""
@@ -73,7 +77,7 @@ def service(server):
     from meshrl.api import connect
 
     os.environ["TINKER_TELEMETRY"] = "0"
-    with connect(server.url, api_key="tml-test") as svc:  # the SDK's ServiceClient, attached
+    with connect(server.url, api_key=KEY) as svc:  # the SDK's ServiceClient, attached
         yield svc
 
 
@@ -222,6 +226,37 @@ def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, serv
     assert server.proc.poll() is None
 
 
+def test_keys_keep_tenants_apart_on_real_meshes(service, server):
+    """Another tenant can neither load, sample nor delete this tenant's checkpoints; the owner's
+    delete removes the files; an unknown key gets 401; the server's log holds no key."""
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=12)
+    tc.forward_backward(sl_data(3), "cross_entropy")
+    tc.optim_step(T.AdamParams(learning_rate=1e-2)).result(timeout=120)
+    state = tc.save_state("kept-apart").result(timeout=120).path
+    sampler_path = tc.save_weights_for_sampler("kept-apart-sampler").result(timeout=120).path
+    other, rest_other = (tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY),
+                         tinker.RestClient(base_url=server.url, api_key=OTHER_KEY))
+    try:
+        with pytest.raises(tinker.PermissionDeniedError, match="belongs to another tenant"):
+            other.create_training_client_from_state(state).result(timeout=120)
+        with pytest.raises(tinker.PermissionDeniedError, match="belongs to another tenant"):
+            other.create_sampling_client(model_path=sampler_path).result(timeout=120)
+        with pytest.raises(tinker.PermissionDeniedError, match="belongs to another tenant"):
+            rest_other.delete_checkpoint_from_tinker_path(state).result(timeout=120)
+        assert rest_other.list_user_checkpoints().result(timeout=120).checkpoints == []
+    finally:
+        other.close("success").result(timeout=120)
+    [saved] = list(server.log.parent.rglob("kept-apart"))
+    tinker.RestClient(base_url=server.url, api_key=KEY).delete_checkpoint_from_tinker_path(state).result(timeout=120)
+    assert not saved.exists()
+    with pytest.raises(tinker.AuthenticationError, match="unknown API key"):
+        tinker.ServiceClient(base_url=server.url, api_key="tml-unknown-77").create_lora_training_client(
+            base_model=ALIAS, rank=4).result(timeout=120)
+    text = server.log.read_text()
+    assert "serve.keys_file: 2 keys of 2 tenants" in text
+    assert all(key not in text for key in (KEY, OTHER_KEY, "tml-unknown-77"))
+
+
 def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(service, server):
     sampler = service.create_sampling_client(base_model=ALIAS)
     [pid] = server.pids["generator"]
@@ -235,7 +270,7 @@ def test_the_sdk_rl_example_runs_against_the_server(server, monkeypatch):
     """examples/tinker_sdk_rl.py (the official SDK only), short, on the tiny model."""
     import importlib.util
 
-    monkeypatch.setenv("TINKER_API_KEY", "tml-test")  # as its docstring says to run it
+    monkeypatch.setenv("TINKER_API_KEY", KEY)  # as its docstring says to run it
 
     spec = importlib.util.spec_from_file_location("tinker_sdk_rl", ROOT / "examples" / "tinker_sdk_rl.py")
     example = importlib.util.module_from_spec(spec)
