@@ -18,8 +18,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from monarch.actor import Actor, ActorError, endpoint, this_host  # noqa: E402
 
+from meshrl.testing.shards import split_rows  # noqa: E402
+
 from meshrl.actors.follower import PolicyFollower  # noqa: E402
 from meshrl.transport.arena import views  # noqa: E402
+from meshrl.transport.shards import moves, whole_bucket  # noqa: E402
 from meshrl.transport.same_host import (  # noqa: E402
     PREFIX,
     SHM_DIR,
@@ -67,8 +70,9 @@ def segments_of(pid: int) -> set[str]:
 
 def local_checksums(handle) -> dict[str, str]:
     """Checksums of a published version read by this (controller) process from shared memory."""
+    (part,) = handle.parts
     dst = torch.empty(handle.layout.total_bytes, dtype=torch.uint8)
-    SameHostReader().copy(handle.local, dst, handle.layout.total_bytes)
+    SameHostReader().copy_moves(part.local, dst, moves(whole_bucket(handle.layout), [part.pieces]))
     return checksums(views(dst, handle.layout))
 
 
@@ -102,6 +106,42 @@ class Publisher(Actor):
         os._exit(1)
 
 
+class ShardPublisher(Actor):
+    """Rank ``rank`` of ``world`` publishers of one store: each publishes its FSDP2-style rows."""
+
+    def __init__(self, store: str, cfg: WeightSyncConfig, rank: int, world: int):
+        self.publisher = WeightPublisher(store, cfg, rank=rank, world=world)
+
+    @endpoint
+    def publish(self, version: int, seed: int | None = None):
+        sd = make_state_dict(version if seed is None else seed)
+        shards = split_rows(sd, self.publisher.rank, self.publisher.world)
+        return self.publisher.publish_shards(shards, version), checksums(sd)
+
+    @endpoint
+    def versions(self) -> list[int]:
+        return self.publisher.reclaim() and self.publisher.versions
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class SlowReader(Actor):
+    """Pulls bucket by bucket into a loader that takes a second per bucket."""
+
+    def __init__(self, cfg: WeightSyncConfig):
+        self.puller = WeightPuller("torn", cfg.model_copy(update={"pull_bucket_mib": 1}))
+
+    @endpoint
+    def pull_slowly(self, store: str, version: int) -> None:
+        self.puller.pull_into(lambda items: time.sleep(1.0), version)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
 def _pull_summary(result):
     return {
         "version": result.version,
@@ -119,7 +159,7 @@ def _puller(pullers: dict, cfg: WeightSyncConfig, store: str, overrides: dict | 
 
 
 def _read_first_chunk(handle) -> str:
-    chunk = handle.chunks[0]
+    chunk = handle.parts[0].chunks[0]
     dst = torch.empty(chunk.nbytes, dtype=torch.uint8)
     try:
         chunk.buffer.read_into(dst, timeout=3).get(timeout=10)
@@ -148,6 +188,19 @@ class SyncReader(Actor):
     def pull(self, store: str, min_version: int = 0, timeout_s: float | None = None, overrides: dict | None = None,
              exact: bool = False):
         return _pull_summary(_puller(self.pullers, self.cfg, store, overrides).pull(min_version, timeout_s, exact))
+
+    @endpoint
+    def pull_buckets(self, store: str, min_version: int = 0, overrides: dict | None = None):
+        """A bucketed pull into a loader that records what each bucket held."""
+        loaded, buckets = {}, []
+
+        def load(items):
+            buckets.append(sorted(name for name, _ in items))
+            loaded.update((name, t.clone()) for name, t in items)
+
+        result = _puller(self.pullers, self.cfg, store, overrides).pull_into(load, min_version)
+        return {**_pull_summary(result), "checksums": checksums(loaded), "buckets": buckets,
+                "read_bytes": result.stats.read_bytes}
 
     @endpoint
     def read_first_chunk(self, handle) -> str:
@@ -183,6 +236,13 @@ class AsyncReader(Actor):
     ):
         puller = _puller(self.pullers, self.cfg, store, overrides)
         return _pull_summary(await puller.apull(min_version, timeout_s, exact))
+
+    @endpoint
+    async def pull_buckets(self, store: str, min_version: int = 0, overrides: dict | None = None):
+        loaded = {}
+        puller = _puller(self.pullers, self.cfg, store, overrides)
+        result = await puller.apull_into(lambda items: loaded.update((n, t.clone()) for n, t in items), min_version)
+        return {**_pull_summary(result), "checksums": checksums(loaded)}
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +364,7 @@ def test_exact_pulls_get_each_kept_versions_bytes_in_any_order(cluster):
 def test_reclaim_keeps_a_leased_shared_arena_until_release_then_reuses_it(cluster):
     version = describe(cluster)["latest"]
     handle, lease = cluster.index.acquire.call_one("policy", version, None, 1.0, 60.0).get(timeout=10)
-    assert handle.host == host_identity() and handle.local is not None
+    assert handle.parts[0].host == host_identity() and handle.parts[0].local is not None
     stats, published = cluster.pub.publish.call_one(version + 1).get(timeout=60)
     assert version not in stats.reclaimed
     assert all(got["checksums"] == published for got in pull_all(cluster))
@@ -315,7 +375,7 @@ def test_reclaim_keeps_a_leased_shared_arena_until_release_then_reuses_it(cluste
     assert stats.reclaimed == (version, version + 1)  # v+1 once superseded, unread
     newest, lease = cluster.index.acquire.call_one("policy", version + 2, None, 1.0, 60.0).get(timeout=10)
     cluster.index.release.call_one("policy", version + 2, lease).get(timeout=10)
-    assert newest.local.name == handle.local.name  # the released version's arena holds the new one
+    assert newest.parts[0].local.name == handle.parts[0].local.name  # the released version's arena holds the new one
     assert all(got["checksums"] == published for got in pull_all(cluster))
 
 
@@ -519,3 +579,109 @@ def test_sync_api_refuses_to_block_an_event_loop():
 
     with pytest.raises(RuntimeError, match="use the 'a'-prefixed coroutine"):
         asyncio.run(inside_a_loop())
+
+
+def _spawn_ranks(store: str, cfg: WeightSyncConfig, world: int, ranks=None):
+    """Publisher ranks of one store, each in a process of its own: {rank: (proc mesh, actor)}."""
+    out = {}
+    for rank in ranks if ranks is not None else range(world):
+        pm = this_host().spawn_procs(per_host={"procs": 1})
+        out[rank] = (pm, pm.spawn("shard_publisher", ShardPublisher, store, cfg, rank, world))
+    return out
+
+
+def _stop(meshes):
+    for pm, _ in meshes.values():
+        try:
+            pm.stop().get(timeout=30)
+        except Exception:
+            pass
+
+
+def test_a_sharded_version_appears_once_every_rank_published_and_readers_assemble_it(cluster):
+    cfg = CFG.model_copy(update={"max_arenas": 3})
+    ranks = _spawn_ranks("sharded", cfg, 2)
+    try:
+        stats, published = ranks[0][1].publish.call_one(1).get(timeout=60)
+        assert not stats.complete and stats.nbytes < 0.6 * stats.total_bytes
+        assert describe(cluster, "sharded")["versions"] == [] and describe(cluster, "sharded")["pending"] == {1: [0]}
+        with pytest.raises(ActorError) as info:
+            cluster.readers[0].pull.call_one("sharded", 1, 0.3).get(timeout=30)
+        assert str(info.value.exception) == "weight pull of 'sharded': no version >= v1 within 0.3s (index has no version)"
+        stats, _ = ranks[1][1].publish.call_one(1).get(timeout=60)
+        assert stats.complete and describe(cluster, "sharded")["versions"] == [1]
+        got_all = pull_all(cluster, "sharded")
+        assert [got["transport"] for got in got_all] == EXPECTED_TRANSPORTS
+        assert all(got["checksums"] == published and got["version"] == 1 for got in got_all)
+
+        # bucket by bucket (each 1 MiB projection alone, the tied pair together), sync and async
+        got = cluster.readers[0].pull_buckets.call_one("sharded", 1, {"pull_bucket_mib": 1}).get(timeout=60)
+        assert got["checksums"] == published and len(got["buckets"]) > 4
+        assert ["embed.weight", "head.weight"] in got["buckets"]
+        got = cluster.readers[1].pull_buckets.call_one("sharded", 1, {"pull_bucket_mib": 1}).get(timeout=60)
+        assert got["checksums"] == published and got["transport"] == "shm"
+        got = cluster.readers[0].pull_buckets.call_one("sharded", 1, {"pull_bucket_mib": 1, "transport": "rdma"}
+                                                       ).get(timeout=60)
+        assert got["checksums"] == published and got["transport"] == "rdma"
+
+        # v2 is left incomplete and superseded by v3: never visible, forgotten, its arena freed
+        ranks[0][1].publish.call_one(2).get(timeout=60)
+        for rank in (0, 1):
+            _, published = ranks[rank][1].publish.call_one(3).get(timeout=60)
+        assert describe(cluster, "sharded")["pending"] == {} and describe(cluster, "sharded")["versions"] == [3]
+        assert ranks[0][1].versions.call_one().get(timeout=30) == [3]
+        assert all(got["version"] == 3 and got["checksums"] == published for got in pull_all(cluster, "sharded"))
+
+        # parts of learners of different sizes never complete a version together
+        three = ranks[0][0].spawn("rank0_of_3", ShardPublisher, "worlds", CFG, 0, 3)
+        two = ranks[1][0].spawn("rank1_of_2", ShardPublisher, "worlds", CFG, 1, 2)
+        three.publish.call_one(1).get(timeout=60)
+        two.publish.call_one(1).get(timeout=60)
+        assert describe(cluster, "worlds")["pending"] == {1: [1]}
+    finally:
+        _stop(ranks)
+
+
+@pytest.mark.slow
+def test_killed_publisher_ranks_and_readers_leave_no_torn_version(cluster):
+    ranks = _spawn_ranks("torn", CFG, 2)
+    reader_pm = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        for rank in (0, 1):
+            _, published = ranks[rank][1].publish.call_one(1).get(timeout=60)
+        assert all(got["version"] == 1 and got["checksums"] == published for got in pull_all(cluster, "torn"))
+        # rank 1 dies before publishing its part of v2: v2 is never visible; readers keep v1 whole
+        ranks[0][1].publish.call_one(2).get(timeout=60)
+        os.kill(ranks[1][1].pid.call_one().get(timeout=10), signal.SIGKILL)
+        assert all(got["version"] == 1 and got["nbytes"] == 0 for got in pull_all(cluster, "torn"))
+        with pytest.raises(ActorError) as info:
+            cluster.readers[1].pull.call_one("torn", 2, 0.3, None, True).get(timeout=30)
+        assert "v2 not published within 0.3s (index has v1)" in str(info.value.exception)
+        with pytest.raises(ActorError) as info:  # a new reader cannot fetch v1's dead part: a clear error
+            cluster.readers[1].pull.call_one("torn", 1, None, {"transport": "shm"}).get(timeout=30)
+        assert str(info.value.exception).startswith("weight pull of 'torn' v1 failed: the publisher process of ")
+        _stop({1: ranks.pop(1)})
+        ranks.update(_spawn_ranks("torn", CFG, 2, [1]))  # a restarted rank 1 completes v2 with rank 0's part
+        _, published = ranks[1][1].publish.call_one(2).get(timeout=60)
+        assert all(got["version"] == 2 and got["checksums"] == published for got in pull_all(cluster, "torn"))
+
+        # a reader killed in the middle of a bucketed pull: its lease keeps v2 until it expires,
+        # the others read whole versions meanwhile, then v2's arenas are reclaimed
+        slow = reader_pm.spawn("slow_reader", SlowReader, CFG)
+        slow_pid = slow.pid.call_one().get(timeout=30)  # asked first: the actor serves one call at a time
+        slow.pull_slowly.broadcast("torn", 2)
+        deadline = time.monotonic() + 30
+        while describe(cluster, "torn")["leases"].get(2, 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert describe(cluster, "torn")["leases"] == {2: 1}
+        os.kill(slow_pid, signal.SIGKILL)
+        for rank in (0, 1):
+            stats, published = ranks[rank][1].publish.call_one(3).get(timeout=60)
+            assert 2 not in stats.reclaimed  # still leased by the dead reader
+        assert all(got["version"] == 3 and got["checksums"] == published for got in pull_all(cluster, "torn"))
+        time.sleep(CFG.transfer_timeout_s + 5 + 2 * CFG.rpc_timeout_s)  # the lease's length (see WeightPuller)
+        assert ranks[0][1].versions.call_one().get(timeout=30) == [3]
+        assert describe(cluster, "torn")["versions"] == [3]
+    finally:
+        _stop(ranks)
+        _stop({0: (reader_pm, None)})

@@ -15,7 +15,7 @@ from pathlib import Path
 from monarch.actor import current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
-from meshrl.actors.follower import InProcessFollower, PolicyFollower
+from meshrl.actors.follower import InProcessFollower, PolicyFollower, require_complete
 from meshrl.transport import in_process
 from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.transport.weight_store import silence_tcp_fallback_warning
@@ -89,6 +89,7 @@ class Generator(MeshrlActor):
     @endpoint
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> GenerationBatch:
         self.fault_point("generate")
+        require_complete(self.follower)
         started = time.perf_counter()
         completions = self.engine.generate(prompts, request)
         tokens = 0
@@ -105,6 +106,7 @@ class Generator(MeshrlActor):
         n-1 values log p(x_i | x_0..x_{i-1}), i = 1..n-1, at temperature 1 (token 0 has none:
         Tinker-style prompt logprobs put None there). Both engines agree (vLLM's prompt logprobs
         bypass its prefix cache; HF runs one forward pass per sequence)."""
+        require_complete(self.follower)
         return self.engine.score(sequences)
 
     @endpoint

@@ -29,7 +29,8 @@ from meshrl.types import AdamParams, Datum
 class Learner(MeshrlActor):
     """Tinker-style training endpoints over one HF policy. A mesh of N learners trains one policy
     data-parallel (``learner.data_parallel``): the controller calls every rank with its share of
-    the datums (``padding`` datums only keep an idle rank in step) and rank 0 publishes. With
+    the datums (``padding`` datums only keep an idle rank in step); under FSDP2 every rank
+    publishes its own shards, otherwise rank 0 publishes. With
     ``diloco.enabled`` the learner is one replica of a DiLoCo run (meshrl.diloco): it syncs its
     trainable parameters through the object store when the controller calls `diloco_sync`."""
 
@@ -57,7 +58,11 @@ class Learner(MeshrlActor):
                                     mode=learner_cfg.data_parallel, address=dist_address,
                                     timeout_s=learner_cfg.call_timeout_s)
         self.trainer = PolicyTrainer(Path(model_path), learner_cfg, model_cfg.dtype, parallel)
-        self.publisher = WeightPublisher(store, sync_cfg) if parallel.rank == 0 and publish_to_store else None
+        # under FSDP2 every rank publishes its own shards; otherwise rank 0 holds the whole policy
+        sharded = self.trainer.dp.sharded
+        self.publisher = WeightPublisher(store, sync_cfg, rank=parallel.rank if sharded else 0,
+                                         world=parallel.world if sharded else 1) \
+            if publish_to_store and (sharded or parallel.rank == 0) else None
         self.store = store if share_in_process else None
         if share_in_process:
             in_process.share(store, self.trainer.model, self.trainer.inference_state_dict)
@@ -203,16 +208,13 @@ class Learner(MeshrlActor):
     @endpoint
     def publish(self, version: int) -> dict:
         """Publish the current weights (the active LoRA adapter merged, or that adapter only) as
-        ``version``. Every rank takes part (under FSDP2 rank 0 gathers the others' shards); rank 0
-        publishes."""
+        ``version``. Under FSDP2 every rank publishes its own shards (the version is visible once
+        all did; nothing is gathered); otherwise rank 0 publishes. ``bytes``: the whole version's."""
         if self.store is not None:
             in_process.set_version(self.store, version)
-        if self.publisher is None and not self.trainer.dp.sharded:
+        if self.publisher is None:
             shared = {"version": version, "bytes": 0, "publish_s": 0.0, "pack_s": 0.0}
             return shared if self.store is not None and self.trainer.dp.rank == 0 else {}
-        state = self.trainer.sync_state_dict()
-        if self.publisher is None:
-            return {}
-        stats = self.publisher.publish(state, version)
-        return {"version": stats.version, "bytes": stats.nbytes, "publish_s": stats.seconds,
-                "pack_s": stats.pack_seconds}
+        stats = self.publisher.publish_shards(self.trainer.sync_shards(), version)
+        return {"version": stats.version, "bytes": stats.total_bytes, "part_bytes": stats.nbytes,
+                "publish_s": stats.seconds, "pack_s": stats.pack_seconds}

@@ -13,7 +13,7 @@ from monarch.actor import endpoint
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.generator import POLICY_STORE
 from meshrl.config.weight_sync import WeightSyncConfig
-from meshrl.actors.follower import PolicyFollower
+from meshrl.actors.follower import PolicyFollower, require_complete
 from meshrl.transport.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
@@ -44,6 +44,7 @@ class SDPOTeacherActor(MeshrlActor):
     def score_sites(self, sites: list[tuple[list[int], int, int]], top_k: int) -> dict:
         """``sites`` = [(teacher_tokens, start, length)]; returns per-site (indices, logprobs)."""
         self.fault_point("score_sites")
+        require_complete(self.follower)
         started = time.perf_counter()
         scored = self.engine.topk_logprobs([s[0] for s in sites], [s[1] for s in sites],
                                            [s[2] for s in sites], top_k)

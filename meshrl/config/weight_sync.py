@@ -48,6 +48,16 @@ class WeightSyncConfig(Section):
     use. Each costs an arena of the published size (the adapter only under `learner.lora.sync:
     adapter`); must be below `max_arenas`, since a publish needs a free arena."""
 
+    pull_bucket_mib: int = Field(512, ge=0)
+    """MiB a reader's engine receives at a time: a pull fills a bucket of whole decoder layers (a
+    layer larger than this gets a bucket of its size), loads it into the engine, then fills the
+    next, so a reader holds its engine's weights plus one bucket, never a second full copy (a
+    failed pull then leaves the engine's weights incomplete until the next pull succeeds). 0: the
+    whole version is pulled into one arena, then loaded. Publishers cut their arenas into RDMA
+    chunks no larger than this, and RDMA reads that cannot land in place are staged through at
+    most this much memory. Under adapter-only LoRA sync (`learner.lora.sync: adapter`) each bucket's
+    adapters are merged into the base weights of the layers they adapt, which are then loaded."""
+
     arena_device: Literal["cpu", "cuda"] = "cpu"
     """Where arenas live on both sides: `cpu`, or `cuda` (GPU memory registered for ibverbs
     GPUDirect RDMA; needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."""

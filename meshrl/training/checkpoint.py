@@ -15,12 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 STATE = "state"  # the DCP directory (model + optimizer)
 RNG = "rng.pt"
@@ -91,25 +86,37 @@ def saved_names(directory: Path) -> list[str]:
 
 
 def export_hf(trainer, directory: Path) -> Path:
-    """Save the policy as a standard HF model directory (LoRA merged) with its tokenizer. Every
-    data-parallel rank calls this together (sharded weights are gathered); rank 0 writes."""
+    """Save the policy as a standard HF model directory (float32, LoRA merged) with its tokenizer,
+    streamed to disk a decoder layer at a time: one safetensors file per layer (and per other
+    top-level tensor) plus the index, so no process ever holds the whole model. Every
+    data-parallel rank calls this together; under FSDP2 each layer's shards are gathered on rank
+    0, which writes."""
+    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     directory = Path(directory)
-    model = trainer.model
-    if trainer.dp.sharded:
-        full = get_model_state_dict(trainer.logits_module, options=StateDictOptions(full_state_dict=True,
-                                                                                    cpu_offload=True))
-        state = {k.removeprefix("model."): v for k, v in full.items()}
-    else:
-        state = None
+    if trainer.dp.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    groups = trainer.export_groups()
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        tensors = trainer.dp.gather_to_first(group())
+        if trainer.dp.rank != 0:
+            continue
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
     if trainer.dp.rank != 0:
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    if trainer.cfg.lora.enabled:
-        import copy
-
-        model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    model = trainer.model.get_base_model() if trainer.cfg.lora.enabled else trainer.model
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(trainer.model_path).save_pretrained(directory)
     return directory

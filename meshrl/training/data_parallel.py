@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Callable, Hashable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from meshrl.transport.shards import Shard
 
 _BUCKET_BYTES = 64 << 20  # gradients are summed in flat buckets of about this size
 
@@ -123,10 +126,41 @@ class DataParallel:
         if bucket:
             _all_reduce_flat(bucket)
 
+    def local_shards(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                     keys: Mapping[str, Hashable] | None = None,
+                     compute: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> dict[str, Shard]:
+        """This rank's rows of every tensor of ``state`` as weight-store shards published as
+        ``dtype`` (nothing is copied here): an FSDP2 DTensor's local rows, a whole tensor held by
+        rank 0 alone. ``keys``: names with the same key are one tensor (tied weights);
+        ``compute[name](rows)`` turns the local rows into what is published (a LoRA merge), when
+        they are packed."""
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Shard as DimShard
+
+        keys, compute = keys or {}, compute or {}
+        out = {}
+        for name, t in state.items():
+            shape = tuple(t.shape)
+            if isinstance(t, DTensor) and tuple(t.placements) == (DimShard(0),):
+                local = t.to_local()
+                start = min(self.rank * -(-shape[0] // self.world), shape[0])
+                rows = local.shape[0]
+            elif isinstance(t, DTensor) and tuple(t.placements) != (Replicate(),):
+                raise ValueError(f"'{name}' is sharded as {t.placements}: only dim-0 shards are published")
+            else:
+                local = t.to_local() if isinstance(t, DTensor) else t
+                start, rows = 0, (shape[0] if shape else 1) if self.rank == 0 else 0
+            fn = compute.get(name)
+            load = (lambda local=local, fn=fn: fn(local)) if fn else (lambda local=local: local)
+            out[name] = Shard(shape, dtype, start, rows, load, keys.get(name))
+        return out
+
     def gather_to_first(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole tensors of a (possibly FSDP2-sharded) state dict on rank 0, and an empty dict on
         the other ranks, which never hold more than their shards. Names that share one tensor (tied
-        weights) keep sharing one result. Under FSDP2 every rank must call this together."""
+        weights) keep sharing one result. Under FSDP2 every rank must call this together. Only
+        for a full copy as the output (an HF export, a group of layers at a time): the weight
+        store takes every rank's own shards."""
         if not self.sharded:
             return state
         gathered: dict[int, torch.Tensor | None] = {}

@@ -11,6 +11,7 @@ micro-batches gives exactly the gradient of one big batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.tenants import LoraTenants, TrainState
+from meshrl.transport.shards import Shard, layer_group
 from meshrl.types import AdamParams, Datum
 
 CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
@@ -305,26 +307,106 @@ class PolicyTrainer:
                 "optim_s": time.perf_counter() - started}
 
     # ---- weights for inference -----------------------------------------------------------
-    def sync_state_dict(self) -> dict[str, torch.Tensor]:
-        """What the learner publishes for readers: the merged weights, or under
-        `lora.sync: adapter` only the (active) adapter's matrices (readers merge them)."""
+    def sync_shards(self) -> dict[str, Shard]:
+        """This rank's part of what the learner publishes for readers (meshrl.transport.shards):
+        the merged bf16 weights, or under `lora.sync: adapter` only the (active) adapter's float32
+        matrices (readers merge them). Under FSDP2 every rank publishes its own rows; otherwise
+        rank 0 holds everything. Nothing is gathered or copied here (see :meth:`weight_shards`)."""
         if self.cfg.lora.enabled and self.cfg.lora.sync == "adapter":
             from meshrl.training.lora import adapter_state_dict
 
-            return adapter_state_dict(self.model)
-        return self.inference_state_dict()
+            return self.dp.local_shards(adapter_state_dict(self.model), torch.float32)
+        return self.weight_shards(torch.bfloat16)
+
+    def weight_shards(self, dtype: torch.dtype) -> dict[str, Shard]:
+        """This rank's rows of the HF-named weights as generators load them (the active LoRA
+        adapter merged), as ``dtype``. Each is converted (and merged) only when it is packed, so a
+        publish needs no converted copy of the model. A tied lm_head stays in (as an alias of the
+        embedding: the arena stores it once), since vLLM's in-place reload only refreshes its head
+        from an explicit `lm_head.weight`. Under FSDP2 every rank calls this together (the LoRA
+        A matrices are gathered: they are small)."""
+        state, merge = self._merge_rules()
+        keys = {k: v for k, v in self._tie_keys().items() if k not in merge}  # a merged weight is its own tensor
+        return self.dp.local_shards(state, dtype, keys, merge)
+
+    def export_groups(self) -> list[Callable[[], dict[str, torch.Tensor]]]:
+        """The float32 weights an HF export writes (the active adapter merged), one decoder layer
+        (or other top-level tensor) at a time: each call gives that group's tensors (FSDP2:
+        sharded DTensors, for `DataParallel.gather_to_first`). Tied names are written once (the
+        first in module order, as HF saves them). Under FSDP2 every rank calls this together."""
+        state, merge = self._merge_rules()
+        keys, seen, groups = self._tie_keys(), set(), {}
+        for name in state:
+            key = keys.get(name) if name not in merge else None
+            if key is not None and key in seen:
+                continue
+            seen.add(key)
+            groups.setdefault(layer_group(name), []).append(name)
+        return [functools.partial(_merged_group, {n: state[n] for n in names}, merge) for names in groups.values()]
+
+    def _tie_keys(self) -> dict[str, int]:
+        """HF name -> one key per distinct parameter (tied names share it)."""
+        model = self.model.get_base_model() if self.cfg.lora.enabled else self.model
+        return {k.replace(".base_layer", ""): id(p) for k, p in model.named_parameters(remove_duplicate=False)}
+
+    def _merge_rules(self) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """The base model's HF-named weights (this rank's DTensors under FSDP2) and, under LoRA, per
+        adapted weight the function adding the active adapter's delta to its rows
+        (W0 + (B @ A) * scale, in float32 as peft's merge computes it; B's rows are sharded like
+        W0's, A is gathered whole)."""
+        if not self.cfg.lora.enabled:
+            return self.model.state_dict(), {}
+        from peft.tuners.lora import LoraLayer
+
+        adapter = self.model.active_adapter
+        merge = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                a = _whole(module.lora_A[adapter].weight.detach())
+                b = module.lora_B[adapter].weight.detach()
+                b = b.to_local() if hasattr(b, "to_local") else b
+                merge[f"{name.removeprefix('base_model.model.')}.weight"] = functools.partial(
+                    _add_delta, a=a, b=b, scale=float(module.scaling[adapter]))
+        state = {k.replace(".base_layer", ""): v for k, v in self.model.get_base_model().state_dict().items()
+                 if "lora_" not in k}
+        return state, merge
 
     @torch.no_grad()
     def inference_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """HF-named weights as the generators load them: the active LoRA adapter merged. A tied lm_head stays in (as
-        an alias of the embedding: the arena stores it once), since vLLM's in-place reload only
-        refreshes its head from an explicit `lm_head.weight`. Under FSDP2 every rank calls this
-        and the shards are gathered on rank 0 only (the other ranks get an empty dict)."""
+        """HF-named whole weights as the generators load them (the active LoRA adapter merged), of
+        an unsharded learner (the in-process source of a co-located generator); tied names share
+        one tensor. Under FSDP2 no process holds them: see :meth:`weight_shards`."""
+        if self.dp.sharded:
+            raise ValueError("inference_state_dict: under FSDP2 no learner process holds the whole weights")
         if self.cfg.lora.enabled:
             from meshrl.training.lora import merged_state_dict
 
-            state = merged_state_dict(self.model, dtype)
+            return merged_state_dict(self.model, dtype)
+        converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
+        return {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def _add_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return w + (b @ a) * scale
+
+
+@torch.no_grad()
+def _merged_group(state: dict[str, torch.Tensor], merge: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        fn = merge.get(name)
+        if fn is None:
+            out[name] = t
+        elif hasattr(t, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            out[name] = DTensor.from_local(fn(t.to_local()), t.device_mesh, t.placements, run_check=False,
+                                           shape=t.shape, stride=t.stride())
         else:
-            converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
-            state = {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
-        return self.dp.gather_to_first(state)
+            out[name] = fn(t)
+    return out

@@ -9,7 +9,8 @@ buffers; everything here is testable on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+import math
+from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -58,25 +59,34 @@ class ArenaLayout:
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], alignment: int = 64) -> "ArenaLayout":
+        entries = []
+        for name, t in state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state dict entry '{name}' is a {type(t).__name__}, not a tensor")
+            entries.append((name, t.dtype, tuple(t.shape), _storage_key(t)))
+        return cls.from_entries(entries, alignment)
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...], Hashable | None]],
+                     alignment: int = 64) -> "ArenaLayout":
+        """The layout of tensors described as ``(name, dtype, shape, key)``: entries with the same
+        non-None ``key`` (and dtype and shape) share one region, like tied weights."""
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         metas: list[TensorMeta] = []
         placed: dict[tuple, int] = {}
         cursor = 0
-        for name in sorted(state_dict):
-            t = state_dict[name]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state dict entry '{name}' is a {type(t).__name__}, not a tensor")
-            nbytes = t.numel() * t.element_size()
-            key = _storage_key(t)
-            if key is not None and key in placed:
-                offset = placed[key]
+        for name, dtype, shape, key in sorted(entries, key=lambda e: e[0]):
+            nbytes = math.prod(shape) * dtype.itemsize
+            region = None if key is None or nbytes == 0 else (key, dtype, tuple(shape))
+            if region is not None and region in placed:
+                offset = placed[region]
             else:
                 offset = cursor
                 cursor = _align(cursor + nbytes, alignment)
-                if key is not None:
-                    placed[key] = offset
-            metas.append(TensorMeta(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape)))
+                if region is not None:
+                    placed[region] = offset
+            metas.append(TensorMeta(name, offset, nbytes, dtype_name(dtype), tuple(shape)))
         return cls(tuple(metas), cursor, alignment)
 
     def matches(self, state_dict: Mapping[str, torch.Tensor]) -> bool:

@@ -30,11 +30,12 @@ import socket
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from meshrl.transport.arena import allocate_arena, copy_tensor
+from meshrl.transport.arena import allocate_arena
+from meshrl.transport.shards import Move, apply_move
 
 SHM_DIR = "/dev/shm"
 PREFIX = "meshrl-arena"
@@ -220,19 +221,22 @@ class SameHostReader:
         """Unmap cached segments whose file the publisher has unlinked, freeing their pages."""
         self._segments = {n: t for n, t in self._segments.items() if os.path.exists(os.path.join(SHM_DIR, n))}
 
-    def copy(self, ref: LocalRef, dst: torch.Tensor, nbytes: int) -> None:
-        """Copy the first ``nbytes`` of the arena behind ``ref`` into ``dst``. Raises
-        ``SameHostUnavailable`` when the arena cannot be opened and ``OwnerGone`` when its
-        publisher died (both before any byte is written)."""
+    def copy_moves(self, ref: LocalRef, dst: torch.Tensor, moves: Iterable[Move]) -> None:
+        """Apply ``moves`` (their ``src`` offsets in the arena behind ``ref``) into ``dst``. Raises
+        ``SameHostUnavailable`` when the arena cannot be opened and ``OwnerGone`` when its publisher
+        died (both before any byte is written)."""
         if isinstance(ref, CudaIpcRef):
             try:
                 src = ref.rebuild(*ref.args)
             except RuntimeError as e:
                 raise SameHostUnavailable(f"CUDA IPC handle could not be opened: {e}") from e
-            copy_tensor(dst[:nbytes], src[:nbytes])
+            for m in moves:
+                apply_move(src, dst, m)
             torch.cuda.synchronize(src.device)  # done before the mapping is released with `src`
             return
-        copy_tensor(dst[:nbytes], self._segment(ref)[:nbytes])
+        src = self._segment(ref)
+        for m in moves:
+            apply_move(src, dst, m)
 
     def _segment(self, ref: SegmentRef) -> torch.Tensor:
         if _owner_alive(ref.name) is False:
