@@ -275,7 +275,7 @@ def run_eval(cfg, target: EvalTarget, size: int | None = None, k: int = 1, sampl
     from meshrl.actors.rewarder import load_reward_fn
     from meshrl.controller.rollout import Counters, strategy_for
     from meshrl.envs.task_sets import make_task
-    from meshrl.meshes.session import MeshSession
+    from meshrl.meshes.session import host_run
     from meshrl.terms import check_config
 
     samples = samples or k
@@ -292,11 +292,7 @@ def run_eval(cfg, target: EvalTarget, size: int | None = None, k: int = 1, sampl
     if not tasks:
         raise EvalError(f"task.kind = {cfg.task.kind}: no held-out tasks")
     started = time.perf_counter()
-    own = session is None
-    if own:
-        session = MeshSession(cfg)
-    else:
-        session.begin_run(cfg)
+    session, release = host_run(cfg, session)
     try:
         strategy_cls = strategy_for(task)
         session.spawn_policy()
@@ -324,10 +320,7 @@ def run_eval(cfg, target: EvalTarget, size: int | None = None, k: int = 1, sampl
             metrics, groups = evaluate_tasks(strategy, tasks, request, "eval", samples, ks, batch, bar)
             metrics["timing/eval_s"] = time.perf_counter() - t0
     finally:
-        if own:
-            session.close()
-        else:
-            session.end_run()
+        release()
     return {
         "path": str(target.path), "kind": target.kind, "step": target.step,
         "checkpoint": str(target.learner_dir) if target.learner_dir else None,

@@ -43,7 +43,7 @@ class Runtime:
         from meshrl.actors.rewarder import load_reward_fn
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.envs.task_sets import make_task
-        from meshrl.meshes.session import MeshSession
+        from meshrl.meshes.session import host_run
         from meshrl.terms import check_config, term_classes
 
         check_config(cfg)  # the plugins, the loss and the terms, before anything is spawned
@@ -51,11 +51,7 @@ class Runtime:
             load_reward_fn(cfg.rewarder.reward_fn)  # fail here, in one line, not inside an actor
         self.cfg = cfg
         self.task = make_task(cfg.task, cfg.trainer.seed)
-        if session is None:
-            session, self._owns_session = MeshSession(cfg, hosts, actors), True
-        else:
-            session.begin_run(cfg, actors)
-            self._owns_session = False
+        session, self._release = host_run(cfg, session, hosts, actors)
         self.session = session
         self.loop = None
         try:
@@ -132,10 +128,7 @@ class Runtime:
     def close(self) -> None:
         """Stop the run: its loop, terms and hooks, then the session's meshes (a session of the run's
         own) or only the run's actors (a session given to it)."""
-        if self._owns_session:
-            self.session.close()
-        else:
-            self.session.end_run()
+        self._release()
 
     def __enter__(self) -> "Runtime":
         return self

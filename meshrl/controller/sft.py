@@ -113,7 +113,7 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
 
     from meshrl.controller.checkpoints import CheckpointManager
     from meshrl.envs.task_sets import SeededStream
-    from meshrl.meshes.session import MeshSession
+    from meshrl.meshes.session import host_run
     from meshrl.metrics.records import MetricsLogger
 
     t_start = time.perf_counter()
@@ -127,11 +127,7 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
                             cfg.model_dump(mode="json"))
     metrics.truncate_after(start.step if start else 0)
     result: dict = {"steps": 0, "train": [], "evals": []}
-    own = session is None
-    if own:
-        session = MeshSession(cfg)
-    else:
-        session.begin_run(cfg)
+    session, release = host_run(cfg, session)
     try:
         spawn_learner(session, cfg)
         client = session.client
@@ -199,10 +195,7 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
             result["export"] = client.on_learners("export", str(run_dir / "final_model"), supervised=False)
     finally:
         metrics.close()
-        if own:
-            session.close()
-        else:
-            session.end_run()
+        release()
     result["wall_s"] = time.perf_counter() - t_start
     return result
 

@@ -196,3 +196,15 @@ class MeshSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def host_run(cfg: RunConfig, session: MeshSession | None = None, hosts=None,
+             actors: dict[str, type] | None = None) -> tuple[MeshSession, Callable[[], None]]:
+    """The session that hosts the run of ``cfg``, and how to let go of it when the run ends:
+    ``session``'s processes (`begin_run`; letting go stops only the run's actors) or a new
+    `MeshSession` of the run's own (letting go stops its meshes)."""
+    if session is None:
+        session = MeshSession(cfg, hosts, actors)
+        return session, session.close
+    session.begin_run(cfg, actors)
+    return session, session.end_run
