@@ -190,6 +190,16 @@ def teachers(kind: str | None, task: str, args: argparse.Namespace, record: dict
         yield
 
 
+def render_tables() -> list[Path]:
+    """The pages benchmarks/tables.py renders from the results (the ablation's summary among them),
+    brought up to date, so that a committed run leaves them matching the committed JSON."""
+    from benchmarks.tables import DOCS, README, main as tables_main
+
+    if tables_main([]) != 0:
+        raise RuntimeError("benchmarks/tables.py could not render the tables")
+    return [DOCS, README]
+
+
 def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(arm, task, seed) in the order they run: each seed's main arms together, so the first
     paired comparisons are complete early; the contrast arms last."""
@@ -247,11 +257,11 @@ def main() -> None:
                "load_1m": {"mean": sum(load.samples) / max(len(load.samples), 1), "max": max(load.samples, default=0.0)}}
         RUN_FILES.mkdir(parents=True, exist_ok=True)
         run_file(key).write_text(json.dumps(run, indent=1) + "\n")
-        written = write_summary(RUN_FILES)
+        written = [*write_summary(RUN_FILES), *render_tables()]
         if args.commit:
             commit([run_file(key), *written], f"Ablation run {run_name(*key)}: {len(run['evals'])} evals, "
                    f"last {100 * run['evals'][-1]['accuracy']:.1f}%, {run['mean_step_s']:.1f} s/step")
-    written = write_summary(RUN_FILES)
+    written = [*write_summary(RUN_FILES), *render_tables()]
     print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in written))
 
 
