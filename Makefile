@@ -6,8 +6,12 @@
 #               ablation's summary rebuilt from its committed runs; BENCH_QUICK=0: their full
 #               length, the ablation's runs not yet recorded included: hours) and regenerate the
 #               tables from the JSON
+# and on a host with CUDA:
+#   make gpu-check  run every GPU path once (scripts/gpu_check.py; GPU_CHECK_ARGS=--parts ... picks
+#                   some) into benchmarks/results/gpu_check.json
 VENV ?= .venv
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 BENCH_QUICK ?= 1
 ifeq ($(BENCH_QUICK),1)
 QUICK := --quick
@@ -17,7 +21,7 @@ QUICK :=
 ABLATION_ARGS ?=
 endif
 
-.PHONY: setup run test test-all bench bench-deps
+.PHONY: setup run test test-all bench bench-deps gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -42,3 +46,10 @@ bench: bench-deps
 	$(VENV)/bin/python benchmarks/generation.py $(QUICK)
 	$(VENV)/bin/python benchmarks/ablation.py $(ABLATION_ARGS)
 	$(VENV)/bin/python benchmarks/tables.py
+
+# the GPU battery (scripts/gpu_check.py): on a host with CUDA every GPU path runs (TRL installed first
+# for its benchmarks/vs_trl.py part) and benchmarks/results/gpu_check.json names the device and says
+# why any part was skipped; on a host without CUDA it says so and runs nothing
+gpu-check: setup
+	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory bench-deps; fi
+	$(VENV)/bin/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

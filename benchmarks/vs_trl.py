@@ -4,6 +4,7 @@
                                                 # colocated, async K=1), then learning per wall-clock
     python benchmarks/vs_trl.py --quick         # fewer steps and a shorter learning run
     python benchmarks/vs_trl.py --no-learning   # step time only
+    python benchmarks/vs_trl.py --backend hf --out elsewhere.json   # HF generate on both sides
 
 Both sides train SmolLM2-135M-Instruct on the default task (configs/default.yaml: 2-digit
 addition, 8 prompts x 8 samples per step, 32 new tokens, temperature 1.0) with the same problems in
@@ -309,6 +310,7 @@ def main() -> None:
     parser.add_argument("--no-learning", action="store_true")
     parser.add_argument("--backend", choices=("vllm", "hf"), default=None, help="meshrl's generator backend")
     parser.add_argument("--runs-dir", default="runs/bench")
+    parser.add_argument("--out", type=Path, default=RESULTS / "vs_trl.json", help="the result JSON (the plot beside it, .png)")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -348,10 +350,10 @@ def main() -> None:
         summary["learning"] = {arm: learning_curve(run_child(arm, args, args.learning_steps, args.eval_every,
                                                              args.eval_size))
                                for arm in ("trl", "meshrl_separate") if arm in args.arms}
-    write_result("vs_trl", summary)
-    plot(summary, RESULTS / "vs_trl.png")
+    write_result("vs_trl", summary, args.out)
+    plot(summary, args.out.with_suffix(".png"))
     print_table(summary)
-    print(f"wrote {RESULTS / 'vs_trl.json'} and {RESULTS / 'vs_trl.png'}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 def print_table(summary: dict) -> None:

@@ -60,13 +60,17 @@ def build_model(source: str | None):
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> dict:
-    """Copy rate of ``nbytes`` between two preallocated, pre-touched uint8 tensors, with torch's
-    (parallel) ``copy_`` and numpy's single-threaded ``copyto``. ``median_gbps``, the reference a pull
-    is compared with, is the faster method's median. Run it in the puller's process."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    methods = {"torch_copy": lambda: dst.copy_(src), "numpy_copyto": lambda: np.copyto(dst.numpy(), src.numpy())}
+def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> dict:
+    """Copy rate of ``nbytes`` between two preallocated, pre-touched uint8 tensors on ``device``,
+    with torch's (parallel) ``copy_`` and, on the CPU, numpy's single-threaded ``copyto`` (on a GPU:
+    a device-to-device copy, synchronised). ``median_gbps``, the reference a pull is compared with,
+    is the faster method's median. Run it in the puller's process."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if src.is_cuda:
+        methods = {"torch_copy": lambda: (dst.copy_(src), torch.cuda.synchronize(src.device))}
+    else:
+        methods = {"torch_copy": lambda: dst.copy_(src), "numpy_copyto": lambda: np.copyto(dst.numpy(), src.numpy())}
     rates: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, copy in methods.items():

@@ -1,6 +1,9 @@
 """Weight pull per transport on one host: the shared-memory copy (``transport: shm``) against RDMA
 chunk reads (``transport: rdma``, Monarch's TCP fallback on CPU), between two Monarch processes.
 
+With ``--arena-device cuda`` the arenas live in GPU memory: the local copy is then CUDA IPC and the
+memcpy a device-to-device copy on the reader's GPU (needs a CUDA host; scripts/gpu_check.py runs it).
+
 Cases: (a) SmolLM2-135M's state dict (the checkpoint if cached, else random weights with its shapes),
 (b) a synthetic bf16 state dict of ``--synthetic-params`` parameters (default 2B, ~4 GB) in
 ``--tensors`` tensors. Each case gets fresh processes: an owner publishes a new version per round
@@ -13,6 +16,7 @@ is shrunk to the largest that fits, and the report says so.
 
     python benchmarks/weight_transports.py                  # both cases, 4 rounds per transport
     python benchmarks/weight_transports.py --synthetic-params 1e9 --repeats 3
+    python benchmarks/weight_transports.py --arena-device cuda --cases smollm2 --transports shm
 
 Results: ``benchmarks/results/weight_sync_transports.json``.
 """
@@ -46,6 +50,8 @@ from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
 RESULTS = Path(_HERE) / "results" / "weight_sync_transports.json"
 STORE = "bench-transports"
 TRANSPORTS = ("shm", "rdma")
+#: what a pull by the local copy reports as its transport, by arena device
+LOCAL_COPY = {"cpu": "shm", "cuda": "cuda_ipc"}
 COLS = 4096
 MARGIN = 2 << 30
 
@@ -66,7 +72,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over every tensor's bytes in name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy())
+        h.update(tensors[name].contiguous().view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
@@ -119,7 +125,8 @@ class Reader(Actor):
             self.puller = WeightPuller(STORE, self.config.model_copy(update={"transport": transport}))
         self.result = self.puller.pull(min_version=version)
         stats = self.result.stats
-        assert self.result.version == version and stats.transport == transport, (self.result.version, stats)
+        expected = LOCAL_COPY[self.config.arena_device] if transport == "shm" else transport
+        assert self.result.version == version and stats.transport == expected, (self.result.version, stats)
         return {"seconds": stats.seconds, "transfer_s": stats.transfer_seconds, "nbytes": stats.nbytes}
 
     @endpoint
@@ -136,7 +143,7 @@ class Reader(Actor):
 
     @endpoint
     def memcpy_gbps(self, nbytes: int, repeats: int) -> dict:
-        return memcpy_gbps(nbytes, repeats)
+        return memcpy_gbps(nbytes, repeats, self.config.arena_device)
 
 
 def mem_available() -> int:
@@ -163,8 +170,8 @@ class MemoryWatch:
         return self.lowest
 
 
-def run_case(case: dict, repeats: int) -> dict:
-    config = WeightSyncConfig(max_arenas=2)
+def run_case(case: dict, repeats: int, transports: list[str], arena_device: str) -> dict:
+    config = WeightSyncConfig(max_arenas=2, arena_device=arena_device)
     owner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="owner")
     reader_procs = this_host().spawn_procs(per_host={"procs": 1}, name="reader")
     owner = owner_procs.spawn("owner", Owner, case, config)
@@ -173,7 +180,7 @@ def run_case(case: dict, repeats: int) -> dict:
         version, result = 0, {"transports": {}}
         nbytes = owner.nbytes.call_one().get(timeout=600)
         memcpy = [reader.memcpy_gbps.call_one(nbytes, 5).get(timeout=600)]
-        for transport in TRANSPORTS:
+        for transport in transports:
             rounds = []
             for _ in range(repeats):
                 version += 1
@@ -205,7 +212,8 @@ def run_case(case: dict, repeats: int) -> dict:
         row["transfer_gbps"] = nbytes / row["transfer_s"] / 1e9
         row["pull_vs_memcpy"] = row["pull_gbps"] / reference
         row["transfer_vs_memcpy"] = row["transfer_gbps"] / reference
-    return {**case, **result, "nbytes": nbytes, "memcpy_gbps": reference, "memcpy_runs": memcpy, "repeats": repeats}
+    return {**case, **result, "nbytes": nbytes, "memcpy_gbps": reference, "memcpy_runs": memcpy, "repeats": repeats,
+            "arena_device": arena_device}
 
 
 def synthetic_case(params: int, tensors: int) -> dict:
@@ -227,8 +235,14 @@ def main() -> None:
     parser.add_argument("--synthetic-params", type=float, default=2e9)
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--cases", default="smollm2,synthetic")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated, of shm and rdma")
+    parser.add_argument("--arena-device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both sides' arenas live (cuda: the local copy is CUDA IPC)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    transports = args.transports.split(",")
+    if not set(transports) <= set(TRANSPORTS):
+        parser.error(f"--transports: expected some of {','.join(TRANSPORTS)}, got {args.transports}")
 
     silence_tcp_fallback_warning()
     load_before, watch = os.getloadavg()[0], MemoryWatch()
@@ -241,7 +255,7 @@ def main() -> None:
         else:
             case = synthetic_case(int(args.synthetic_params), args.tensors)
         print(f"{case['name']}: {case['weights']}", flush=True)
-        cases.append(run_case(case, args.repeats))
+        cases.append(run_case(case, args.repeats, transports, args.arena_device))
         gc.collect()
     report = {
         "cases": cases,
