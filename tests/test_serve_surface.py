@@ -1,12 +1,13 @@
 """The tinker 0.38 SDK's surface against `meshrl serve` (docs/tinker.md, "The SDK's surface"): each
 call or option the server does not serve fails in one line that names it and an alternative, and
 the calls and options served by this layer (checkpoint TTLs, overwrite, user metadata, custom losses
-run client-side, sampler handles) do what the SDK documents. The official SDK drives the app over
-the deterministic fake backend, served in a thread of this process."""
+uploaded and run on the server or run client-side, sampler handles) do what the SDK documents. The
+official SDK drives the app over the deterministic fake backend, served in a thread of this process."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import warnings
 from datetime import datetime, timezone
@@ -14,14 +15,18 @@ from datetime import datetime, timezone
 import httpx
 import numpy as np
 import pytest
+import torch
 
 import tinker
 from tinker import types as T
+from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from tinker.lib.public_interfaces.admin_client import AdminClient
 
+from meshrl.api.errors import UserError
 from meshrl.config.serve import ServeConfig
 from meshrl.serve.app import TinkerServer, build_app
 from meshrl.serve.catalogue import ModelCatalogue
+from meshrl.serve.custom_losses import CustomLosses
 from meshrl.serve.futures import JsonResult
 from meshrl.serve.tenants import OPEN_TENANT
 from meshrl.serve.training import LoraSpec
@@ -100,29 +105,93 @@ def test_other_optimizers_are_refused_naming_adam(srv):
     assert "optimizer 'dimuon' is not served" in message and "adam_params=AdamParams" in message
 
 
-def test_full_fine_tuning_and_uploaded_custom_losses_are_refused(srv):
+def test_full_fine_tuning_is_refused(srv):
     session_id = srv.service.holder.get_session_id()
     reply = httpx.post(f"{srv.url}/api/v1/create_model", timeout=30,
                        json={"session_id": session_id, "model_seq_id": 900, "base_model": "fake-model"})
     assert reply.status_code == 400 and "full fine-tuning (no lora_config) is not served; use " \
                                       "create_lora_training_client" in reply.json()["error"]
-    message = sdk_user_error(srv.tc.forward_backward([ce_datum([1, 2, 3])], "custom"), timeout=30)
-    assert "loss_fn 'custom'" in message and "forward_backward_custom" in message
 
 
-def test_custom_losses_run_client_side(srv):
-    """create_custom_loss traces the loss in the SDK; forward_backward_custom runs a forward, the
-    loss on the client, and a cross_entropy backward weighted by -dloss/dlogprobs."""
-    def doubled_nll(logprobs, weights):
-        loss = -2.0 * (logprobs * weights).sum()
-        return loss, {"custom/doubled_nll:sum": loss}
+def weighted_nll(logprobs, weights):
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/nll:sum": loss, "custom/weight:mean": weights.sum()}
 
-    handle = srv.service.create_custom_loss(doubled_nll, {"logprobs": 1, "weights": 1}).result(timeout=30)
+
+def ppo_clip(logprobs, old_logprobs, advantages):
+    ratio = torch.exp(logprobs - old_logprobs)
+    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.8, 1.2) * advantages).sum()
+    return loss, {"custom/ratio:mean": ratio.mean()}
+
+
+def test_uploaded_custom_losses_run_on_the_server(srv):
+    """create_custom_loss uploads the SDK's trace (client/config: custom_loss_server_side); with its
+    handle, forward_backward_custom is one server call: the fake's learner interprets the graph on
+    its logprobs (-(1 + (7 t + i) mod 13) / 8 - w) and its gradient d loss / d w reaches optim_step."""
+    nll = srv.service.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result(timeout=30)
+    ppo = srv.service.create_custom_loss(ppo_clip, {"logprobs": 1, "old_logprobs": 1, "advantages": 1}).result(30)
+    assert nll.loss_id and ppo.loss_id and nll.loss_id != ppo.loss_id
     tc = srv.service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
-    datum = ce_datum([3, 5, 8, 13])
-    out = tc.forward_backward_custom([datum], handle).result(timeout=30)
-    expected = float(-2.0 * fake_logprobs([5, 8, 13], 0.0).sum())
-    assert out.metrics["custom/doubled_nll:sum"] == pytest.approx(expected, rel=1e-6)
+    data = [ce_datum([3, 5, 8, 13]), ce_datum([2, 4])]
+    data[0].loss_fn_inputs["weights"] = T.TensorData.from_numpy(np.array([1.0, 0.0, 2.0], dtype=np.float32))
+    out = tc.forward_backward_custom(data, nll).result(timeout=30)
+    # targets [5, 8, 13] at w = 0: -(1 + 35 % 13) / 8, -(1 + 57 % 13) / 8, -(1 + 93 % 13) / 8; [4]: -(1 + 2) / 8
+    assert out.loss_fn_outputs[0]["logprobs"].tolist() == [-1.25, -0.75, -0.375]
+    loss = -(-1.25 * 1 + -0.375 * 2) - (-0.375 * 1)  # 2.0 + 0.375
+    assert out.metrics["loss:sum"] == pytest.approx(loss) and out.metrics["custom/nll:sum"] == pytest.approx(loss)
+    assert out.metrics["custom/weight:mean"] == pytest.approx((3.0 + 1.0) / 2)
+    assert [op for op, _ in srv.fake.calls_of(tc.model_id)] == ["forward_backward"]
+    # d loss / d w = sum of the weights (every logprob moves by -w)
+    assert tc.optim_step(T.AdamParams(learning_rate=0.125)).result(timeout=30).metrics["grad:sum"] == 4.0
+    # now w = -0.125 * 4: the target logprobs rose by 0.5, ratios e^0.5 against logprobs taken at w = 0
+    ppo_datum = T.Datum(model_input=T.ModelInput.from_ints([3, 5]), loss_fn_inputs={
+        "target_tokens": np.array([5, 8], dtype=np.int64), "old_logprobs": np.array([-1.25, -0.75], np.float32),
+        "advantages": np.array([1.0, -1.0], dtype=np.float32)})
+    out = tc.forward_backward_custom([ppo_datum], ppo).result(timeout=30)
+    ratio = math.exp(0.5)  # min(r A, clip(r, 0.8, 1.2) A): 1.2 for A = 1, -r for A = -1
+    assert out.metrics["loss:sum"] == pytest.approx(-(1.2 * 1.0) - (ratio * -1.0), rel=1e-6)
+    assert out.metrics["custom/ratio:mean"] == pytest.approx(ratio, rel=1e-6)
+
+
+def test_uploaded_custom_losses_outside_the_allow_list_are_refused(srv):
+    def noisy(logprobs, weights):
+        loss = -(logprobs * weights * torch.randn_like(weights)).sum()
+        return loss, {}
+
+    with pytest.raises(tinker.BadRequestError) as err:
+        srv.service.create_custom_loss(noisy, {"logprobs": 1, "weights": 1}).result(timeout=30)
+    assert err.value.body["category"] == "user" and "\n" not in err.value.body["error"]
+    assert "custom loss 'noisy': node 'randn_like' (call_function 'torch.randn_like'): function " \
+           "'torch.randn_like' is not allowed" in err.value.body["error"]
+    message = sdk_user_error(srv.tc.forward_backward([ce_datum([1, 2, 3])], "custom"), timeout=30)
+    assert "loss_fn 'custom' takes loss_fn_config {'loss_id': ...} from ServiceClient.create_custom_loss" in message
+    message = sdk_user_error(srv.tc.forward_backward([ce_datum([1, 2, 3])], "custom", {"loss_id": "s:loss:9"}), 30)
+    assert "unknown custom loss 's:loss:9'" in message
+
+
+def test_a_custom_loss_serves_only_its_own_session():
+    losses = CustomLosses()
+    handle = trace_loss(weighted_nll, {"logprobs": 1, "weights": 1}, "alice")
+    loss_id = losses.create(T.CreateCustomLossRequest(session_id="alice", custom_loss_seq_id=0, name=handle.name,
+                                                      inputs=list(handle.inputs), graph=encode_graph(handle)))
+    assert losses.config("alice", {"loss_id": loss_id})["name"] == "weighted_nll"
+    with pytest.raises(UserError, match=f"custom loss '{loss_id}' belongs to another session"):
+        losses.config("bob", {"loss_id": loss_id})
+    losses.close_session("alice")
+    with pytest.raises(UserError, match="unknown custom loss"):
+        losses.config("alice", {"loss_id": loss_id})
+
+
+def test_callable_custom_losses_run_client_side(srv):
+    """forward_backward_custom with a plain callable: the SDK runs a forward, the loss on the
+    client, and a cross_entropy backward weighted by -dloss/dlogprobs."""
+    def doubled_nll(data, logprobs_list):
+        loss = sum(-2.0 * lp.sum() for lp in logprobs_list)
+        return loss, {"doubled_nll": float(loss)}
+
+    tc = srv.service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
+    out = tc.forward_backward_custom([ce_datum([3, 5, 8, 13])], doubled_nll).result(timeout=30)
+    assert out.metrics["loss:sum"] == pytest.approx(float(-2.0 * fake_logprobs([5, 8, 13], 0.0).sum()), rel=1e-6)
     assert [op for op, _ in srv.fake.calls_of(tc.model_id)] == ["forward", "forward_backward"]
     # the backward's weights were 2 per token: the fake's gradient is their sum
     assert tc.optim_step(T.AdamParams(learning_rate=1.0)).result(timeout=30).metrics["grad:sum"] == 6.0
@@ -160,8 +229,7 @@ def test_unserved_rest_calls_are_refused_in_one_line(srv, call, names):
     assert names in refusal(lambda: call(srv))
 
 
-@pytest.mark.parametrize("path, flag", [("create_custom_loss", "custom_loss_server_side: false"),
-                                        ("join_sampling_session", "sample_join_sampling_session: false"),
+@pytest.mark.parametrize("path, flag", [("join_sampling_session", "sample_join_sampling_session: false"),
                                         ("retrieve_futures", "sample_use_retrieve_futures: false"),
                                         ("auth/token", "pjwt_auth_enabled: false")])
 def test_endpoints_the_client_config_turns_off_are_refused_naming_the_flag(srv, path, flag):

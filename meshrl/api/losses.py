@@ -10,7 +10,10 @@ are distances from 1 (`eps_low`, `eps_high`); CISPO's are ratios in both. They c
 
 `stable_reinforce` reads the sampler's logprobs and a `mask` of the sampled positions: `meshrl
 serve` fills both from what its samplers recorded for the sequences the datum's provenance names
-(`meshrl.serve.stability`); in process, the caller passes them."""
+(`meshrl.serve.stability`); in process, the caller passes them.
+
+`custom` is an uploaded custom loss: its `loss_fn_config` is the graph (`name`, `inputs`, `nodes`,
+see `meshrl.losses.fx_graph`), which the registered loss `custom` interprets per datum."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import math
 import torch
 
 from meshrl.api.errors import UserError
+from meshrl.losses.fx_graph import POSITIONS, GraphError, GraphLoss, compile_graph
 from meshrl.types import Datum
 
 REQUIRED = {
@@ -44,9 +48,11 @@ DRO_BETA = 0.05
 def core_call(loss_fn: str, loss_fn_config: dict | None, data: list[Datum]) -> tuple[list[Datum], dict]:
     """The datums and registry config that compute Tinker's ``loss_fn`` on ``data`` with
     `forward_backward(datums, loss_fn, config)`; UserError naming what is wrong."""
+    if loss_fn == CUSTOM:
+        return custom_call(loss_fn_config, data)
     if loss_fn not in REQUIRED:
-        raise UserError(f"loss_fn {loss_fn!r} is not supported: use one of {sorted(REQUIRED)} "
-                        "(or forward_backward_custom)")
+        raise UserError(f"loss_fn {loss_fn!r} is not supported: use one of {sorted(REQUIRED)}, "
+                        f"{CUSTOM!r} (an uploaded custom loss) or forward_backward_custom")
     config = dict(loss_fn_config or {})
     known = set(THRESHOLDS) if loss_fn in CLIPS else {"beta"} if loss_fn == "dro" else set()
     unknown = sorted(set(config) - known)
@@ -77,6 +83,71 @@ def core_call(loss_fn: str, loss_fn_config: dict | None, data: list[Datum]) -> t
             raise UserError(f"loss_fn_config for 'dro': beta = {beta!r}; expected a number >= 0")
         return datums, {"beta": float(beta)}
     return datums, {}
+
+
+CUSTOM = "custom"
+"""Tinker's name for an uploaded custom loss (and the registered loss that interprets it)."""
+
+
+def custom_loss(loss_fn_config: dict | None) -> GraphLoss:
+    """The checked graph of an uploaded custom loss (``loss_fn_config``: ``name``, ``inputs``,
+    ``nodes``); UserError naming what is refused or malformed."""
+    config = dict(loss_fn_config or {})
+    unknown = sorted(set(config) - {"name", "inputs", "nodes"})
+    if unknown or not {"name", "inputs", "nodes"} <= set(config):
+        raise UserError(f"loss_fn_config for 'custom': expected the graph's name, inputs and nodes, got "
+                        f"{sorted(config)}")
+    try:
+        return compile_graph(config["name"], config["inputs"], config["nodes"])
+    except GraphError as e:
+        raise UserError(str(e)) from None
+
+
+def custom_call(loss_fn_config: dict | None, data: list[Datum]) -> tuple[list[Datum], dict]:
+    """The datums and registry config that compute an uploaded custom loss on ``data``: each datum
+    keeps its target tokens and the inputs the loss reads (each of its declared rank; a rank-0 input
+    may arrive as one value), and gets `POSITIONS`. The loss is tried on every datum with zero
+    logprobs first, so a refused graph, a missing or misshapen input, a loss that fails on the data's
+    shapes or does not depend on the logprobs is a UserError before the learner runs it."""
+    loss = custom_loss(loss_fn_config)
+    if not data:
+        raise UserError("data: no datums")
+    datums = []
+    for i, datum in enumerate(data):
+        inputs = {"target_tokens": datum.loss_fn_inputs.get("target_tokens")}
+        if inputs["target_tokens"] is None or inputs["target_tokens"].dim() != 1:
+            raise UserError(f"data[{i}].loss_fn_inputs['target_tokens']: custom losses need one target token "
+                            "per position (rank 1)")
+        for name, rank in loss.inputs[1:]:
+            tensor = datum.loss_fn_inputs.get(name)
+            if tensor is None:
+                raise UserError(f"data[{i}].loss_fn_inputs: custom loss {loss.name!r} reads {name!r}")
+            if rank == 0 and tensor.numel() == 1:
+                tensor = tensor.reshape(())
+            elif rank == 1 and tensor.dim() == 0 and datum.length == 1:
+                tensor = tensor.reshape(1)
+            if tensor.dim() != rank:
+                raise UserError(f"data[{i}].loss_fn_inputs[{name!r}] has rank {tensor.dim()}, but custom loss "
+                                f"{loss.name!r} declared it with rank {rank}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UserError(f"data[{i}].loss_fn_inputs[{name!r}]: not finite")
+            inputs[name] = tensor
+        inputs[POSITIONS] = torch.ones(datum.length)
+        datums.append(Datum(datum.model_input, inputs))
+    _try_on_zero_logprobs(loss, datums)
+    return datums, {"name": loss.name, "inputs": [list(pair) for pair in loss.inputs],
+                    "nodes": list(loss_fn_config["nodes"])}
+
+
+def _try_on_zero_logprobs(loss: GraphLoss, datums: list[Datum]) -> None:
+    for i, datum in enumerate(datums):
+        logprobs = torch.zeros(datum.length, requires_grad=True)
+        try:
+            value, _ = loss(logprobs, *(datum.loss_fn_inputs[name] for name in loss.input_names))
+        except GraphError as e:
+            raise UserError(f"data[{i}]: {e}") from None
+        if not value.requires_grad:
+            raise UserError(f"custom loss {loss.name!r} does not depend on logprobs: it has nothing to train")
 
 
 def _check_positions(loss_fn: str, data: list[Datum]) -> None:
@@ -114,11 +185,23 @@ def _thresholds(loss_fn: str, config: dict, data: list[Datum]) -> tuple[float, f
 def metrics_with_reductions(metrics: dict[str, float]) -> dict[str, float]:
     """Core metrics keyed ``name:reduction`` as Tinker reports them: sums for the loss and token
     counts, maxima for `*_max`, means otherwise (learner bookkeeping such as `seconds`, and the
-    per-datum `logprobs`, left out)."""
+    per-datum `logprobs`, left out). Keys that already name their reduction (a custom loss's own
+    metrics) are kept."""
     out = {}
     for name, value in metrics.items():
         if name in ("seconds", "tokens", "logprobs"):
             continue
+        if ":" in name:
+            out[name] = float(value)
+            continue
         reduction = "sum" if name == "loss" or name.startswith("num_") else "max" if name.endswith("_max") else "mean"
         out[f"{name}:{reduction}"] = float(value)
     return out
+
+
+def custom_metric_sums(metrics: dict[str, float], datums: int) -> dict[str, float]:
+    """An uploaded custom loss's metrics as Tinker reduces them over the call's ``datums``: the
+    learner reports each as a mean over the datums, so ``custom/<name>:sum`` ones are multiplied
+    by their number."""
+    return {name: value * datums if name.startswith("custom/") and name.endswith(":sum") else value
+            for name, value in metrics.items()}

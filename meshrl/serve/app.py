@@ -3,7 +3,8 @@
 `build_app(service, cfg)` serves a backend (`meshrl.api`'s service, or the fake in
 `meshrl.testing.fake_api`) under `/api/v1`: client configuration, sessions and heartbeats,
 capabilities, training models (`create_model`, `get_info`, `forward_backward`, `optim_step`,
-`save_weights`, `load_weights`, `save_weights_for_sampler`), sampling sessions
+`save_weights`, `load_weights`, `save_weights_for_sampler`), uploaded custom losses
+(`create_custom_loss`, `custom_losses`), sampling sessions
 (`create_sampling_session`, `samplers/{id}`, `asample`) and `retrieve_future`, through which every
 submitted request is answered. Request bodies are parsed with the SDK's own request models and
 protobuf module, so a field the SDK renames fails loudly here.
@@ -46,6 +47,7 @@ from meshrl.api.errors import UserError
 from meshrl.config.serve import ServeConfig
 from meshrl.serve import listing, wire
 from meshrl.serve.catalogue import ModelCatalogue
+from meshrl.serve.custom_losses import CustomLosses
 from meshrl.serve.futures import FutureStore, JsonResult, ProtoResult, failure, then
 from meshrl.serve.sampling import Sampler, Samplers
 from meshrl.serve.tenants import (CHECKPOINT_PREFIX, OPEN_TENANT, REQUEST_ID_FIELD, AccessDenied, Forbidden, Keys,
@@ -86,8 +88,6 @@ REFUSED = {
     ("GET", "billing/usage/events"): "AdminClient.get_billing_usage is not served: nothing is billed here",
     ("GET", "billing/usage/checkpoints/current"): "AdminClient.get_current_checkpoint_storage_usage is not served; "
                                                   "RestClient.list_user_checkpoints lists your checkpoints",
-    ("POST", "create_custom_loss"): "uploading a custom loss is not served (client/config says "
-                                    "custom_loss_server_side: false): forward_backward_custom runs it client-side",
     ("POST", "join_sampling_session"): "join_sampling_session is not served (client/config says "
                                        "sample_join_sampling_session: false)",
     ("POST", "retrieve_futures"): "retrieve_futures is not served (client/config says sample_use_retrieve_futures: "
@@ -156,6 +156,7 @@ class TinkerServer:
                                        cfg.tokenizer or service.tokenizer_id())
         self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s)
         self.sessions: dict[str, _Session] = {}
+        self.custom_losses = CustomLosses()
         self._reaper = loop.create_task(self._housekeeping())
 
     def close(self) -> None:
@@ -231,17 +232,24 @@ class TinkerServer:
         call = "forward" if msg.forward_only else "forward_backward"
 
         def run(client: Any) -> Future:
-            if msg.loss_fn == "custom":
-                raise UserError("forward_backward: loss_fn 'custom' (an uploaded custom loss) is not served; "
-                                "forward_backward_custom runs the loss client-side against this server")
             data = wire.datums(msg)
+            config = wire.loss_fn_config(msg)
+            session_id = self.training.model(msg.model_id).session_id
             if msg.loss_fn == "stable_reinforce":  # the sampler's records, named by each datum's provenance
-                data = self.samplers.stability.resolve(self.training.model(msg.model_id).session_id, data,
-                                                       wire.provenance(msg))
-            return getattr(client, call)(data, msg.loss_fn, wire.loss_fn_config(msg))
+                data = self.samplers.stability.resolve(session_id, data, wire.provenance(msg))
+            if msg.loss_fn == "custom":  # an uploaded loss, named by its id: its graph
+                config = self.custom_losses.config(session_id, config)
+            return getattr(client, call)(data, msg.loss_fn, config)
 
         return _future(self.training.submit(msg.model_id, msg.seq_id, run,
                                             lambda out: ProtoResult(wire.forward_backward_output(out))))
+
+    def create_custom_loss(self, req: sdk.CreateCustomLossRequest) -> dict:
+        self.session(req.session_id)
+        request_id = self.futures.create()
+        self.futures.settle(request_id, JsonResult({"loss_id": self.custom_losses.create(req),
+                                                    "type": "create_custom_loss"}))
+        return _future(request_id)
 
     def optim_step(self, req: sdk.OptimStepRequest) -> dict:
         def run(client: Any) -> Future:
@@ -343,6 +351,7 @@ class TinkerServer:
         session.finished = True
         self.training.close_session(session_id)
         self.samplers.close_session(session_id)
+        self.custom_losses.close_session(session_id)
 
     async def create_sampling_session(self, req: sdk.CreateSamplingSessionRequest) -> dict:
         self.session(req.session_id)
@@ -544,7 +553,8 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     def checkpoint(call: Call) -> str:
         return listing.checkpoint_path(call.params["training_run_id"], f"{call.params['kind']}/{call.params['name']}")
 
-    post("client/config", sdk.ClientConfigRequest, lambda s, r: {"use_pyqwest_transport": False})
+    post("client/config", sdk.ClientConfigRequest,
+         lambda s, r: {"use_pyqwest_transport": False, "custom_loss_server_side": True})
     post("client/dynamic_config", sdk.ClientConfigRequest, lambda s, r: {})
     route("POST", "create_session", lambda s, c: s.create_session(c.tenant, c.body.user_metadata, c.body.display_name,
                                                                   c.body.project_id), sdk.CreateSessionRequest)
@@ -552,6 +562,7 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     post("create_model", sdk.CreateModelRequest, TinkerServer.create_model)
     post("get_info", sdk.GetInfoRequest, lambda s, r: s.training.info(r.model_id))
     route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body)
+    post("create_custom_loss", sdk.CreateCustomLossRequest, TinkerServer.create_custom_loss)
     post("optim_step", sdk.OptimStepRequest, TinkerServer.optim_step)
     post("save_weights", sdk.SaveWeightsRequest, TinkerServer.save_weights)
     post("load_weights", sdk.LoadWeightsRequest, TinkerServer.load_weights)

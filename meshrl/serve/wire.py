@@ -79,7 +79,7 @@ def datums(msg: pb.ForwardBackwardRequest) -> list[Datum]:
                 raise UserError(f"{where}.model_input[{j}]: a {kind} chunk; only encoded_text is supported")
             ids = _array(chunk.encoded_text.tokens, np.dtype(np.int32), f"{where}.model_input[{j}].tokens")
             tokens.extend(ids.tolist())
-        inputs = {name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]")
+        inputs = {name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", len(tokens))
                   for name, tensor in datum.loss_fn_inputs.items()}
         try:
             out.append(Datum(ModelInput.from_ints(tokens), inputs))
@@ -136,9 +136,11 @@ def _array(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
+def _tensor(msg: pb.Tensor, where: str, positions: int) -> torch.Tensor:
     """A dense tensor from a protobuf `Tensor`: bytes of the declared dtype, dense or sparse CSR
-    (unlisted entries 0, as the SDK writes them), widened to int64 / float32."""
+    (unlisted entries 0, as the SDK writes them), widened to int64 / float32. Without a shape it
+    is 1-D, or 0-dim (one value per datum) when it holds one value and the datum has another number
+    of ``positions`` (the SDK sends a 0-dim tensor's shape, ``[]``, as no shape)."""
     dtype = _NUMPY_DTYPES.get(msg.dtype)
     if dtype is None:
         raise UserError(f"{where}: unsupported dtype {msg.dtype} (expected float32 or int64)")
@@ -156,7 +158,7 @@ def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
             raise UserError(f"{where}: malformed sparse CSR tensor ({str(exc).splitlines()[0]})") from None
     values = _widen(_array(msg.dense, dtype, where), msg.dtype)
     if not shape:
-        shape = [values.size]
+        shape = [] if values.size == 1 and positions != 1 else [values.size]
     if math.prod(shape) != values.size:
         raise UserError(f"{where}: {values.size} values do not fill shape {shape}")
     return torch.from_numpy(values.reshape(shape).copy())

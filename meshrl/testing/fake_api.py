@@ -7,7 +7,9 @@ position ``i`` is ``fake_logprobs`` — ``-(1 + (7 t + i) mod 13) / 8 - w`` in f
 can predict every value the server returns. `forward_backward` accumulates a gradient (the sum of
 ``weights`` for cross_entropy, of ``advantages`` for the RL losses, whose value is
 ``-sum(exp(logprobs - datum logprobs) * advantages)``, the ratio clamped for ppo) that
-`optim_step` applies as ``w -= learning_rate * gradient``; checkpoints store ``w`` (and, for the
+`optim_step` applies as ``w -= learning_rate * gradient``; an uploaded custom loss (``custom``, its
+graph in ``loss_fn_config``) is interpreted as the learner does (`meshrl.losses.fx_graph`) on those
+logprobs, its gradient d loss / d w by autograd; checkpoints store ``w`` (and, for the
 optimizer, the step count and a momentum). Each training client executes its calls on one worker thread in submission
 order, and every executed call is appended to `FakeService.calls` as
 ``(model_id, operation, first token of each datum)`` so tests can check the order the server
@@ -33,8 +35,10 @@ from typing import Any, Callable
 import torch
 
 from meshrl.api.errors import UserError
+from meshrl.api.losses import CUSTOM, custom_call, custom_loss
 from meshrl.api.types import (ForwardBackwardOutput, SampledSequence, SampleResponse, SamplingParams,
                               SupportedModel)
+from meshrl.losses.fx_graph import reduce_metrics, sum_over_datums
 from meshrl.types import AdamParams, Datum, ModelInput
 
 # the loss_fn_inputs each loss reads, besides target_tokens
@@ -89,6 +93,8 @@ class FakeTrainingClient:
         return self._run("forward", lambda: self._loss(data, loss_fn, loss_fn_config, False), data)
 
     def _loss(self, data: list[Datum], loss_fn: str, config: dict | None, backward: bool) -> ForwardBackwardOutput:
+        if loss_fn == CUSTOM:
+            return self._custom_loss(data, config, backward)
         if loss_fn not in LOSS_INPUTS:
             raise UserError(f"unknown loss_fn {loss_fn!r}; the fake serves {sorted(LOSS_INPUTS)}")
         outputs, total, grad = [], 0.0, 0.0
@@ -116,6 +122,17 @@ class FakeTrainingClient:
         if backward:
             self._grad += grad
         return ForwardBackwardOutput(outputs, {"loss:sum": total})
+
+    def _custom_loss(self, data: list[Datum], config: dict | None, backward: bool) -> ForwardBackwardOutput:
+        datums, _ = custom_call(config, data)
+        loss = custom_loss(config)
+        w = torch.tensor(self._w, dtype=torch.float32, requires_grad=True)
+        logprobs = [fake_logprobs(d.loss_fn_inputs["target_tokens"], 0.0) - w for d in datums]
+        total, sums = sum_over_datums(loss, logprobs, [[d.loss_fn_inputs[k] for k in loss.input_names] for d in datums])
+        if backward:
+            self._grad += float(torch.autograd.grad(total, w)[0])
+        return ForwardBackwardOutput([{"logprobs": lp.detach()} for lp in logprobs],
+                                     {"loss:sum": float(total.detach()), **reduce_metrics(sums, len(datums))})
 
     def optim_step(self, params: AdamParams) -> Future:
         def step() -> dict[str, float]:
