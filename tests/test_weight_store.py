@@ -109,8 +109,8 @@ class Publisher(Actor):
 class ShardPublisher(Actor):
     """Rank ``rank`` of ``world`` publishers of one store: each publishes its FSDP2-style rows."""
 
-    def __init__(self, store: str, cfg: WeightSyncConfig, rank: int, world: int):
-        self.publisher = WeightPublisher(store, cfg, rank=rank, world=world)
+    def __init__(self, store: str, cfg: WeightSyncConfig, rank: int, world: int, group: str = "learner"):
+        self.publisher = WeightPublisher(store, cfg, rank=rank, world=world, group=group)
 
     @endpoint
     def publish(self, version: int, seed: int | None = None):
@@ -632,12 +632,15 @@ def test_a_sharded_version_appears_once_every_rank_published_and_readers_assembl
         assert ranks[0][1].versions.call_one().get(timeout=30) == [3]
         assert all(got["version"] == 3 and got["checksums"] == published for got in pull_all(cluster, "sharded"))
 
-        # parts of learners of different sizes never complete a version together
+        # parts of different learners (another size, or a restarted one) never complete a version together
         three = ranks[0][0].spawn("rank0_of_3", ShardPublisher, "worlds", CFG, 0, 3)
         two = ranks[1][0].spawn("rank1_of_2", ShardPublisher, "worlds", CFG, 1, 2)
         three.publish.call_one(1).get(timeout=60)
         two.publish.call_one(1).get(timeout=60)
         assert describe(cluster, "worlds")["pending"] == {1: [1]}
+        restarted = ranks[0][0].spawn("rank0_restarted", ShardPublisher, "worlds", CFG, 0, 2, "restarted")
+        restarted.publish.call_one(1).get(timeout=60)
+        assert describe(cluster, "worlds")["pending"] == {1: [0]} and describe(cluster, "worlds")["versions"] == []
     finally:
         _stop(ranks)
 
@@ -661,7 +664,7 @@ def test_killed_publisher_ranks_and_readers_leave_no_torn_version(cluster):
             cluster.readers[1].pull.call_one("torn", 1, None, {"transport": "shm"}).get(timeout=30)
         assert str(info.value.exception).startswith("weight pull of 'torn' v1 failed: the publisher process of ")
         _stop({1: ranks.pop(1)})
-        ranks.update(_spawn_ranks("torn", CFG, 2, [1]))  # a restarted rank 1 completes v2 with rank 0's part
+        ranks.update(_spawn_ranks("torn", CFG, 2, [1]))  # rank 1 restarted in its group completes v2
         _, published = ranks[1][1].publish.call_one(2).get(timeout=60)
         assert all(got["version"] == 2 and got["checksums"] == published for got in pull_all(cluster, "torn"))
 

@@ -61,7 +61,7 @@ class Learner(MeshrlActor):
         # under FSDP2 every rank publishes its own shards; otherwise rank 0 holds the whole policy
         sharded = self.trainer.dp.sharded
         self.publisher = WeightPublisher(store, sync_cfg, rank=parallel.rank if sharded else 0,
-                                         world=parallel.world if sharded else 1) \
+                                         world=parallel.world if sharded else 1, group=self.trainer.dp.group_id) \
             if publish_to_store and (sharded or parallel.rank == 0) else None
         self.store = store if share_in_process else None
         if share_in_process:
@@ -210,6 +210,7 @@ class Learner(MeshrlActor):
         """Publish the current weights (the active LoRA adapter merged, or that adapter only) as
         ``version``. Under FSDP2 every rank publishes its own shards (the version is visible once
         all did; nothing is gathered); otherwise rank 0 publishes. ``bytes``: the whole version's."""
+        self.fault_point("publish")
         if self.store is not None:
             in_process.set_version(self.store, version)
         if self.publisher is None:

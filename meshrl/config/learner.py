@@ -80,8 +80,9 @@ class LearnerConfig(Section):
 
     data_parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     """How `meshes.learner.procs` > 1 processes train one policy: `fsdp2` shards parameters,
-    gradients and optimiser state (torch `fully_shard`; full fine-tuning only), `ddp` replicates
-    the policy and sums gradients before each optimiser step (LoRA too). gloo on CPU, NCCL on GPU."""
+    gradients and optimiser state (torch `fully_shard`; under LoRA the frozen base is sharded too
+    and the adapters are trained sharded), `ddp` replicates the policy and sums gradients before
+    each optimiser step. gloo on CPU, NCCL on GPU."""
 
     def adam_params(self):
         """The optimiser settings as Tinker-style AdamParams."""

@@ -108,9 +108,6 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "RunConfig":
-        if self._sharded_learner and self.learner.lora.enabled:
-            raise ValueError("learner.data_parallel = 'fsdp2' with learner.lora.enabled is not supported: use "
-                             "learner.data_parallel = 'ddp' for a data-parallel LoRA learner")
         if self._sharded_learner and self.diloco.enabled:
             raise ValueError("diloco.enabled with learner.data_parallel = 'fsdp2' is not supported: use "
                              "learner.data_parallel = 'ddp' for a data-parallel DiLoCo replica")

@@ -19,6 +19,7 @@ GPU) is set up inside the learner mesh; the controller hands every rank the rend
 from __future__ import annotations
 
 import datetime
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping
 
@@ -77,6 +78,15 @@ class DataParallel:
                 "nccl" if device.type == "cuda" else "gloo", init_method=self.spec.address, rank=self.rank,
                 world_size=self.world, timeout=datetime.timedelta(seconds=self.spec.timeout_s),
             )
+        self.group_id = self._agree_on_id()
+        """The same on every rank of this process group, new with every group (names the ranks of
+        one learner incarnation, e.g. to the weight store)."""
+
+    def _agree_on_id(self) -> str:
+        ids = [uuid.uuid4().hex]
+        if self.world > 1:
+            dist.broadcast_object_list(ids, src=0)
+        return ids[0]
 
     @property
     def sharded(self) -> bool:

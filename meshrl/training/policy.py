@@ -116,9 +116,6 @@ class PolicyTrainer:
         self.model = model.to(self.device)
         self.model.train()
         self.dp = DataParallel(parallel, self.device)
-        if self.dp.sharded and cfg.lora.enabled:
-            raise ValueError("learner.lora.enabled with learner.data_parallel = 'fsdp2' is not supported: "
-                             "use learner.data_parallel = 'ddp' for LoRA")
         self.logits_module = self.dp.wrap(ValidLogits(self.model))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

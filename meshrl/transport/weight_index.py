@@ -56,6 +56,9 @@ class WeightHandle:
     rank: int = 0
     world: int = 1
     """The version is complete, and visible to readers, once all ``world`` ranks published their part."""
+    group: str = ""
+    """The publishing ranks' group (one learner incarnation): parts of different groups never
+    complete a version together."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,8 @@ class WeightIndex(Actor):
         if latest is not None and version <= latest:
             raise WeightSyncError(f"publish of '{store}' v{version}: versions must increase (latest is v{latest})")
         parts = self._pending.setdefault(store, {}).setdefault(version, {})
-        if any(p.world != handle.world or p.layout != handle.layout for p in parts.values()):
-            parts.clear()  # parts of an earlier learner with another world or model: it will never complete
+        if any((p.group, p.world, p.layout) != (handle.group, handle.world, handle.layout) for p in parts.values()):
+            parts.clear()  # parts of an earlier learner (restarted, or another world or model): never to complete
         if handle.rank in parts:
             raise WeightSyncError(f"publish of '{store}' v{version}: rank {handle.rank} published its part twice")
         parts[handle.rank] = handle

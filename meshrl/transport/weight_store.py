@@ -200,16 +200,18 @@ class WeightPublisher:
     code, ``await apublish(...)`` / ``apublish_shards`` from async actors. ``owner_id`` names this
     data owner in the index (default: the store name for rank 0, ``store#rank<r>`` for the others);
     a new publisher with the same id forgets its predecessor's versions on first use, as after a
-    learner restart.
+    learner restart. ``group`` is shared by the ranks of one learner (default: this publisher's
+    own): a restarted learner's parts never complete a version with its predecessor's.
     """
 
     def __init__(self, store: str, config: WeightSyncConfig | None = None, owner_id: str | None = None,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, group: str | None = None) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"publisher rank {rank} outside a world of {world}")
         self.store = store
         self.config = config or WeightSyncConfig()
         self.rank, self.world = rank, world
+        self.group = group or uuid.uuid4().hex
         self.owner_id = owner_id or (store if rank == 0 else f"{store}#rank{rank}")
         self._arenas: list[_Arena] = []
         self._index: Any = None
@@ -293,7 +295,7 @@ class WeightPublisher:
         done_at = time.perf_counter()
         chunks = tuple(ChunkHandle(o, n, b) for (o, n), b in zip(ranges, arena.buffers))
         handle = WeightHandle(self.store, version, layout, chunks, self.owner_id, uuid.uuid4().hex, host_identity(),
-                              arena.shared.ref, pieces, self.rank, self.world)
+                              arena.shared.ref, pieces, self.rank, self.world, self.group)
         try:
             complete = yield from _call(what, index.publish.call_one(handle), cfg.rpc_timeout_s)
         except WeightSyncError:
