@@ -163,6 +163,21 @@ def test_closing_a_training_client_frees_its_adapter(service):
     assert other.forward_backward(_sl_data(), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
 
 
+def test_train_unembed_on_a_tied_model_is_accepted_and_not_applied(service):
+    """The tiny model ties its unembedding to its embedding: Tinker's default train_unembed=True
+    trains the other modules (logged, counted); asking for the unembedding alone is refused."""
+    assert service.ties_unembedding
+    before = service.skipped["train_unembed"]
+    client = service.create_lora_training_client(base_model="tiny", rank=2, seed=12)
+    assert service.skipped["train_unembed"] == before + 1
+    path = client.save_state("unembed").result(timeout=120)
+    config = (service.checkpoint_dir(path) / "adapter_config.json").read_text()
+    assert "q_proj" in config and "lm_head" not in config
+    with pytest.raises(UserError, match="train_unembed cannot apply .* ties its unembedding to its embedding"):
+        service.create_lora_training_client(base_model="tiny", rank=2, train_mlp=False, train_attn=False)
+    client.close()
+
+
 def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):
     sampler = service.create_sampling_client(base_model="tiny")
     params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)

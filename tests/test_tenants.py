@@ -176,7 +176,7 @@ def test_tenant_errors_are_one_line(model_path, tmp_path):
     cases = [
         (lambda: trainer.tenants.add("alice", rank=2), "LoRA adapter 'alice' already exists"),
         (lambda: trainer.tenants.add("a.b", rank=2), "LoRA adapter name 'a.b': use letters"),
-        (lambda: trainer.tenants.add("x", rank=2, train_unembed=True), "train_unembed=True is not supported"),
+        (lambda: trainer.tenants.add("x", rank=2, train_unembed=True), "train_unembed=True needs an untied"),
         (lambda: trainer.tenants.add("x", rank=2, train_mlp=False, train_attn=False), "nothing to train"),
         (lambda: trainer.tenants.use("nobody"), r"no LoRA adapter 'nobody' \(have \['alice', 'default'\]\)"),
         (lambda: trainer.tenants.remove("default"), "'default' is the active adapter"),

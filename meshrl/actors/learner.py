@@ -89,7 +89,8 @@ class Learner(MeshrlActor):
     @endpoint
     def add_adapter(self, name: str, rank: int, alpha: float | None = None, seed: int | None = None,
                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False) -> dict:
-        """A new, inactive LoRA adapter with its own AdamW state: ``{name, seed, params}``."""
+        """A new, inactive LoRA adapter with its own AdamW state (``train_unembed``: on the
+        unembedding too; untied models only): ``{name, seed, params}``."""
         return self._tenants().add(name, rank, alpha, seed, train_mlp, train_attn, train_unembed)
 
     @endpoint

@@ -23,6 +23,7 @@ from meshrl.api.losses import CUSTOM, REQUIRED, core_call, custom_metric_sums, m
 from meshrl.api.sampler import Sampler
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
 from meshrl.config.run import RunConfig
+from meshrl.training.lora import unembedding_is_tied
 from meshrl.types import AdamParams, Datum, ModelInput
 
 log = logging.getLogger("meshrl")
@@ -47,6 +48,9 @@ class ServiceClient:
         self._lock = threading.Lock()
         self._clients: list[TrainingClient] = []
         self.skipped: Counter[str] = Counter()  # requested options served without them, logged
+        self.ties_unembedding = unembedding_is_tied(self.backend.model_path)
+        """Whether the served model's unembedding is its input embedding (`train_unembed` then
+        cannot apply)."""
 
     def get_server_capabilities(self) -> list[SupportedModel]:
         """The model this service trains and samples (`model.name_or_path`; `meshrl serve` adds
@@ -66,22 +70,26 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     model_id: str | None = None) -> "TrainingClient":
-        """A new LoRA adapter of ``rank`` on the base model (attention and/or MLP projections),
-        with its own optimizer state. ``train_unembed`` (Tinker's default) is not supported: the
-        served models tie the unembedding to the embedding; it is logged and counted
+        """A new LoRA adapter of ``rank`` on the base model (attention and/or MLP projections and,
+        with ``train_unembed``, the unembedding), with its own optimizer state. A model that ties
+        its unembedding to its input embedding cannot have one adapted apart from the other:
+        there ``train_unembed`` (Tinker's default) is accepted and not applied, logged and counted
         (`skipped["train_unembed"]`), and the adapter trains the other modules."""
         self.resolve_model(base_model)
         if not isinstance(rank, int) or rank < 1:
             raise UserError(f"rank = {rank!r}: a LoRA rank >= 1")
-        if not (train_mlp or train_attn):
-            raise UserError("train_mlp and train_attn are both false: nothing to train")
-        if train_unembed:
+        unembed = train_unembed and not self.ties_unembedding
+        if not (train_mlp or train_attn or unembed):
+            raise UserError("train_mlp and train_attn are false" + (
+                f" and train_unembed cannot apply ({self.served} ties its unembedding to its embedding)"
+                if train_unembed else " and so is train_unembed") + ": nothing to train")
+        if train_unembed and not unembed:
             self.skipped["train_unembed"] += 1
-            log.warning("train_unembed=True is not supported (tied unembedding): the adapter trains %s only",
-                        " and ".join(n for n, on in (("attention", train_attn), ("MLP", train_mlp)) if on))
+            log.warning("train_unembed=True: %s ties its unembedding to its embedding, so the adapter trains %s only",
+                        self.served, " and ".join(n for n, on in (("attention", train_attn), ("MLP", train_mlp)) if on))
         model_id = model_id or f"{self._session}:train:{next(self._ids)}"
         client = TrainingClient(self, model_id, base_model, rank)
-        self.backend.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, False)
+        self.backend.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, unembed)
         self._clients.append(client)
         return client
 

@@ -53,6 +53,14 @@ def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]
     return state
 
 
+def unembedding_is_tied(model_path: Path) -> bool:
+    """Whether the HF model at ``model_path`` ties its unembedding (``lm_head``) to its input
+    embedding (`tie_word_embeddings`), so that a LoRA cannot adapt one without the other."""
+    from transformers import AutoConfig
+
+    return bool(AutoConfig.from_pretrained(str(model_path)).tie_word_embeddings)
+
+
 def is_adapter(tensors: dict[str, torch.Tensor]) -> bool:
     return any(k.endswith(".lora_A") for k in tensors)
 

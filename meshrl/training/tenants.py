@@ -68,14 +68,14 @@ class LoraTenants:
     def add(self, name: str, rank: int, alpha: float | None = None, seed: int | None = None, train_mlp: bool = True,
             train_attn: bool = True, train_unembed: bool = False) -> dict:
         """A new adapter (inactive, fresh AdamW state) initialised from ``seed`` (default: the
-        learner seed plus the number of adapters built before it)."""
+        learner seed plus the number of adapters built before it) on the attention and/or MLP
+        projections and, with ``train_unembed``, the unembedding (untied models only)."""
         self._check(name, exists=False)
-        if train_unembed:
-            raise ValueError("add_adapter: train_unembed=True is not supported (peft would merge a LoRA on lm_head "
-                             "into the embedding it is tied to)")
-        targets = (ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ())
+        targets = ((ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ())
+                   + ((self._unembedding(name),) if train_unembed else ()))
         if not targets:
-            raise ValueError(f"add_adapter {name!r}: train_attn and train_mlp are both false: nothing to train")
+            raise ValueError(f"add_adapter {name!r}: train_attn, train_mlp and train_unembed are all false: "
+                             "nothing to train")
         if rank < 1:
             raise ValueError(f"add_adapter {name!r}: rank must be >= 1, got {rank}")
         from peft import LoraConfig
@@ -85,6 +85,16 @@ class LoraTenants:
                             target_modules=list(targets), bias="none")
         seed = self._build(name, config, seed, self.active)
         return {"name": name, "seed": seed, "params": sum(p.numel() for p in self.parameters(name))}
+
+    def _unembedding(self, name: str) -> str:
+        """The module name of the model's unembedding (output projection); ValueError when it is
+        tied to the input embedding: a LoRA on it would change the embedding too once merged."""
+        base = self.model.get_base_model()
+        head = base.get_output_embeddings()
+        if head.weight is base.get_input_embeddings().weight:
+            raise ValueError(f"add_adapter {name!r}: train_unembed=True needs an untied unembedding; this model "
+                             "ties it to the input embedding (tie_word_embeddings)")
+        return next(module_name for module_name, module in base.named_modules() if module is head)
 
     def use(self, name: str) -> dict:
         """Make ``name`` the active, trainable adapter (the others frozen) and its TrainState the trainer's."""
@@ -109,7 +119,9 @@ class LoraTenants:
 
         self._check(name)
         state = self.states[name]
-        return AdapterState(name, cpu_copy(get_peft_model_state_dict(self.model, adapter_name=name)),
+        # the LoRA matrices only, never the base weights of a targeted unembedding
+        weights = get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
+        return AdapterState(name, cpu_copy(weights),
                             copy.deepcopy(self.model.peft_config[name]), cpu_copy(state.optimizer.state_dict()),
                             state.steps_applied)
 
