@@ -152,6 +152,13 @@ def test_slices_equal_narrowing_the_whole_tensor_and_move_only_their_bytes(world
     assert moved < sum(t.numel() * t.element_size() for t in {id(t): t for t in sd.values()}.values())
     with pytest.raises(ValueError, match="outside a tensor of shape"):
         plan_buckets(parts[0][0], 10**9, {"model.norm.weight": TensorSlice(0, 4, 5)})
+    one_name = plan_buckets(parts[0][0], 10**9, {"model.embed_tokens.weight": TensorSlice(1, 2, 3)})[0]
+    got = views(assemble(parts, one_name), one_name.layout)  # a tied pair is one tensor: sliced alike
+    assert torch.equal(got["lm_head.weight"], sd["lm_head.weight"][:, 2:5]) and got["lm_head.weight"].data_ptr() \
+        == got["model.embed_tokens.weight"].data_ptr()
+    with pytest.raises(ValueError, match="are given different slices"):
+        plan_buckets(parts[0][0], 10**9, {"lm_head.weight": TensorSlice(0, 0, 1),
+                                          "model.embed_tokens.weight": TensorSlice(0, 1, 1)})
 
 
 def read_rdma(part_arena, chunks, plan, dst, staging_bytes):

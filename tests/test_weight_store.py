@@ -22,7 +22,7 @@ from meshrl.testing.shards import split_rows  # noqa: E402
 
 from meshrl.actors.follower import PolicyFollower  # noqa: E402
 from meshrl.transport.arena import views  # noqa: E402
-from meshrl.transport.shards import moves, whole_bucket  # noqa: E402
+from meshrl.transport.shards import TensorSlice, moves, whole_bucket  # noqa: E402
 from meshrl.transport.same_host import (  # noqa: E402
     PREFIX,
     SHM_DIR,
@@ -190,15 +190,19 @@ class SyncReader(Actor):
         return _pull_summary(_puller(self.pullers, self.cfg, store, overrides).pull(min_version, timeout_s, exact))
 
     @endpoint
-    def pull_buckets(self, store: str, min_version: int = 0, overrides: dict | None = None):
-        """A bucketed pull into a loader that records what each bucket held."""
+    def pull_buckets(self, store: str, min_version: int = 0, overrides: dict | None = None, slices=None):
+        """A bucketed pull (of ``slices`` of the tensors) into a loader that records each bucket."""
         loaded, buckets = {}, []
 
         def load(items):
             buckets.append(sorted(name for name, _ in items))
             loaded.update((name, t.clone()) for name, t in items)
 
-        result = _puller(self.pullers, self.cfg, store, overrides).pull_into(load, min_version)
+        if slices is None:
+            result = _puller(self.pullers, self.cfg, store, overrides).pull_into(load, min_version)
+        else:  # a reader of slices (another tensor-parallel rank) holds nothing yet
+            result = WeightPuller(store, self.cfg.model_copy(update=overrides)).pull_into(
+                load, min_version, slices=lambda shapes: slices)
         return {**_pull_summary(result), "checksums": checksums(loaded), "buckets": buckets,
                 "read_bytes": result.stats.read_bytes}
 
@@ -623,6 +627,13 @@ def test_a_sharded_version_appears_once_every_rank_published_and_readers_assembl
         got = cluster.readers[0].pull_buckets.call_one("sharded", 1, {"pull_bucket_mib": 1, "transport": "rdma"}
                                                        ).get(timeout=60)
         assert got["checksums"] == published and got["transport"] == "rdma"
+        cuts = {"layers.1.proj.weight": TensorSlice(1, 256, 128), "embed.weight": TensorSlice(0, 500, 250)}
+        sd = make_state_dict(1)
+        narrowed = checksums({k: v.narrow(cuts[k].dim, cuts[k].start, cuts[k].length) if k in cuts else v
+                              for k, v in sd.items()})
+        for overrides in ({"pull_bucket_mib": 1}, {"pull_bucket_mib": 1, "transport": "rdma"}):
+            got = cluster.readers[0].pull_buckets.call_one("sharded", 1, overrides, cuts).get(timeout=60)
+            assert got["checksums"] == {**narrowed, "head.weight": narrowed["embed.weight"]}  # tied: sliced alike
 
         # v2 is left incomplete and superseded by v3: never visible, forgotten, its arena freed
         ranks[0][1].publish.call_one(2).get(timeout=60)

@@ -179,16 +179,21 @@ def plan_buckets(layout: ArenaLayout, bucket_bytes: int,
                  slices: Mapping[str, TensorSlice | None] | None = None) -> list[Bucket]:
     """Whole layer groups (tied names with the first name's group) packed in layout order into
     buckets of at most ``bucket_bytes``; a larger group gets a bucket of its own. With ``slices``,
-    each named tensor is cut to its slice (names absent from ``slices`` come whole)."""
+    each named tensor is cut to its slice (names absent from ``slices`` come whole; tied names are
+    cut alike)."""
     slices = slices or {}
     group_of_region: dict[int, str] = {}
     groups: dict[str, list[TensorMeta]] = {}
     for m in layout.tensors:
         group = group_of_region.setdefault(m.offset, layer_group(m.name)) if m.nbytes else layer_group(m.name)
         groups.setdefault(group, []).append(m)
-    buckets, current, size = [], [], 0
+    buckets: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    size = 0
     for metas in groups.values():
-        nbytes = sum(_sliced_bytes(m, slices.get(m.name)) for m in {m.offset: m for m in metas}.values())
+        cuts = _region_cuts(metas, slices)
+        regions = {m.offset: m for m in metas if m.nbytes}
+        nbytes = sum(_sliced_bytes(m, cuts[offset]) for offset, m in regions.items())
         if current and size + nbytes > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -199,6 +204,22 @@ def plan_buckets(layout: ArenaLayout, bucket_bytes: int,
     return [_bucket(metas, slices, layout.alignment) for metas in buckets]
 
 
+def _region_cuts(metas: list[TensorMeta], slices: Mapping[str, TensorSlice | None]) -> dict[int, TensorSlice | None]:
+    """The slice of each region: tied names are one tensor, cut alike (by whichever of them has a slice)."""
+    cuts: dict[int, TensorSlice | None] = {}
+    named: dict[int, str] = {}
+    for m in metas:
+        if not m.nbytes:
+            continue
+        sl = slices.get(m.name)
+        if sl is not None and cuts.get(m.offset) not in (None, sl):
+            raise ValueError(f"tied tensors '{named[m.offset]}' and '{m.name}' are given different slices")
+        if sl is not None or m.offset not in cuts:
+            cuts[m.offset] = sl
+            named[m.offset] = m.name
+    return cuts
+
+
 def _sliced_bytes(meta: TensorMeta, sl: TensorSlice | None) -> int:
     if sl is None or not meta.shape:
         return meta.nbytes
@@ -206,14 +227,19 @@ def _sliced_bytes(meta: TensorMeta, sl: TensorSlice | None) -> int:
 
 
 def _bucket(metas: list[TensorMeta], slices: Mapping[str, TensorSlice | None], alignment: int) -> Bucket:
-    entries = [(m.name, dtype_from_name(m.dtype), slices[m.name].shape(m.shape) if slices.get(m.name) else m.shape,
-                m.offset if m.nbytes else None) for m in metas]
+    cut = _region_cuts(metas, slices)
+
+    def shape(m: TensorMeta) -> tuple[int, ...]:
+        sl = cut.get(m.offset) if m.nbytes else slices.get(m.name)
+        return sl.shape(m.shape) if sl else m.shape
+
+    entries = [(m.name, dtype_from_name(m.dtype), shape(m), m.offset if m.nbytes else None) for m in metas]
     local = ArenaLayout.from_entries(entries, alignment)
     by_name = {m.name: m for m in local.tensors}
     sources = {}
     for m in metas:
         if m.nbytes and m.offset not in sources:
-            sources[m.offset] = (m, by_name[m.name], slices.get(m.name))
+            sources[m.offset] = (m, by_name[m.name], cut[m.offset])
     return Bucket(local, sources)
 
 

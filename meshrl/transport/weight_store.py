@@ -104,6 +104,9 @@ logger = logging.getLogger(__name__)
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's ``(name, tensor)`` pairs (views valid only during the call)."""
+Slicer = Callable[[dict[str, tuple[int, ...]]], Mapping[str, TensorSlice]]
+"""Given every tensor's whole shape, the slice a reader takes of each (tensors left out come whole),
+e.g. a tensor-parallel engine rank's (``meshrl.engines.vllm_sharding.tensor_slices``)."""
 
 
 @dataclass(frozen=True)
@@ -408,15 +411,15 @@ class WeightPuller:
         return await _adrive(self._pull_steps(min_version, timeout_s, exact))
 
     def pull_into(self, load: Loader, min_version: int = 0, timeout_s: float | None = None, exact: bool = False,
-                  slices: Mapping[str, TensorSlice | None] | None = None) -> PullResult:
+                  slices: Slicer | None = None) -> PullResult:
         return _drive(self._pull_steps(min_version, timeout_s, exact, load, slices))
 
     async def apull_into(self, load: Loader, min_version: int = 0, timeout_s: float | None = None,
-                         exact: bool = False, slices: Mapping[str, TensorSlice | None] | None = None) -> PullResult:
+                         exact: bool = False, slices: Slicer | None = None) -> PullResult:
         return await _adrive(self._pull_steps(min_version, timeout_s, exact, load, slices))
 
     def _pull_steps(self, min_version: int, timeout_s: float | None, exact: bool, load: Loader | None = None,
-                    slices: Mapping[str, TensorSlice | None] | None = None) -> Steps:
+                    slices: Slicer | None = None) -> Steps:
         cfg = self.config
         start = time.perf_counter()
         what = f"weight pull of '{self.store}'"
@@ -466,11 +469,12 @@ class WeightPuller:
         return {"transfer_seconds": time.perf_counter() - began, "nbytes": nbytes, "transport": transport,
                 "read_bytes": read}
 
-    def _bucket_steps(self, handle: VersionHandle, load: Loader, slices: Mapping[str, TensorSlice | None] | None,
-                      read_timeout: int, what: str) -> Steps:
+    def _bucket_steps(self, handle: VersionHandle, load: Loader, slices: Slicer | None, read_timeout: int,
+                      what: str) -> Steps:
         """The version bucket by bucket into ``load``; the bucket buffer is reused."""
         bucket_bytes = self.config.pull_bucket_mib << 20 or handle.layout.total_bytes
-        buckets = plan_buckets(handle.layout, bucket_bytes, slices)
+        cuts = slices({m.name: m.shape for m in handle.layout.tensors}) if slices is not None else None
+        buckets = plan_buckets(handle.layout, bucket_bytes, cuts)
         size = max(b.nbytes for b in buckets)
         if self._bucket is None or self._bucket.numel() < size:
             self._bucket = allocate_arena(size, self.config.arena_device)
