@@ -21,6 +21,7 @@ for the whole sequence). Conventional ``loss_fn_inputs`` keys (each registered l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -148,6 +149,25 @@ class AdamParams:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.weight_decay < 0 or self.grad_clip_norm < 0:
             raise ValueError("weight_decay and grad_clip_norm must be >= 0")
+
+
+@dataclass(frozen=True)
+class DimuonParams:
+    """Optimizer step parameters of Dimuon (Tinker's `DimuonParams`; meshrl.training.optimizers):
+    the step size of a direction of Frobenius norm sqrt(rank), the momentum's EMA coefficient and
+    the global gradient-norm clip (0 disables it)."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    grad_clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            raise ValueError(f"learning_rate must be a finite number >= 0, got {self.learning_rate}")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
+        if not (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0):
+            raise ValueError(f"grad_clip_norm must be a finite number >= 0, got {self.grad_clip_norm}")
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def test_a_graph_that_fails_at_run_time_names_its_node(body, message):
 
 def test_the_output_must_be_a_scalar_loss_and_named_metrics():
     nodes = _nodes(_call("v", "operator.mul", LP, 2.0))
-    with pytest.raises(GraphError, match=r"scalar floating-point tensor as its loss, got a float32 tensor of shape \[3\]"):
+    with pytest.raises(GraphError, match=r"scalar floating-point tensor as its loss, got a float32 tensor of shape"):
         compile_graph("vec", [["logprobs", 1]], nodes)(torch.zeros(3))
     nodes[-1]["args"] = [{"tuple": [{"ref": "v"}, {"dict": {"loss": {"ref": "v"}}}]}]
     with pytest.raises(GraphError, match="metric 'loss' must be named custom/<name>:sum or custom/<name>:mean"):

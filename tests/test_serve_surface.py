@@ -20,6 +20,7 @@ import torch
 import tinker
 from tinker import types as T
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 from tinker.lib.public_interfaces.admin_client import AdminClient
 
 from meshrl.api.errors import UserError
@@ -97,12 +98,45 @@ def test_inflight_sampling_clients_are_refused_naming_snapshot(srv):
     assert srv.tc.forward([ce_datum([1, 2, 3])], "cross_entropy").result(timeout=5).loss_fn_outputs
 
 
-def test_other_optimizers_are_refused_naming_adam(srv):
-    message = refusal(lambda: srv.service.create_lora_training_client(
-        "fake-model", rank=1, optimizer=T.DimuonOptimizerConfig()))
-    assert "optimizer_config type 'dimuon' is not served" in message and "AdamW" in message
+def test_dimuon_is_served_and_fixed_when_a_client_is_created(srv):
+    """DimuonOptimizerConfig at creation, DimuonParams at each step (the fake: m <- beta1 m +
+    (1 - beta1) g, w -= lr sign(m)); AdamParams are refused there and DimuonParams on an AdamW
+    client; a checkpoint restored with its optimizer keeps Dimuon, a weights-only one takes the
+    optimizer it is given (AdamW by default)."""
+    tc = srv.service.create_lora_training_client("fake-model", rank=1, optimizer=T.DimuonOptimizerConfig()).result(30)
+    tc.forward_backward([ce_datum([3, 5, 8, 13])], "cross_entropy").result(timeout=30)  # gradient: 3 weights of 1
+    assert tc.optim_step(T.DimuonParams(learning_rate=0.5, beta1=0.5)).result(timeout=30).metrics["grad:sum"] == 3.0
+    out = tc.forward([ce_datum([3, 5, 8, 13])], "cross_entropy").result(timeout=30)  # m = 1.5 > 0: w = -0.5
+    assert out.loss_fn_outputs[0]["logprobs"].tolist() == fake_logprobs([5, 8, 13], -0.5).tolist()
+    message = sdk_user_error(tc.optim_step(T.AdamParams(learning_rate=0.1)), timeout=30)
+    assert "trains with 'dimuon', not with AdamParams" in message
     message = sdk_user_error(srv.tc.optim_step(T.DimuonParams(learning_rate=0.1)), timeout=30)
-    assert "optimizer 'dimuon' is not served" in message and "adam_params=AdamParams" in message
+    assert "trains with 'adamw', not with DimuonParams" in message
+    message = sdk_user_error(tc.optim_step(OptimParamsBase(type="sgd", learning_rate=0.1)), timeout=30)
+    assert "optimizer 'sgd' is not served; pass AdamParams (AdamW) or DimuonParams (Dimuon)" in message
+
+    path = tc.save_state("dimuon").result(timeout=30).path
+    info = srv.rest.get_weights_info_by_tinker_path(path).result(timeout=30)
+    assert info.optimizer_config.type == "dimuon"
+    resumed = srv.service.create_training_client_from_state_with_optimizer(path).result(timeout=30)
+    resumed.forward_backward([ce_datum([3, 5, 8, 13])], "cross_entropy").result(timeout=30)
+    resumed.optim_step(T.DimuonParams(learning_rate=0.5)).result(timeout=30)
+    weights_only = srv.service.create_training_client_from_state(path).result(timeout=30)
+    assert "trains with 'adamw'" in sdk_user_error(weights_only.optim_step(T.DimuonParams(learning_rate=0.1)), 30)
+    chosen = srv.service.create_training_client_from_state(path, optimizer=T.DimuonOptimizerConfig()).result(30)
+    chosen.optim_step(T.DimuonParams(learning_rate=0.1)).result(timeout=30)
+
+
+def test_other_optimizers_are_refused_naming_the_two(srv):
+    message = refusal(lambda: srv.service.create_lora_training_client(
+        "fake-model", rank=1, optimizer=OptimizerConfigBase(type="sgd")))
+    assert "optimizer_config {'type': 'sgd'} is not served; use AdamOptimizerConfig (AdamW, the default) or " \
+           "DimuonOptimizerConfig" in message
+    session_id = srv.service.holder.get_session_id()
+    reply = httpx.post(f"{srv.url}/api/v1/load_weights", timeout=30, json={
+        "session_id": session_id, "model_seq_id": 901, "path": srv.state, "optimizer": True,
+        "optimizer_config": {"type": "dimuon", "version": 1}})
+    assert "optimizer_config cannot override the optimizer restored with its state" in reply.json()["error"]
 
 
 def test_full_fine_tuning_is_refused(srv):

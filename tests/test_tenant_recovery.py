@@ -44,7 +44,8 @@ def test_a_snapshot_is_its_steps_state_and_a_new_learner_continues_from_it(model
 
     replacement = _trainer(model_path)  # a fresh learner process: no adapter but `default`
     restored = replacement.tenants.restore("alice", tmp_path)
-    assert restored == {"name": "alice", "rank": 4, "steps_applied": 1, "optimizer": True, "mark": 7}
+    assert restored == {"name": "alice", "rank": 4, "steps_applied": 1, "optimizer": True, "optimizer_type": "adamw",
+                        "mark": 7}
     replacement.tenants.use("alice")
     _assert_close(_adapter(replacement, "alice"), at_step[0], atol=0)
     _assert_close(_adam_state(replacement, "alice"), at_step[1], atol=0)

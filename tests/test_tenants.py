@@ -146,7 +146,7 @@ def test_save_and_load_resume_an_adapter_with_or_without_its_optimiser(model_pat
     for target, name in ((solo, "default"), (other, "alice"), (other, "carol")):
         active = target.tenants.active
         loaded = target.tenants.load(name, tmp_path / "alice", with_optimizer=True)
-        assert loaded == {"name": name, "rank": 4, "steps_applied": 2, "optimizer": True}
+        assert loaded == {"name": name, "rank": 4, "steps_applied": 2, "optimizer": True, "optimizer_type": "adamw"}
         assert target.tenants.active == active
         target.tenants.use(name)
         _assert_close(_adapter(target, name), after_two, atol=0)

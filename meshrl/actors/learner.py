@@ -23,7 +23,7 @@ from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
 from meshrl.training.tenants import LoraTenants
-from meshrl.types import AdamParams, Datum
+from meshrl.types import AdamParams, Datum, DimuonParams
 
 
 class Learner(MeshrlActor):
@@ -88,10 +88,12 @@ class Learner(MeshrlActor):
     # ---- LoRA tenants (meshrl.training.tenants): every other endpoint acts on the active adapter
     @endpoint
     def add_adapter(self, name: str, rank: int, alpha: float | None = None, seed: int | None = None,
-                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False) -> dict:
-        """A new, inactive LoRA adapter with its own AdamW state (``train_unembed``: on the
-        unembedding too; untied models only): ``{name, seed, params}``."""
-        return self._tenants().add(name, rank, alpha, seed, train_mlp, train_attn, train_unembed)
+                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = False,
+                    optimizer: str = "adamw") -> dict:
+        """A new, inactive LoRA adapter with its own ``optimizer`` (``adamw`` or ``dimuon``) and
+        its state (``train_unembed``: on the unembedding too; untied models only):
+        ``{name, seed, params}``."""
+        return self._tenants().add(name, rank, alpha, seed, train_mlp, train_attn, train_unembed, optimizer)
 
     @endpoint
     def use_adapter(self, name: str) -> dict:
@@ -109,10 +111,11 @@ class Learner(MeshrlActor):
         return self._tenants().save(name, Path(directory))
 
     @endpoint
-    def load_adapter(self, name: str, directory: str, with_optimizer: bool) -> dict:
+    def load_adapter(self, name: str, directory: str, with_optimizer: bool, optimizer: str | None = None) -> dict:
         """Load a saved adapter into ``name`` (created, or rebuilt if its LoRA config differs), with
-        or without its AdamW state: ``{name, rank, steps_applied, optimizer}``."""
-        return self._tenants().load(name, Path(directory), with_optimizer)
+        its optimizer and state, or with a fresh ``optimizer`` (default: the adapter's own):
+        ``{name, rank, steps_applied, optimizer, optimizer_type}``."""
+        return self._tenants().load(name, Path(directory), with_optimizer, optimizer)
 
     @endpoint
     def snapshot_adapter(self, name: str, root: str, mark: int, wait: bool = False) -> dict:
@@ -160,7 +163,9 @@ class Learner(MeshrlActor):
         self.trainer.scale_grads(factor)
 
     @endpoint
-    def optim_step(self, adam: AdamParams) -> dict:
+    def optim_step(self, adam: AdamParams | DimuonParams) -> dict:
+        """Apply the accumulated gradients with the active adapter's (or the policy's) optimizer:
+        ``adam`` holds that optimizer's parameters."""
         return self.trainer.optim_step(adam)
 
     @endpoint

@@ -8,8 +8,9 @@ from meshrl.api.clients import SamplingClient, ServiceClient, TrainingClient
 from meshrl.api.errors import UserError
 from meshrl.api.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampledSequence,
                               SampleResponse, SamplingParams, SupportedModel)
+from meshrl.types import DimuonParams
 
-__all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "SampleResponse",
+__all__ = ["AdamParams", "Datum", "DimuonParams", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "SampleResponse",
            "SampledSequence", "SamplingClient", "SamplingParams", "ServiceClient", "SupportedModel", "TrainingClient",
            "UserError", "connect", "local_service"]
 

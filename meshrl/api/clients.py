@@ -24,7 +24,8 @@ from meshrl.api.sampler import Sampler
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
 from meshrl.config.run import RunConfig
 from meshrl.training.lora import unembedding_is_tied
-from meshrl.types import AdamParams, Datum, ModelInput
+from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
+from meshrl.types import AdamParams, Datum, DimuonParams, ModelInput
 
 log = logging.getLogger("meshrl")
 
@@ -69,15 +70,18 @@ class ServiceClient:
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    model_id: str | None = None) -> "TrainingClient":
+                                    model_id: str | None = None, optimizer: str = ADAMW) -> "TrainingClient":
         """A new LoRA adapter of ``rank`` on the base model (attention and/or MLP projections and,
         with ``train_unembed``, the unembedding), with its own optimizer state. A model that ties
         its unembedding to its input embedding cannot have one adapted apart from the other:
         there ``train_unembed`` (Tinker's default) is accepted and not applied, logged and counted
-        (`skipped["train_unembed"]`), and the adapter trains the other modules."""
+        (`skipped["train_unembed"]`), and the adapter trains the other modules. ``optimizer``
+        (``adamw`` or ``dimuon``) is fixed for the client's life (Tinker's `OptimizerConfig`)."""
         self.resolve_model(base_model)
         if not isinstance(rank, int) or rank < 1:
             raise UserError(f"rank = {rank!r}: a LoRA rank >= 1")
+        if optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {optimizer!r} is not served: use one of {', '.join(OPTIMIZERS)}")
         unembed = train_unembed and not self.ties_unembedding
         if not (train_mlp or train_attn or unembed):
             raise UserError("train_mlp and train_attn are false" + (
@@ -88,8 +92,9 @@ class ServiceClient:
             log.warning("train_unembed=True: %s ties its unembedding to its embedding, so the adapter trains %s only",
                         self.served, " and ".join(n for n, on in (("attention", train_attn), ("MLP", train_mlp)) if on))
         model_id = model_id or f"{self._session}:train:{next(self._ids)}"
-        client = TrainingClient(self, model_id, base_model, rank)
-        self.backend.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, unembed)
+        client = TrainingClient(self, model_id, base_model, rank, optimizer)
+        self.backend.learner(None, "add_adapter", client.adapter, rank, None, seed, train_mlp, train_attn, unembed,
+                             optimizer)
         self._clients.append(client)
         return client
 
@@ -143,12 +148,14 @@ class ServiceClient:
 class TrainingClient:
     """One LoRA adapter being trained; calls run in submission order on its own queue."""
 
-    def __init__(self, service: ServiceClient, model_id: str, base_model: str, rank: int):
+    def __init__(self, service: ServiceClient, model_id: str, base_model: str, rank: int, optimizer: str):
         self.service = service
         self.backend = service.backend
         self.model_id = model_id
         self.base_model = base_model
         self.lora_rank = rank
+        self.optimizer = optimizer
+        """``adamw`` or ``dimuon``: chosen at creation (a load with the optimizer takes the checkpoint's)."""
         self.adapter = "t_" + _safe(model_id)
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"train-{self.adapter}")
         self._closed = False
@@ -189,9 +196,16 @@ class TrainingClient:
             return ForwardBackwardOutput([{} for _ in data], metrics_with_reductions(out))
         return self._submit(run)
 
-    def optim_step(self, adam_params: AdamParams) -> Future:
-        """One AdamW step of this adapter with the gradients accumulated so far; then clears them."""
-        return self._submit(lambda: self._learner("optim_step", adam_params))
+    def optim_step(self, params: AdamParams | DimuonParams) -> Future:
+        """One step of this adapter's optimizer with the gradients accumulated so far (AdamW takes
+        `AdamParams`, Dimuon `DimuonParams`); then clears them."""
+        def run() -> dict:
+            if (DIMUON if isinstance(params, DimuonParams) else ADAMW) != self.optimizer:
+                wanted = "DimuonParams" if self.optimizer == DIMUON else "AdamParams"
+                raise UserError(f"optim_step: {self.model_id} trains with {self.optimizer!r} (chosen when it was "
+                                f"created): pass {wanted}, not {type(params).__name__}")
+            return self._learner("optim_step", params)
+        return self._submit(run)
 
     def save_state(self, name: str) -> Future:
         """Adapter and optimizer state under ``name``; the future gives its ``tinker://`` path."""
@@ -214,7 +228,7 @@ class TrainingClient:
         directory = self.service.checkpoint_dir(path)
         if not directory.is_dir():
             raise UserError(f"path {path!r}: no checkpoint there")
-        self._learner("load_adapter", self.adapter, str(directory), with_optimizer)
+        self.optimizer = self._learner("load_adapter", self.adapter, str(directory), with_optimizer)["optimizer_type"]
         return path
 
     def save_weights_for_sampler(self, name: str) -> Future:

@@ -53,7 +53,6 @@ from meshrl.serve.sampling import Sampler, Samplers
 from meshrl.serve.tenants import (CHECKPOINT_PREFIX, OPEN_TENANT, REQUEST_ID_FIELD, AccessDenied, Forbidden, Keys,
                                   load_keys, resources, session_of)
 from meshrl.serve.training import LoraSpec, SavedCheckpoint, TrainingModels
-from meshrl.types import AdamParams
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +221,10 @@ class TinkerServer:
         if req.lora_config is None:
             raise UserError("create_model: full fine-tuning (no lora_config) is not served; "
                             "use create_lora_training_client")
-        _adamw_only("create_model", req.optimizer_config)
+        optimizer = wire.optimizer_type("create_model", req.optimizer_config)
         lora = req.lora_config
-        spec = LoraSpec(req.base_model, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed)
+        spec = LoraSpec(req.base_model, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed,
+                        optimizer)
         request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec, req.user_metadata)
         return _future(request_id, model_id=model_id)
 
@@ -253,17 +253,7 @@ class TinkerServer:
 
     def optim_step(self, req: sdk.OptimStepRequest) -> dict:
         def run(client: Any) -> Future:
-            params = req.optim_params
-            if not isinstance(params, sdk.AdamParams):
-                raise UserError(f"optim_step: optimizer {params.type!r} is not served; "
-                                "pass adam_params=AdamParams(...) (AdamW is the one optimizer here)")
-            try:
-                adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
-                                  eps=params.eps, weight_decay=params.weight_decay,
-                                  grad_clip_norm=params.grad_clip_norm)
-            except ValueError as exc:
-                raise UserError(f"optim_step: adam_params: {exc}") from None
-            return client.optim_step(adam)
+            return client.optim_step(wire.optim_params(req.optim_params))
 
         return _future(self.training.submit(req.model_id, req.seq_id, run, lambda metrics: JsonResult(
             {"metrics": {key: float(value) for key, value in (metrics or {}).items()}})))
@@ -287,12 +277,13 @@ class TinkerServer:
 
     def load_weights(self, req: sdk.LoadWeightsRequest) -> dict:
         if req.model_id is None:  # create-via-load: a new training client from a checkpoint
-            _load_options_served(req)
+            optimizer = _load_options_served(req)
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: needs model_id, or session_id with model_seq_id")
             self.session(req.session_id)
             return _future(self.training.create_from_checkpoint(req.session_id, req.model_seq_id, req.path,
-                                                                req.optimizer, req.base_model, req.user_metadata))
+                                                                req.optimizer, req.base_model, req.user_metadata,
+                                                                optimizer))
 
         def run(client: Any) -> Future:
             _load_options_served(req)
@@ -441,18 +432,21 @@ class TinkerServer:
         return JSONResponse({"error": outcome.message, "category": outcome.category})
 
 
-def _load_options_served(req: sdk.LoadWeightsRequest) -> None:
+def _load_options_served(req: sdk.LoadWeightsRequest) -> str | None:
+    """The optimizer a weights-only create-via-load asks for (None: not given); UserError for an
+    option not served, or an optimizer_config that would override a restored or existing one."""
     if req.weights_access_token is not None:
         raise UserError("load_weights: weights_access_token is not served (no cross-organisation access); "
                         "load checkpoints your own tenant saved")
-    if req.optimizer_config is not None:
-        _adamw_only("load_weights", req.optimizer_config)
-
-
-def _adamw_only(where: str, config: Any) -> None:
-    if config.type != "adamw":
-        raise UserError(f"{where}: optimizer_config type {config.type!r} is not served; leave optimizer unset "
-                        "(AdamW, the one optimizer here)")
+    if req.optimizer_config is None:
+        return None
+    if req.model_id is not None:
+        raise UserError("load_weights: optimizer_config applies to a new training client; a loaded model keeps "
+                        "the optimizer it was created with")
+    if req.optimizer:
+        raise UserError("load_weights: optimizer_config cannot override the optimizer restored with its state "
+                        "(optimizer=True)")
+    return wire.optimizer_type("load_weights", req.optimizer_config)
 
 
 Handler = Callable[[TinkerServer, Call], Any]

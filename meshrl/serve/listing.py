@@ -69,5 +69,7 @@ def training_run(run: TrainingRun, owner: str, checkpoints: Iterable[SavedCheckp
 def weights_info(saved: SavedCheckpoint) -> dict[str, Any]:
     """A checkpoint's adapter as the SDK's `WeightsInfoResponse`."""
     spec = saved.spec
+    optimizer = {"type": spec.optimizer, **({"version": 1} if spec.optimizer == "dimuon" else {})}
     return {"base_model": spec.base_model, "is_lora": True, "lora_rank": spec.rank,
-            "train_unembed": spec.train_unembed, "train_mlp": spec.train_mlp, "train_attn": spec.train_attn}
+            "train_unembed": spec.train_unembed, "train_mlp": spec.train_mlp, "train_attn": spec.train_attn,
+            "optimizer_config": optimizer}

@@ -25,6 +25,7 @@ from meshrl.api.errors import UserError
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FailedResult, FutureStore, JsonResult, Outcome, run_on
 from meshrl.serve.ordering import SeqOrder
+from meshrl.training.optimizers import ADAMW
 
 # request ids kept per model for retried requests (a retry comes right after its first attempt)
 _REMEMBERED_SEQ_IDS = 1024
@@ -40,6 +41,8 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    optimizer: str = ADAMW
+    """``adamw`` or ``dimuon`` (the SDK's `OptimizerConfig` type), fixed at creation."""
 
 
 def _now() -> datetime:
@@ -137,8 +140,10 @@ class TrainingModels:
                             user_metadata)
 
     def create_from_checkpoint(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool,
-                               base_model: str | None, user_metadata: dict[str, str] | None = None) -> str:
-        """Start creating a training model loaded from a checkpoint this server saved; request id."""
+                               base_model: str | None, user_metadata: dict[str, str] | None = None,
+                               optimizer: str | None = None) -> str:
+        """Start creating a training model loaded from a checkpoint this server saved; request id.
+        With the optimizer it is the checkpoint's; without, ``optimizer`` (default AdamW) starts fresh."""
         saved = self.checkpoints.get(path)
         if saved is None:
             request_id = self._futures.create()
@@ -147,6 +152,8 @@ class TrainingModels:
                 "this server saved (it records the LoRA shape)", "user"))
             return request_id
         spec = saved.spec if base_model is None else replace(saved.spec, base_model=base_model)
+        if not with_optimizer:
+            spec = replace(spec, optimizer=optimizer or ADAMW)
 
         def load(client: Any) -> Future:
             return client.load_state_with_optimizer(path) if with_optimizer else client.load_state(path)
@@ -174,7 +181,8 @@ class TrainingModels:
         def create() -> Future:
             model.client = self._service.create_lora_training_client(
                 base_model=served, rank=spec.rank, seed=spec.seed, train_mlp=spec.train_mlp,
-                train_attn=spec.train_attn, train_unembed=spec.train_unembed, model_id=model_id)
+                train_attn=spec.train_attn, train_unembed=spec.train_unembed, model_id=model_id,
+                optimizer=spec.optimizer)
             if first is not None:
                 return first(model.client)
             created: Future = Future()

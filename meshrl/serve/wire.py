@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pydantic
 import torch
 import zstandard
 from google.protobuf.message import DecodeError
@@ -23,7 +24,8 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from meshrl.api.errors import UserError
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams
-from meshrl.types import Datum, EncodedTextChunk, ModelInput
+from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
+from meshrl.types import AdamParams, Datum, DimuonParams, EncodedTextChunk, ModelInput
 
 _NUMPY_DTYPES = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -53,6 +55,39 @@ def forward_backward_request(body: bytes, content_encoding: str | None) -> pb.Fo
     if not msg.model_id:
         raise UserError("forward_backward: model_id is missing")
     return msg
+
+
+def optimizer_type(where: str, config: sdk.OptimizerConfig | None) -> str:
+    """The optimizer an `OptimizerConfig` selects (None: AdamW, the SDK's default); UserError for
+    one this server does not train with."""
+    if config is None:
+        return ADAMW
+    fields = config.model_dump()
+    if config.type not in OPTIMIZERS or (config.type == DIMUON and fields.get("version", 1) != 1):
+        raise UserError(f"{where}: optimizer_config {fields} is not served; use AdamOptimizerConfig (AdamW, the "
+                        "default) or DimuonOptimizerConfig (version 1)")
+    return config.type
+
+
+def optim_params(params: sdk.OptimParams) -> AdamParams | DimuonParams:
+    """An `optim_step`'s hyperparameters as meshrl's (a nonpositive Dimuon clip norm: no clipping);
+    UserError naming a bad or unknown one."""
+    try:
+        if isinstance(params, sdk.AdamParams):
+            return AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
+                              eps=params.eps, weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
+        if params.type == DIMUON:
+            dimuon = sdk.DimuonParams.model_validate(params.model_dump())
+            return DimuonParams(learning_rate=dimuon.learning_rate, beta1=dimuon.beta1,
+                                grad_clip_norm=max(dimuon.grad_clip_norm, 0.0))
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise UserError(f"optim_step: {params.type}_params.{where}: {first['msg']}") from None
+    except ValueError as exc:
+        raise UserError(f"optim_step: {getattr(params, 'type', 'adam')}_params: {exc}") from None
+    raise UserError(f"optim_step: optimizer {params.type!r} is not served; pass AdamParams (AdamW) or DimuonParams "
+                    "(Dimuon), the optimizer the training client was created with")
 
 
 def loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | None:

@@ -9,7 +9,9 @@ can predict every value the server returns. `forward_backward` accumulates a gra
 ``-sum(exp(logprobs - datum logprobs) * advantages)``, the ratio clamped for ppo) that
 `optim_step` applies as ``w -= learning_rate * gradient``; an uploaded custom loss (``custom``, its
 graph in ``loss_fn_config``) is interpreted as the learner does (`meshrl.losses.fx_graph`) on those
-logprobs, its gradient d loss / d w by autograd; checkpoints store ``w`` (and, for the
+logprobs, its gradient d loss / d w by autograd. A client created with ``optimizer='dimuon'`` takes
+`DimuonParams` instead: the momentum ``m <- beta1 m + (1 - beta1) gradient``, then
+``w -= learning_rate * sign(m)`` (Dimuon's step on a 1x1 matrix). Checkpoints store ``w`` (and, for the
 optimizer, the step count and a momentum). Each training client executes its calls on one worker thread in submission
 order, and every executed call is appended to `FakeService.calls` as
 ``(model_id, operation, first token of each datum)`` so tests can check the order the server
@@ -26,6 +28,7 @@ missing or has the wrong dtype or rank, a LoRA rank below 1, a negative temperat
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +42,8 @@ from meshrl.api.losses import CUSTOM, custom_call, custom_loss
 from meshrl.api.types import (ForwardBackwardOutput, SampledSequence, SampleResponse, SamplingParams,
                               SupportedModel)
 from meshrl.losses.fx_graph import reduce_metrics, sum_over_datums
-from meshrl.types import AdamParams, Datum, ModelInput
+from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
+from meshrl.types import AdamParams, Datum, DimuonParams, ModelInput
 
 # the loss_fn_inputs each loss reads, besides target_tokens
 LOSS_INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs", "advantages"),
@@ -62,15 +66,17 @@ class _Checkpoint:
     step: int
     momentum: float
     rank: int
+    optimizer: str
 
 
 class FakeTrainingClient:
     """A LoRA training client whose model is the single weight ``w``."""
 
-    def __init__(self, service: FakeService, model_id: str, base_model: str, rank: int):
+    def __init__(self, service: FakeService, model_id: str, base_model: str, rank: int, optimizer: str = "adamw"):
         self.model_id = model_id
         self.base_model = base_model
         self.lora_rank = rank
+        self.optimizer = optimizer
         self._service = service
         self._w = 0.0
         self._grad = 0.0
@@ -134,11 +140,16 @@ class FakeTrainingClient:
         return ForwardBackwardOutput([{"logprobs": lp.detach()} for lp in logprobs],
                                      {"loss:sum": float(total.detach()), **reduce_metrics(sums, len(datums))})
 
-    def optim_step(self, params: AdamParams) -> Future:
+    def optim_step(self, params: AdamParams | DimuonParams) -> Future:
         def step() -> dict[str, float]:
+            if (DIMUON if isinstance(params, DimuonParams) else ADAMW) != self.optimizer:
+                raise UserError(f"optim_step: {self.model_id} trains with {self.optimizer!r}, not with "
+                                f"{type(params).__name__}")
             grad, self._grad = self._grad, 0.0
-            self._w -= params.learning_rate * grad
             self._momentum = params.beta1 * self._momentum + (1 - params.beta1) * grad
+            sign = math.copysign(1.0, self._momentum) if self._momentum else 0.0
+            direction = grad if self.optimizer == ADAMW else sign
+            self._w -= params.learning_rate * direction
             self._step += 1
             return {"grad:sum": grad, "step:max": float(self._step)}
         return self._run("optim_step", step)
@@ -146,7 +157,8 @@ class FakeTrainingClient:
     def save_state(self, name: str) -> Future:
         def save() -> str:
             path = f"tinker://{self.model_id}/weights/{name}"
-            self._service.checkpoints[path] = _Checkpoint(self._w, self._step, self._momentum, self.lora_rank)
+            self._service.checkpoints[path] = _Checkpoint(self._w, self._step, self._momentum, self.lora_rank,
+                                                          self.optimizer)
             return path
         return self._run("save_state", save)
 
@@ -164,6 +176,8 @@ class FakeTrainingClient:
             raise UserError(f"checkpoint {path!r} has LoRA rank {checkpoint.rank}, this model {self.lora_rank}")
         self._w, self._grad = checkpoint.w, 0.0
         self._step, self._momentum = (checkpoint.step, checkpoint.momentum) if with_optimizer else (0, 0.0)
+        if with_optimizer:
+            self.optimizer = checkpoint.optimizer
 
     def save_weights_for_sampler(self, name: str) -> Future:
         def save() -> str:
@@ -247,11 +261,14 @@ class FakeService:
             raise UserError(f"unknown model {base_model!r}; the fake serves {self.model_name!r}")
 
     def create_lora_training_client(self, base_model: str, rank: int, seed: int | None, train_mlp: bool,
-                                    train_attn: bool, train_unembed: bool, model_id: str) -> FakeTrainingClient:
+                                    train_attn: bool, train_unembed: bool, model_id: str,
+                                    optimizer: str = ADAMW) -> FakeTrainingClient:
         self._check_model(base_model)
         if rank < 1:
             raise UserError(f"LoRA rank must be >= 1, got {rank}")
-        return FakeTrainingClient(self, model_id, base_model, rank)
+        if optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {optimizer!r}; the fake serves {OPTIMIZERS}")
+        return FakeTrainingClient(self, model_id, base_model, rank, optimizer)
 
     def create_sampling_client(self, model_path: str | None = None,
                                base_model: str | None = None) -> FakeSamplingClient:

@@ -23,9 +23,10 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
+from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
-from meshrl.types import AdamParams, Datum
+from meshrl.types import AdamParams, Datum, DimuonParams
 
 CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
 """``fn(datums, logprobs) -> (loss, metrics)``: ``logprobs[i]`` is the [length] log-probability of
@@ -126,9 +127,12 @@ class PolicyTrainer:
         """The LoRA adapters (``default`` and any added), or None without LoRA."""
         self._frozen_copy = None  # the initial weights (full fine-tuning), loaded on first use
 
-    def new_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def new_optimizer(self, params: list[torch.nn.Parameter], kind: str = ADAMW) -> torch.optim.Optimizer:
+        """A fresh optimizer over ``params``: AdamW with the learner's settings, or Dimuon (LoRA
+        adapters: meshrl.training.optimizers)."""
         cfg = self.cfg
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return make_optimizer(kind, params, {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps,
+                                            "weight_decay": cfg.weight_decay})
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -283,13 +287,11 @@ class PolicyTrainer:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
-    def optim_step(self, adam: AdamParams) -> dict:
-        """Apply the accumulated gradients with AdamW, then clear them."""
+    def optim_step(self, adam: AdamParams | DimuonParams) -> dict:
+        """Apply the accumulated gradients with the optimizer (AdamW, or a LoRA adapter's Dimuon:
+        ``adam`` must be that optimizer's parameters), then clear them."""
         started = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
-            )
+        set_step_params(self.optimizer, adam)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.dp.sum_grads(params)
         grads = [p.grad for p in params if p.grad is not None]

@@ -42,6 +42,8 @@ class AdapterState:
     config: Any  # peft LoraConfig
     optimizer: dict
     steps_applied: int
+    optimizer_type: str
+    """Which optimizer ``optimizer`` is the state of (meshrl.training.optimizers.OPTIMIZERS)."""
 
 
 def cpu_copy(obj):
@@ -67,7 +69,8 @@ def write_adapter(state: AdapterState, directory: Path) -> None:
         save_file({k: v.contiguous() for k, v in state.weights.items()}, str(tmp / WEIGHTS))
         state.config.save_pretrained(str(tmp))
         torch.save(state.optimizer, tmp / OPTIMIZER)
-        (tmp / META).write_text(json.dumps({"name": state.name, "steps_applied": state.steps_applied}))
+        (tmp / META).write_text(json.dumps({"name": state.name, "steps_applied": state.steps_applied,
+                                            "optimizer": state.optimizer_type}))
         _move_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

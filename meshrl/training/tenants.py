@@ -1,5 +1,6 @@
 """LoRA tenants: several LoRA adapters trained on one base model in one learner (peft multi-adapter),
-each with its own AdamW state and step count.
+each with its own optimizer (AdamW, or Dimuon: meshrl.training.optimizers; chosen when it is
+created), optimizer state and step count.
 
 One adapter is active at a time: PolicyTrainer's forward / backward passes, `scale_grads`,
 `optim_step`, `inference_state_dict` (merged weights) and adapter sync act on it alone. Gradients
@@ -8,7 +9,8 @@ its next `optim_step`. The adapter built at start from `learner.lora` is named `
 
 A saved adapter is a directory: a PEFT adapter (``adapter_model.safetensors`` and
 ``adapter_config.json``, loadable by ``peft.PeftModel.from_pretrained``), its AdamW state
-(``optimizer.pt``) and ``tenant.json`` (``steps_applied``). It is written into a temporary sibling
+(``optimizer.pt``) and ``tenant.json`` (``steps_applied``, and ``optimizer``: which optimizer's
+state that is). It is written into a temporary sibling
 directory and renamed into place, so a reader never sees a partial one. `snapshot` copies an
 adapter's state between two calls and writes it in the background (meshrl.training.snapshots);
 `restore` loads the newest snapshot written, so a replacement learner can take a tenant back.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from meshrl.training.optimizers import ADAMW, OPTIMIZERS, optimizer_kind
 from meshrl.training.snapshots import (CONFIG, META, OPTIMIZER, WEIGHTS, AdapterState, SnapshotWriter, clear_partial,
                                        cpu_copy, latest_snapshot, write_adapter)
 
@@ -66,10 +69,13 @@ class LoraTenants:
         return self.model.active_adapter
 
     def add(self, name: str, rank: int, alpha: float | None = None, seed: int | None = None, train_mlp: bool = True,
-            train_attn: bool = True, train_unembed: bool = False) -> dict:
-        """A new adapter (inactive, fresh AdamW state) initialised from ``seed`` (default: the
-        learner seed plus the number of adapters built before it) on the attention and/or MLP
-        projections and, with ``train_unembed``, the unembedding (untied models only)."""
+            train_attn: bool = True, train_unembed: bool = False, optimizer: str = ADAMW) -> dict:
+        """A new adapter (inactive, a fresh ``optimizer``: AdamW or Dimuon) initialised from
+        ``seed`` (default: the learner seed plus the number of adapters built before it) on the
+        attention and/or MLP projections and, with ``train_unembed``, the unembedding (untied
+        models only)."""
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"add_adapter {name!r}: optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
         self._check(name, exists=False)
         targets = ((ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ())
                    + ((self._unembedding(name),) if train_unembed else ()))
@@ -83,7 +89,7 @@ class LoraTenants:
         lora = self.trainer.cfg.lora
         config = LoraConfig(r=rank, lora_alpha=lora.alpha if alpha is None else alpha, lora_dropout=lora.dropout,
                             target_modules=list(targets), bias="none")
-        seed = self._build(name, config, seed, self.active)
+        seed = self._build(name, config, seed, self.active, optimizer)
         return {"name": name, "seed": seed, "params": sum(p.numel() for p in self.parameters(name))}
 
     def _unembedding(self, name: str) -> str:
@@ -123,7 +129,7 @@ class LoraTenants:
         weights = get_peft_model_state_dict(self.model, adapter_name=name, save_embedding_layers=False)
         return AdapterState(name, cpu_copy(weights),
                             copy.deepcopy(self.model.peft_config[name]), cpu_copy(state.optimizer.state_dict()),
-                            state.steps_applied)
+                            state.steps_applied, optimizer_kind(state.optimizer))
 
     def save(self, name: str, directory: Path) -> dict:
         """Write the adapter's weights, LoRA config, AdamW state and step count into ``directory``
@@ -158,10 +164,12 @@ class LoraTenants:
         self._snapshot_roots[name] = Path(root)
         return {**out, "mark": mark}
 
-    def load(self, name: str, directory: Path, with_optimizer: bool) -> dict:
+    def load(self, name: str, directory: Path, with_optimizer: bool, optimizer: str | None = None) -> dict:
         """Load a saved adapter into ``name`` (rebuilt with the saved LoRA config when it is new or
-        differs; the active adapter stays active). ``with_optimizer``: restore its AdamW state and
-        step count too; otherwise the optimiser starts fresh at step 0."""
+        differs; the active adapter stays active). ``with_optimizer``: restore its optimizer (the
+        saved one's kind; ``optimizer``, if given, must name it), its state and step count too;
+        otherwise a fresh ``optimizer`` (default: the adapter's own, AdamW for a new one) starts at
+        step 0. ``{name, rank, steps_applied, optimizer, optimizer_type}``."""
         from peft import LoraConfig
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -172,12 +180,13 @@ class LoraTenants:
             if not (directory / f).is_file():
                 raise FileNotFoundError(f"LoRA adapter {directory}: missing {f}")
         config = LoraConfig.from_pretrained(str(directory))
+        kind = self._optimizer_to_load(name, directory, with_optimizer, optimizer)
         if name not in self.states or _shape(self.model.peft_config[name]) != _shape(config):
             self._rebuild(name, config)
         state = self.states[name]
         for p in self.parameters(name):
             p.grad = None
-        state.optimizer, state.steps_applied = self.trainer.new_optimizer(self.parameters(name)), 0
+        state.optimizer, state.steps_applied = self.trainer.new_optimizer(self.parameters(name), kind), 0
         result = set_peft_model_state_dict(self.model, load_file(str(directory / WEIGHTS)), adapter_name=name)
         missing = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
         if missing or result.unexpected_keys:
@@ -187,7 +196,20 @@ class LoraTenants:
             device = self.trainer.device
             state.optimizer.load_state_dict(torch.load(directory / OPTIMIZER, map_location=device, weights_only=True))
             state.steps_applied = json.loads((directory / META).read_text())["steps_applied"]
-        return {"name": name, "rank": config.r, "steps_applied": state.steps_applied, "optimizer": with_optimizer}
+        return {"name": name, "rank": config.r, "steps_applied": state.steps_applied, "optimizer": with_optimizer,
+                "optimizer_type": kind}
+
+    def _optimizer_to_load(self, name: str, directory: Path, with_optimizer: bool, optimizer: str | None) -> str:
+        saved = json.loads((directory / META).read_text()).get("optimizer", ADAMW)
+        if with_optimizer:
+            if optimizer not in (None, saved):
+                raise ValueError(f"LoRA adapter {directory}: its optimizer state is {saved!r}'s, not {optimizer!r}")
+            return saved
+        if optimizer is not None:
+            if optimizer not in OPTIMIZERS:
+                raise ValueError(f"load of {name!r}: optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+            return optimizer
+        return optimizer_kind(self.states[name].optimizer) if name in self.states else ADAMW
 
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
         """The adapter's A and B matrices (the parameters its optimiser updates)."""
@@ -196,7 +218,7 @@ class LoraTenants:
         return [p for m in self.model.modules() if isinstance(m, LoraLayer) and name in m.lora_A
                 for p in (*m.lora_A[name].parameters(), *m.lora_B[name].parameters())]
 
-    def _build(self, name: str, config, seed: int | None, active: str) -> int:
+    def _build(self, name: str, config, seed: int | None, active: str, optimizer: str = ADAMW) -> int:
         """Add adapter ``name`` (seeded) with a fresh TrainState; ``active`` is then the active
         adapter, the only trainable one."""
         if seed is None:
@@ -206,7 +228,7 @@ class LoraTenants:
         with torch.random.fork_rng(devices=devices):  # the learner's own RNG stream is untouched
             torch.manual_seed(seed)
             self.model.add_adapter(name, config)
-        self.states[name] = TrainState(self.trainer.new_optimizer(self.parameters(name)))
+        self.states[name] = TrainState(self.trainer.new_optimizer(self.parameters(name), optimizer))
         self.model.set_adapter(active)
         return seed
 
