@@ -8,10 +8,11 @@ A learner whose process dies, or hangs past `learner.call_timeout_s`, is replace
 supervisor (`Supervisor.recover`: a new process, within `faults.max_restarts` per
 `faults.restart_window_s`), whose re-sync hook (`restore`) publishes the kept weight versions
 again and brings every tenant back to where its last completed call left it: its newest snapshot,
-then the calls logged since, replayed. Sampling waits meanwhile. The call in flight is then issued
-again, once: its first attempt's effects died with the process. If the learner dies during it a
-second time, the tenants are restored once more and the call fails (`LearnerFailed`). An endpoint
-that raises is the caller's error and replaces nothing.
+then the calls logged since, replayed. The generators switch weight versions only once the
+versions are back. The call in flight is then issued again, once: its first attempt's effects
+died with the process. If the learner dies during it a second time, the tenants are restored once
+more and the call fails (`LearnerFailed`). An endpoint that raises is the caller's error and
+replaces nothing.
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ class LearnerFailed(RuntimeError):
 
 class TenantLearner:
     """The learner of ``client`` (a `MeshClient`) for many tenants, replaced through
-    ``supervisor`` when it dies; ``sampling_lock`` is held while a replacement brings the weight
-    versions back; ``pids()`` names the learner's processes (for the log)."""
+    ``supervisor`` when it dies; ``versions_lock`` (what generators hold to switch weight
+    versions) is held while a replacement brings the weight versions back; ``pids()`` names the
+    learner's processes (for the log)."""
 
-    def __init__(self, client, supervisor, journal: LearnerJournal, sampling_lock: threading.Lock,
+    def __init__(self, client, supervisor, journal: LearnerJournal, versions_lock: threading.Lock,
                  pids: Callable[[], Any]):
         self.client = client
         self.supervisor = supervisor
         self.journal = journal
-        self._sampling_lock = sampling_lock
+        self._versions_lock = versions_lock
         self._pids = pids
         self._lock = threading.Lock()
         self._active: str | None = None
@@ -114,7 +116,7 @@ class TenantLearner:
     def _replace(self, cause: str) -> None:
         """A new learner with every tenant restored, within the supervisor's restart budget
         (RestartBudgetExceeded past it); a replacement that dies too is replaced in turn."""
-        with self._sampling_lock:
+        with self._versions_lock:
             while True:
                 try:
                     self.supervisor.recover(LEARNER, cause)
