@@ -136,8 +136,8 @@ def test_state_round_trips_adapter_and_optimizer_and_clients_do_not_mix(service)
 
 def test_bad_requests_are_user_errors_and_the_service_keeps_serving(service):
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=9, train_unembed=False)
-    with pytest.raises(UserError, match="loss_fn 'dro' is not supported"):
-        client.forward_backward(_sl_data(), "dro").result(timeout=120)
+    with pytest.raises(UserError, match="loss_fn 'no_such_loss' is not supported"):
+        client.forward_backward(_sl_data(), "no_such_loss").result(timeout=120)
     with pytest.raises(UserError, match=r"data\[0\].loss_fn_inputs: 'cross_entropy' needs 'weights'"):
         client.forward_backward([Datum.from_sequence([1, 2, 3], logprobs=[0, 0, 0])], "cross_entropy").result(120)
     with pytest.raises(ValueError, match="expected first dim"):  # a malformed tensor never becomes a Datum
