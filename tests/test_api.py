@@ -163,6 +163,30 @@ def test_closing_a_training_client_frees_its_adapter(service):
     assert other.forward_backward(_sl_data(), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
 
 
+def test_an_uploaded_custom_loss_trains_as_the_loss_it_restates(service):
+    """A weighted NLL traced by the tinker SDK, run by the learner process as the loss `custom`:
+    the same loss as `cross_entropy` on the same data, with and without gradients, and its own
+    metrics reduced as Tinker reduces them."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    def weighted_nll(logprobs, weights):
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/nll:sum": loss, "custom/weight:mean": weights.sum()}
+
+    handle = trace_loss(weighted_nll, {"logprobs": 1, "weights": 1}, "local")
+    graph = {"name": handle.name, "inputs": [[i.name, i.rank] for i in handle.inputs],
+             "nodes": encode_graph(handle).model_dump()["nodes"]}
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=13, train_unembed=False)
+    data = _sl_data(n=3)
+    reference = client.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+    for call in (client.forward, client.forward_backward):
+        metrics = call(data, "custom", graph).result(timeout=120).metrics
+        assert metrics["loss:sum"] == pytest.approx(reference, rel=1e-5)
+        assert metrics["custom/nll:sum"] == pytest.approx(reference, rel=1e-5)
+        assert metrics["custom/weight:mean"] == pytest.approx(6.0)  # 6 answer tokens of weight 1 per datum
+    client.close()
+
+
 def test_train_unembed_on_a_tied_model_is_accepted_and_not_applied(service):
     """The tiny model ties its unembedding to its embedding: Tinker's default train_unembed=True
     trains the other modules (logged, counted); asking for the unembedding alone is refused."""
