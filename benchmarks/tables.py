@@ -272,6 +272,31 @@ def weight_sync(d: dict) -> str:
             + table(["chunks", "publish", "pull", "pull GB/s", "vs memcpy", "load"], rows))
 
 
+@renders("sharded_publish", "python benchmarks/sharded_publish.py", "Sharded publishing against the rank-0 gather",
+         flags=("repeats", "bucket_mib"))
+def sharded_publish(d: dict) -> str:
+    gib = 2 ** 30
+    rows = []
+    for r in d["rows"]:
+        ranks = ", ".join(f"{p['peak_extra_bytes'] / gib:.2f}" for p in r["publish"])
+        gathered = ", ".join(f"{g['peak_extra_bytes'] / gib:.2f}" for g in r["gather"]) if r["gather"] else "—"
+        rows.append([str(r["procs"]), num(r["publish_s"], 2, " s"), ranks,
+                     f"{r['rank0_extra_bound_bytes'] / gib:.2f} ({'met' if r['rank0_extra_within_bound'] else 'not met'})",
+                     num(r["pull_s"], 2, " s"), num(r["cold_pull_s"], 2, " s"), num(r["pull_gbps"], 2),
+                     num(r["pull_vs_memcpy"], 2, "x") + (" (met)" if r["pull_vs_memcpy"] >= 0.5 else " (not met)"),
+                     num(r["gather_s"], 2, " s") if r["gather_s"] is not None else "nothing to gather", gathered])
+    return (f"A synthetic bf16 decoder of {d['params'] / 1e9:.2f} B parameters ({d['model_bytes'] / gib:.2f} GiB, "
+            f"{d['layers']} layers) sharded with FSDP2 over N CPU processes (gloo); the reader pulls from shared "
+            f"memory in {d['bucket_mib']} MiB buckets, and its last pull matched every tensor bit for bit. Memory: "
+            f"{d['memory_measure']}, in GiB per rank. The rank-0 bound is 1/N of the model plus one bucket. Pulls "
+            f"are the median of the warm ones (the cold one maps the ranks' segments); GB/s is bytes over the "
+            f"bucket-fill time, against a memcpy of one bucket in the reader's process. The gather is today's "
+            f"`gather_to_first`, alone: the old publish then packed that whole copy into an arena on rank 0, a "
+            f"further full copy not run here.\n\n"
+            + table(["N", "publish (slowest rank)", "peak extra per rank", "rank-0 bound", "pull", "cold pull",
+                     "pull GB/s", "vs memcpy", "gather", "gather: peak extra per rank"], rows))
+
+
 @renders("recovery", "python benchmarks/recovery.py", "Recovery of a SIGKILLed generator")
 def recovery(d: dict) -> str:
     m = d["median"]
