@@ -4,6 +4,7 @@ One service (learner with LoRA tenants + one generator) is shared by the tests o
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.monarch
 
 API_RUN = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
            "learner.lora.enabled=true", "learner.lora.sync=adapter", "learner.autocast_bf16=false",
-           "weight_sync.keep_versions=4", "weight_sync.max_arenas=6"]
+           "weight_sync.keep_versions=8", "weight_sync.max_arenas=10"]
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,104 @@ def test_train_unembed_on_a_tied_model_is_accepted_and_not_applied(service):
     with pytest.raises(UserError, match="train_unembed cannot apply .* ties its unembedding to its embedding"):
         service.create_lora_training_client(base_model="tiny", rank=2, train_mlp=False, train_attn=False)
     client.close()
+
+
+def test_requests_join_the_running_batch_and_keep_their_seeds(service):
+    """Continuous batching on the real engine: a short request sent while a long one generates
+    finishes first, and a request gives the same tokens alone and among requests with other seeds,
+    temperatures, stop tokens and lengths."""
+    sampler = service.create_sampling_client(base_model="tiny")
+    prompt = ModelInput.from_ints([5, 17, 42, 9])
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    alone = [s.tokens for s in sampler.sample(prompt, 3, params).result(timeout=120).sequences]
+    long = sampler.sample(ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(max_tokens=240, seed=3))
+    time.sleep(1.0)  # the long request is generating
+    others = [sampler.sample(ModelInput.from_ints([8, 9, 10 + i]), 1 + i % 3,
+                             SamplingParams(max_tokens=4 + 3 * i, temperature=0.5 + 0.2 * i, top_p=0.9, seed=100 + i,
+                                            stop=[40 + i]))
+              for i in range(6)]
+    among = sampler.sample(prompt, 3, params)
+    assert [s.tokens for s in among.result(timeout=120).sequences] == alone
+    short = sampler.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1)).result(timeout=120)
+    assert len(short.sequences[0].tokens) <= 2 and not long.done()  # it did not wait for the long one
+    for i, other in enumerate(others):
+        assert all(len(s.tokens) <= 4 + 3 * i for s in other.result(timeout=120).sequences)
+    assert len(long.result(timeout=300).sequences[0].tokens) == 240
+
+
+def test_a_version_switch_waits_for_the_running_requests(service):
+    """Requests of another weight version wait until the running ones have finished: a long
+    request of the base model samples exactly what it samples alone while a newer version's
+    requests queue behind it, and those sample what they sample alone."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=21, train_unembed=False)
+    client.forward_backward(_sl_data(seed=5), "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=5e-2)).result(timeout=120)
+    trained = client.save_weights_and_get_sampling_client("switch")
+    base = service.create_sampling_client(base_model="tiny")
+    prompt, long_params = ModelInput.from_ints([3, 4, 5]), SamplingParams(max_tokens=120, seed=7)
+    short_params = SamplingParams(max_tokens=6, seed=8)
+    long_alone = base.sample(prompt, 1, long_params).result(timeout=300).sequences[0]
+    short_alone = trained.sample(prompt, 2, short_params).result(timeout=120).sequences
+    long = base.sample(prompt, 1, long_params)
+    time.sleep(0.5)
+    short = trained.sample(prompt, 2, short_params)
+    done_short = short.result(timeout=300)
+    assert long.done()  # the newer version waited for the base model's request
+    got = long.result().sequences[0]
+    assert got.tokens == long_alone.tokens and got.logprobs == pytest.approx(long_alone.logprobs, abs=1e-5)
+    assert [s.tokens for s in done_short.sequences] == [s.tokens for s in short_alone]
+
+
+def test_topk_target_and_alternative_prompt_logprobs_come_from_the_engine(service):
+    sampler = service.create_sampling_client(base_model="tiny")
+    tokens = [5, 17, 42, 9, 33, 8]
+    prompt = ModelInput.from_ints(tokens)
+    first = sampler.sample(prompt, 1, SamplingParams(max_tokens=4, seed=2), include_prompt_logprobs=True,
+                           topk_prompt_logprobs=3, topk_sample_logprobs=2).result(timeout=120)
+    own = first.prompt_logprobs[1:]
+    assert first.prompt_logprobs[0] is None and first.topk_prompt_logprobs[0] is None
+    best = [row[0][0] for row in first.topk_prompt_logprobs[1:]]
+    for row, lp in zip(first.topk_prompt_logprobs[1:], own):
+        values = [v for _, v in row]
+        assert len(row) == 3 and values == sorted(values, reverse=True) and values[0] >= lp - 1e-5
+    seq = first.sequences[0]
+    for row, token, lp in zip(seq.topk_logprobs, seq.tokens, seq.logprobs):
+        assert len(row) == 2 and row[0][1] >= row[1][1] and row[0][1] >= lp - 1e-5
+        assert all(v == pytest.approx(lp, abs=1e-5) for t, v in row if t == token)
+    ids = torch.tensor([[t, b, -1] for t, b in zip(tokens[1:], best)])
+    second = sampler.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.8, seed=4),
+                            target_prompt_logprobs=ids, prompt_alt_tokens_k=4).result(timeout=120)
+    targets = second.target_prompt_logprobs
+    assert targets.shape == (5, 3) and targets[:, 2].eq(0).all()
+    assert targets[:, 0].tolist() == pytest.approx(own, abs=1e-4)  # the prompt's own tokens
+    assert targets[:, 1].tolist() == pytest.approx([row[0][1] for row in first.topk_prompt_logprobs[1:]], abs=1e-4)
+    alt = second.prompt_alt_tokens
+    assert alt.tokens.shape == alt.logprobs.shape == (5, 4) and alt.tokens.dtype == torch.int64
+    # the drawn ids' logprobs are those of the full distribution: score them as targets
+    rescored = sampler.sample(prompt, 1, SamplingParams(max_tokens=1), target_prompt_logprobs=alt.tokens).result(120)
+    assert torch.allclose(rescored.target_prompt_logprobs, alt.logprobs, atol=1e-4)
+    again = sampler.sample(prompt, 1, SamplingParams(max_tokens=1, temperature=0.8, seed=4),
+                           prompt_alt_tokens_k=4).result(timeout=120)
+    assert torch.equal(again.prompt_alt_tokens.tokens, alt.tokens)  # the draws follow the seed
+    with pytest.raises(UserError, match=r"target_prompt_logprobs: expected \[len\(prompt\) - 1, K\] = \[5, K >= 1\]"):
+        sampler.sample(prompt, 1, SamplingParams(max_tokens=1), target_prompt_logprobs=ids[:4]).result(timeout=120)
+    with pytest.raises(UserError, match="at most 85 positions"):
+        sampler.sample(ModelInput.from_ints(list(range(1, 101))), 1, SamplingParams(max_tokens=1),
+                       prompt_alt_tokens_k=1).result(timeout=120)
+
+
+def test_inflight_sampling_clients_follow_the_newest_inflight_save(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=23, train_unembed=False)
+    follower = client.save_weights_and_get_sampling_client("inflight-1", kind="inflight")
+    prompt = ModelInput.from_ints([5, 6, 7, 8])
+    before = follower.compute_logprobs(prompt).result(timeout=120)
+    client.forward_backward(_sl_data(seed=6), "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=5e-2)).result(timeout=120)
+    assert follower.compute_logprobs(prompt).result(timeout=120) == before  # nothing saved since
+    newer = client.save_weights_and_get_sampling_client("inflight-2", kind="inflight")
+    after = follower.compute_logprobs(prompt).result(timeout=120)
+    assert after[1:] != pytest.approx(before[1:], abs=1e-4)
+    assert after[1:] == pytest.approx(newer.compute_logprobs(prompt).result(timeout=120)[1:], abs=1e-5)
 
 
 def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):

@@ -2,6 +2,8 @@
 store, no transfer (every sync moves 0 bytes over the `shared` transport), the same first-step
 losses as separate meshes, and a crash of the shared process resumes from the checkpoint."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from meshrl.config.base import ConfigError, load_config
@@ -67,17 +69,23 @@ def test_colocated_vllm_reloads_every_version_in_process(tiny_run_config):
 
 class _RecordingLLM:
     """Stands in for `vllm.LLM` to record what our engine asks of it on a GPU host (vLLM's CUDA
-    build cannot run here); generation returns nothing."""
+    build cannot run here); a request finishes at the first step, with no samples."""
 
     def __init__(self, **kwargs):
-        self.kwargs, self.calls = kwargs, []
+        self.kwargs, self.calls, self.llm_engine = kwargs, [], self
+        self._added: list[str] = []
 
     def get_tokenizer(self):
         return None
 
-    def generate(self, *args, **kwargs):
-        self.calls.append("generate")
-        return []
+    def add_request(self, request_id, prompt, params):
+        self.calls.append("add_request")
+        self._added.append(request_id)
+
+    def step(self):
+        self.calls.append("step")
+        done, self._added = self._added, []
+        return [SimpleNamespace(request_id=r, finished=True, outputs=[]) for r in done]
 
     def collective_rpc(self, method, kwargs):
         self.calls.append(method)
@@ -118,7 +126,7 @@ def test_colocated_vllm_on_a_gpu_starts_with_dummy_weights_and_sleeps_between_ca
     assert follower.update(engine, 0)["bytes"] == 0
     engine.generate([[1, 2]], SampleRequest(n=1, max_tokens=2))
     assert engine.llm.calls == ["reload_weights", "reset_prefix_cache", "sleep1",
-                                "wake_up", "generate", "sleep1"]
+                                "wake_up", "add_request", "step", "sleep1"]
 
 
 def test_a_colocated_hf_engine_samples_with_the_learners_lora_adapters_without_a_copy():

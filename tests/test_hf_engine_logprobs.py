@@ -79,3 +79,33 @@ def test_batched_score_and_topk_equal_per_sequence_forwards(engine):
                 assert indices.dtype == torch.int32 and indices.tolist() == ref_indices.tolist()
                 torch.testing.assert_close(values, ref_values, rtol=0, atol=1e-5)
     assert engine.score([]) == []
+
+
+def test_submit_samples_one_prompt_with_its_topk_and_prompt_scores(engine):
+    """The HF engine's `submit` (batch-per-call, answered at once): its samples are `generate`'s for
+    that prompt and seed, each sampled position's top-k comes from the distribution sampled from
+    (the sampled token's own logprob among them when it is in the top-k), and the prompt's scores
+    equal `score` and `topk_logprobs`."""
+    from meshrl.engines.base import PromptScoring
+
+    prompt = PROMPTS[2]
+    request = SampleRequest(n=2, max_tokens=6, temperature=0.7, top_p=0.9, seed=5, topk=3)
+    scoring = PromptScoring(logprobs=True, topk=2, targets=tuple((t, -1) for t in prompt[1:]), alt_k=2, alt_seed=1)
+    sampled = engine.submit(prompt, request, scoring).result(timeout=0)
+    again = engine.generate([prompt], request)[0]
+    assert [c.tokens for c in sampled.completions] == [c.tokens for c in again]
+    for c in sampled.completions:
+        ids, values = c.topk
+        assert len(ids) == len(c.tokens) and all(len(row) == 3 for row in ids)
+        for row_ids, row_values, token, lp in zip(ids, values, c.tokens, c.logprobs):
+            assert row_values == sorted(row_values, reverse=True) and row_values[0] >= lp - 1e-6
+            if token in row_ids:
+                assert row_values[row_ids.index(token)] == pytest.approx(lp, abs=1e-6)
+    scores = sampled.prompt
+    assert scores.logprobs == pytest.approx(engine.score([prompt])[0], abs=1e-5)
+    assert [row[0] for row in scores.targets] == pytest.approx(scores.logprobs, abs=1e-6)
+    assert all(row[1] == 0.0 for row in scores.targets)
+    [(top_ids, top_values)] = engine.topk_logprobs([prompt], [1], [len(prompt) - 1], 2)
+    assert scores.topk[0] == top_ids.tolist()
+    torch.testing.assert_close(torch.tensor(scores.topk[1]), top_values, rtol=0, atol=1e-5)
+    assert len(scores.alt[0]) == len(prompt) - 1 and all(len(row) == 2 for row in scores.alt[0])

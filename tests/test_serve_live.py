@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
 KEY, OTHER_KEY = "tml-test", "tml-other-tenant-3c9e"
 SERVE_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
-              "learner.autocast_bf16=false", "weight_sync.keep_versions=4", "weight_sync.max_arenas=6"]
+              "learner.autocast_bf16=false", "weight_sync.keep_versions=8", "weight_sync.max_arenas=10"]
 
 
 class Server:
@@ -190,6 +190,48 @@ def test_sampling_logprobs_match_a_learner_forward(service):
         full = [5, 17, 42, 9] + list(seq.tokens)
         [lp] = logprobs(tc.forward([ce_datum(full)], "cross_entropy").result(timeout=120))
         assert np.abs(lp[-len(seq.tokens):] - np.array(seq.logprobs)).mean() < 0.05
+
+
+def test_logprob_options_seeds_and_inflight_clients_through_the_sdk(service):
+    """Top-k, target and alternative prompt logprobs from the real engine in the SDK's format;
+    concurrent requests with distinct seeds sample what each samples alone; an inflight sampling
+    client follows its training client's newest inflight save."""
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=13)
+    follower = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    tokens = [5, 17, 42, 9, 33]
+    prompt = T.ModelInput.from_ints(tokens)
+    ids = torch.tensor([[t, -1] for t in tokens[1:]])
+    resp = follower.sample(prompt, 2, T.SamplingParams(max_tokens=4, seed=1), include_prompt_logprobs=True,
+                           topk_prompt_logprobs=3, topk_sample_logprobs=2,
+                           target_prompt_logprobs=T.TensorData.from_torch(ids), prompt_alt_tokens_k=2).result(120)
+    own = resp.prompt_logprobs[1:]
+    assert resp.topk_prompt_logprobs[0] is None and all(len(row) == 3 for row in resp.topk_prompt_logprobs[1:])
+    assert all(len(row) == 2 for seq in resp.sequences for row in seq.topk_logprobs)
+    targets = resp.target_prompt_logprobs.to_torch()
+    assert targets.shape == (4, 2) and np.allclose(targets[:, 0].numpy(), own, atol=1e-4) and targets[:, 1].eq(0).all()
+    alt = resp.prompt_alt_tokens
+    assert alt.tokens.to_torch().shape == alt.logprobs.to_torch().shape == (4, 2)
+    rescored = follower.sample(prompt, 1, T.SamplingParams(max_tokens=1),
+                               target_prompt_logprobs=alt.tokens).result(120).target_prompt_logprobs.to_torch()
+    assert torch.allclose(rescored, alt.logprobs.to_torch(), atol=1e-4)
+
+    def tokens_of(seed: int) -> list[list[int]]:
+        response = follower.sample(prompt, 2, T.SamplingParams(max_tokens=6, seed=seed)).result(120)
+        return [list(s.tokens) for s in response.sequences]
+
+    alone = {seed: tokens_of(seed) for seed in (1, 2)}
+    together = [follower.sample(prompt, 2, T.SamplingParams(max_tokens=6, seed=seed, temperature=0.9 + seed / 10))
+                for seed in range(3, 11)]
+    together += [follower.sample(prompt, 2, T.SamplingParams(max_tokens=6, seed=seed)) for seed in (1, 2)]
+    assert [[list(s.tokens) for s in f.result(120).sequences] for f in together[-2:]] == [alone[1], alone[2]]
+
+    before = follower.compute_logprobs(prompt).result(120)
+    tc.forward_backward(sl_data(4), "cross_entropy")
+    tc.optim_step(T.AdamParams(learning_rate=5e-2)).result(timeout=120)
+    newer = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=120)
+    after = follower.compute_logprobs(prompt).result(120)
+    assert not np.allclose(after[1:], before[1:], atol=1e-4)
+    assert np.allclose(after[1:], newer.compute_logprobs(prompt).result(120)[1:], atol=1e-5)
 
 
 def test_state_round_trip_and_two_clients_do_not_mix(service):

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch
 
 import tinker
 from tinker import types as T
@@ -78,24 +79,61 @@ PROMPT = T.ModelInput.from_ints([4, 5, 6])
 PARAMS = T.SamplingParams(max_tokens=2)
 
 
-@pytest.mark.parametrize("option, value, alternative", [
-    ("topk_prompt_logprobs", 2, "include_prompt_logprobs=True"),
-    ("topk_sample_logprobs", 2, "every sampled token comes with its own logprob"),
-    ("target_prompt_logprobs", T.TensorData(data=[1, 2], dtype="int64", shape=[2, 1]), "TrainingClient.forward"),
-    ("prompt_alt_tokens_k", 2, "sample from a prompt prefix"),
-])
-def test_unserved_sampling_options_are_refused_naming_an_alternative(srv, option, value, alternative):
-    message = sdk_user_error(srv.sampler.sample(PROMPT, 1, PARAMS, **{option: value}), timeout=30)
-    assert f"asample: {option} is not served; " in message and alternative in message
+def test_topk_target_and_alternative_logprobs_are_served_in_the_sdks_format(srv):
+    prompt = T.ModelInput.from_ints([4, 5, 6, 7])
+    own = fake_logprobs([5, 6, 7], 0.0).tolist()
+    ids = torch.tensor([[5, 9], [-1, 6], [7, -1]])
+    response = srv.sampler.sample(prompt, 2, PARAMS, include_prompt_logprobs=True, topk_prompt_logprobs=2,
+                                  topk_sample_logprobs=3, target_prompt_logprobs=T.TensorData.from_torch(ids),
+                                  prompt_alt_tokens_k=2).result(timeout=30)
+    assert response.prompt_logprobs[1:] == pytest.approx(own)
+    assert response.topk_prompt_logprobs[0] is None
+    for row, token, lp in zip(response.topk_prompt_logprobs[1:], [5, 6, 7], own):
+        assert [t for t, _ in row] == [token, token + 1] and [v for _, v in row] == pytest.approx([lp, lp - 1])
+    for seq in response.sequences:
+        assert [[t for t, _ in row] for row in seq.topk_logprobs] == [[t, t + 1, t + 2] for t in seq.tokens]
+        assert [row[0][1] for row in seq.topk_logprobs] == pytest.approx(seq.logprobs)
+    targets = response.target_prompt_logprobs.to_torch()
+    assert targets.dtype == torch.float32 and targets.shape == (3, 2)
+    expected = torch.where(ids >= 0, -(1 + (7 * ids + torch.arange(3)[:, None]) % 13) / 8, torch.zeros(()))
+    assert torch.allclose(targets, expected)
+    assert targets[0, 0].item() == pytest.approx(own[0]) and targets[2, 0].item() == pytest.approx(own[2])
+    alt = response.prompt_alt_tokens
+    assert alt.tokens.to_torch().tolist() == [[6, 7], [7, 8], [8, 9]] and alt.tokens.dtype == "int64"
+    drawn = alt.tokens.to_torch()
+    assert torch.allclose(alt.logprobs.to_torch(), -(1 + (7 * drawn + torch.arange(3)[:, None]) % 13) / 8)
+    # sparse ids come back in the same sparse layout; prompt_logprobs_last_n empties the top-k rows before it
+    sparse = torch.full((3, 4), -1)
+    sparse[2, 3] = 7
+    request = T.TensorData.from_torch_sparse(sparse, pad_value=-1)
+    assert request.sparse_crow_indices is not None
+    last = srv.sampler.sample(prompt, 1, PARAMS, include_prompt_logprobs=True, topk_prompt_logprobs=1,
+                              target_prompt_logprobs=request, prompt_logprobs_last_n=2).result(timeout=30)
+    reply = last.target_prompt_logprobs
+    assert (reply.sparse_crow_indices, reply.sparse_col_indices) == (request.sparse_crow_indices,
+                                                                      request.sparse_col_indices)
+    assert reply.to_torch()[2, 3].item() == pytest.approx(own[2]) and reply.to_torch().count_nonzero() == 1
+    assert last.topk_prompt_logprobs[:2] == [None, None] and last.topk_prompt_logprobs[2][0][0] == 6
 
 
-def test_inflight_sampling_clients_are_refused_naming_snapshot(srv):
+def test_inflight_sampling_clients_follow_the_newest_inflight_save(srv):
+    tc = srv.service.create_lora_training_client("fake-model", rank=1).result(timeout=30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        message = sdk_user_error(srv.tc.save_weights_and_get_sampling_client(kind="inflight"), timeout=30)
-    assert "kind='inflight' is not served" in message and "kind='snapshot'" in message
-    # the refused request kept its place in the client's order: the next one runs at once
-    assert srv.tc.forward([ce_datum([1, 2, 3])], "cross_entropy").result(timeout=5).loss_fn_outputs
+        follower = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=30)
+        snapshot = tc.save_weights_and_get_sampling_client().result(timeout=30)
+
+        def logprobs(sampler) -> list[float]:
+            return sampler.sample(PROMPT, 1, PARAMS).result(timeout=30).sequences[0].logprobs
+
+        before = logprobs(follower)
+        assert before == logprobs(snapshot) == pytest.approx(fake_logprobs([7, 8], 0.0).tolist())
+        tc.forward_backward([ce_datum([1, 2, 3])], "cross_entropy")
+        tc.optim_step(T.AdamParams(learning_rate=0.5)).result(timeout=30)
+        assert logprobs(follower) == before  # not saved yet: still the first save's weights
+        newer = tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=30)
+    assert logprobs(follower) == logprobs(newer) != before  # both follow the newest inflight save
+    assert logprobs(snapshot) == before
 
 
 def test_dimuon_is_served_and_fixed_when_a_client_is_created(srv):

@@ -70,3 +70,28 @@ def test_non_recoverable_errors_propagate_untouched():
 
     with pytest.raises(KeyError):
         sup.run("generator", broken, "generator.generate")
+
+
+def test_calls_that_fail_together_replace_the_mesh_once():
+    """Eight concurrent calls on one generator mesh fail at once (its process died): one
+    replacement, after which every call is issued again on the new mesh and succeeds."""
+    import threading
+
+    group = Group()
+    sup = Supervisor(group, FaultsConfig(max_restarts=2))
+    all_issued = threading.Barrier(8)
+
+    def call():
+        if not group.respawned:  # the first mesh: every call fails, once all eight are in flight
+            all_issued.wait(timeout=10)
+            raise CallTimeout("generator.sample: the process died")
+        return "ok"
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(sup.run("generator", call, "generator.sample")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == ["ok"] * 8 and group.respawned == ["generator"]

@@ -1,8 +1,16 @@
 """Generator actor: an inference engine that samples completions with per-token logprobs and
 pulls new policy weights from the weight store between requests.
 
-A sync actor handles one message at a time, so a weight update never overlaps a generate call:
-no half-updated model ever samples. Every completion is stamped with the policy version.
+Two ways to sample: `generate` (a batch of prompts, answered when the whole batch is done: the
+training loop's rollouts) and `sample` (one prompt with its own parameters, answered through its
+response port when that request is done; the endpoint itself returns at once, so many requests run
+in the engine together and one that arrives while others generate joins at the engine's next step:
+continuous batching with the vLLM engine).
+
+A weight update (`update_weights`, `load_version`) runs with the engine paused: the requests
+already running finish under the weights they started with, the requests that arrive meanwhile
+start after it under the new ones, and no request ever sees the weights change under it. Every
+completion is stamped with the version it was sampled with.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from monarch.actor import current_rank, endpoint
+from monarch.actor import Port, current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
 from meshrl.actors.follower import InProcessFollower, PolicyFollower, require_complete
@@ -21,7 +29,7 @@ from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.transport.weight_store import silence_tcp_fallback_warning
 from meshrl.config.generation import GeneratorConfig
 from meshrl.config.model import ModelConfig
-from meshrl.engines import Completion, SampleRequest, make_engine
+from meshrl.engines import Completion, PromptScoring, SampleRequest, Sampled, make_engine
 
 POLICY_STORE = "policy"
 log = logging.getLogger("meshrl.generator")
@@ -100,6 +108,32 @@ class Generator(MeshrlActor):
                 tokens += len(c.tokens)
         return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens, self.rank)
 
+    @endpoint(explicit_response_port=True)
+    def sample(self, port: Port, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> None:
+        """Sample ``request.n`` completions of ``prompt`` (seeded by ``request.seed`` alone) and
+        score the prompt as ``scoring`` asks; a `Sampled` is sent to ``port`` when the request is
+        done (its failure, raised at the caller, if it fails)."""
+        version, replica = self.version, self.rank
+
+        def reply(done) -> None:
+            try:
+                sampled: Sampled = done.result()
+            except Exception as exc:  # noqa: BLE001 - raised at the caller
+                port.exception(exc)
+                return
+            for c in sampled.completions:
+                c.meta["version"] = version
+                c.meta["replica"] = replica
+            port.send(sampled)
+
+        try:
+            require_complete(self.follower)
+            submitted = self.engine.submit(prompt, request, scoring)
+        except Exception as exc:  # noqa: BLE001 - an explicit response port carries failures too
+            port.exception(exc)
+            return
+        submitted.add_done_callback(reply)
+
     @endpoint
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Prompt logprobs under the weights held (``version``): for each sequence x_0..x_{n-1} the
@@ -111,9 +145,11 @@ class Generator(MeshrlActor):
 
     @endpoint
     def update_weights(self, min_version: int) -> dict:
-        """Pull the newest published version (>= min_version) and load it into the engine."""
-        stats = self.follower.update(self.engine, min_version)
-        self.version = self.follower.version
+        """Pull the newest published version (>= min_version) and load it into the engine (paused:
+        the requests running finish first, under the weights they started with)."""
+        with self.engine.paused():
+            stats = self.follower.update(self.engine, min_version)
+            self.version = self.follower.version
         return stats
 
     @endpoint
@@ -121,6 +157,7 @@ class Generator(MeshrlActor):
         """Load exactly ``version`` (older or newer than the one held; no transfer when it is held),
         so the next calls sample and score under it: the update_weights statistics. Raises a
         WeightSyncError if the publisher no longer keeps it (`weight_sync.keep_versions`)."""
-        stats = self.follower.update(self.engine, version, exact=True)
-        self.version = self.follower.version
+        with self.engine.paused():
+            stats = self.follower.update(self.engine, version, exact=True)
+            self.version = self.follower.version
         return stats

@@ -1,15 +1,16 @@
 """The meshes behind the API: one learner process holding every training client's LoRA adapter on
 one base model (peft adapters, each with its own AdamW state), and generator replicas that sample
-from exactly the weight version a sampling client names.
+from exactly the weight version a sampling client names, each request on its own (the engine
+batches requests continuously).
 
 Learner calls of different training clients go through a `TenantLearner`
 (meshrl.api.tenant_learner): one call at a time, each client's adapter made active first, and a
 learner whose process dies replaced with every tenant brought back to where its last completed
 call left it. Every `save_weights_for_sampler` publishes the adapter's merged weights as a new
-version of the weight store (version 0 = the base model); a sampling request first brings every
-generator replica to its version (`load_version`, no transfer when already held), and a generator
-that fails is replaced and brought back to that version by the supervisor before the request is
-issued again."""
+version of the weight store (version 0 = the base model); the sampler brings every generator
+replica to a request's version (`hold`: `load_version`, no transfer when already held) between
+requests, and a generator that fails is replaced and brought back to that version by the supervisor
+before the requests it failed are issued again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from meshrl.api.tenant_learner import TenantLearner
 from meshrl.config.base import ConfigError
 from meshrl.config.run import RunConfig
 from meshrl.config.meshes import GENERATOR, LEARNER
+from meshrl.engines import PromptScoring, SampleRequest, Sampled
 from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger("meshrl")
@@ -90,21 +92,19 @@ class MeshBackend:
         just saved from them); returns it."""
         return self.tenants.publish(adapter, source)
 
-    # ---- the generators ---------------------------------------------------------------------
-    def generate(self, version: int, prompts: list[list[int]], request) -> list:
-        """Completions per prompt sampled with weight ``version`` on the generator replicas."""
+    # ---- the generators ----------------------------------------------------------------------
+    def hold(self, version: int) -> None:
+        """Every generator replica holds weight ``version`` (and a replaced one comes back to it).
+        The caller switches versions only while no request runs on the generators (the engine
+        would otherwise pause new requests and let the running ones finish first)."""
         with self._generator_lock:
             self._sampled_version = version
             self._load_on_generators(version)
-            return self.client.generate(prompts, request)
 
-    def prompt_logprobs(self, version: int, sequences: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs of ``sequences`` under weight ``version`` (a generator's `score`)."""
-        with self._generator_lock:
-            self._sampled_version = version
-            self._load_on_generators(version)
-            return self.client.supervised(GENERATOR, lambda: self.client.per_rank(
-                GENERATOR, "score", {0: sequences})[0], "generator.score")
+    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
+        """One prompt sampled (and scored) on a generator replica, under the version they hold:
+        it runs in the engine beside the other requests in flight (continuous batching)."""
+        return self.client.sample(prompt, request, scoring)
 
     def _load_on_generators(self, version: int) -> None:
         """Every generator replica holds ``version`` (replaced first if one has failed)."""

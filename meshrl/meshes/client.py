@@ -18,8 +18,9 @@ from typing import Any, Callable
 
 from meshrl.config.meshes import GENERATOR, LEARNER, REWARDER
 from meshrl.meshes.dispatch import Dispatcher
-from meshrl.meshes.supervisor import Supervisor, wait_all
-from meshrl.engines import Completion, SampleRequest
+from meshrl.meshes.supervisor import ProcessDied, Supervisor, wait_all
+from meshrl.engines import Completion, PromptScoring, SampleRequest, Sampled
+from meshrl.engines.vllm_loop import EngineFailed
 from meshrl.losses import get_loss
 from meshrl.meshes.ranks import actor_at, reply_at
 from meshrl.training.policy import combine_metrics
@@ -79,6 +80,8 @@ class MeshClient:
         # publishing and pulling never interleave, so all readers always pull one version together;
         # re-entrant: a reader replaced during a pull re-syncs inside it
         self._sync_lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._sampling: Counter[int] = Counter()  # per generator rank: `sample` calls in flight
         self.readers: list[str] = []
         self.add_reader(GENERATOR)
 
@@ -172,6 +175,29 @@ class MeshClient:
             key = "timing/generator_engine_s"
             timings[key] = timings.get(key, 0.0) + max(busiest.values())
         return [group for batch in batches for group in batch.completions]
+
+    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
+        """One prompt's samples from the generator replica with the fewest requests in flight,
+        answered when that request is done: it runs in the engine beside the others in flight
+        (continuous batching with vLLM). Safe to call from many threads at once; a replica that
+        dies or whose engine fails meanwhile is replaced (once for all the calls it failed) and
+        the request issued again."""
+        def attempt() -> Sampled:
+            with self._lock:
+                busy = self._sampling
+                rank = min(range(self.procs(GENERATOR)), key=lambda r: (busy[r], r))
+                busy[rank] += 1
+            try:
+                [sampled] = self.unsupervised(GENERATOR, lambda actors: [
+                    actor_at(actors, rank).sample.call_one(prompt, request, scoring)], "generator.sample")
+                return sampled
+            except EngineFailed as e:  # the engine is unusable: replace its process
+                raise ProcessDied(f"generator.sample: {e}") from None
+            finally:
+                with self._lock:
+                    busy[rank] -= 1
+
+        return self._attempts(GENERATOR, "generate", "generator.sample", attempt)
 
     def score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
         """(reward, info) per (problem, response text), from the rewarder replicas."""

@@ -14,6 +14,7 @@ with `recover` itself, through a learner re-sync hook that brings its tenants ba
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Callable, TypeVar
@@ -100,22 +101,30 @@ class Supervisor:
         self.restart_counts: dict[str, int] = {}
         self.recovery_seconds: list[float] = []
         self.events: list[dict] = []  # one per replacement: mesh, cause, recovery_s
+        self._replaced: dict[str, int] = {}  # per mesh: how many times it has been replaced
+        # one replacement at a time (re-entrant: a re-sync hook may itself recover)
+        self._recovering = threading.RLock()
 
     def on_respawn(self, mesh: str, hook: Callable[[], None]) -> None:
         """Register how to bring a fresh actor mesh back to the run's current state."""
         self.resync[mesh] = hook
 
     def run(self, mesh: str, fn: Callable[[], T], what: str) -> T:
-        """Call ``fn`` until it succeeds, replacing ``mesh`` after each failure (budgeted)."""
+        """Call ``fn`` until it succeeds, replacing ``mesh`` after each failure (budgeted). Calls
+        running at once on one mesh that fail together replace it once: a call whose mesh was
+        replaced while it ran is issued again on the replacement."""
         errors = recoverable_errors()
         while True:
+            replaced = self._replaced.get(mesh, 0)
             try:
                 return fn()
             except errors as e:
                 cause = f"{what}: {first_line(e)}"
                 if LEARNER in self.meshes.cohabitants(mesh):
                     raise LearnerLost(mesh, cause) from e
-                self.recover(mesh, cause)
+                with self._recovering:
+                    if self._replaced.get(mesh, 0) == replaced:
+                        self.recover(mesh, cause)
 
     def charge(self, mesh: str, cause: str) -> None:
         """Count a restart of ``mesh``; raise if its budget for the window is spent."""
@@ -133,11 +142,18 @@ class Supervisor:
 
     def recover(self, mesh: str, cause: str) -> float:
         """Replace ``mesh`` (and meshes sharing its processes), then re-sync them. Returns seconds."""
+        with self._recovering:
+            return self._recover(mesh, cause)
+
+    def _recover(self, mesh: str, cause: str) -> float:
         self.charge(mesh, cause)
         detected_at = time.time()
         log.warning("recovering mesh '%s' after failure: %s", mesh, cause)
         started = time.perf_counter()
-        for name in self.meshes.respawn(mesh):
+        names = self.meshes.respawn(mesh)
+        for name in names:
+            self._replaced[name] = self._replaced.get(name, 0) + 1
+        for name in names:
             if name in self.resync:
                 self.resync[name]()
         seconds = time.perf_counter() - started

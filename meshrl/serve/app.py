@@ -293,15 +293,18 @@ class TinkerServer:
             {"path": req.path, "model_id": req.model_id, "type": "load_weights"})))
 
     def save_weights_for_sampler(self, req: sdk.SaveWeightsForSamplerRequest) -> dict:
-        def snapshot(client: Any, name: str) -> Future:
+        """A named sampler checkpoint (``path``), or a sampling session on the current weights
+        (``sampling_session_seq_id``): a snapshot of them, or with ``kind='inflight'`` a sampler
+        that samples the model's newest inflight save at each request (these weights or newer)."""
+        def named(client: Any) -> Future:
             if req.kind != "snapshot":
-                raise UserError(f"save_weights_for_sampler: kind={req.kind!r} is not served (a sampler samples the "
-                                "weights of one save); use kind='snapshot' and save again after each optim_step")
-            return client.save_weights_for_sampler(name)
+                raise UserError(f"save_weights_for_sampler: kind={req.kind!r} applies to a sampling session "
+                                "(save_weights_and_get_sampling_client), not to a named save; use kind='snapshot'")
+            return client.save_weights_for_sampler(req.path)
 
         if req.path is not None:
             return _future(self.training.submit(
-                req.model_id, req.seq_id, lambda client: snapshot(client, req.path),
+                req.model_id, req.seq_id, named,
                 lambda path: self._saved(req.model_id, path, {"path": path, "type": "save_weights_for_sampler"},
                                          req.ttl_seconds, req.user_metadata)))
         seq = req.sampling_session_seq_id
@@ -309,8 +312,9 @@ class TinkerServer:
         def run(client: Any) -> Future:
             if seq is None:
                 raise UserError("save_weights_for_sampler: needs path or sampling_session_seq_id")
-            saved = snapshot(client, f"sampler-{seq}")
-            return then(saved, lambda path: (path, self.service.create_sampling_client(model_path=path)), self.pool)
+            saved = client.save_weights_for_sampler(f"sampler-{seq}", req.kind)
+            return then(saved, lambda path: (path, client.inflight_sampling_client() if req.kind == "inflight" else
+                                             self.service.create_sampling_client(model_path=path)), self.pool)
 
         def opened(result: tuple[str, Any]) -> JsonResult:
             path, client = result

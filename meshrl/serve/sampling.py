@@ -7,7 +7,9 @@ returns the first. It remembers the model name the client knows, which is what `
 reports and what the SDK loads a tokenizer for.
 
 `asample` answers at once with a request id and one sequence id per sample; the result is the
-backend's `SampleResponse` as protobuf. Backend calls run on a shared worker pool, never on the
+backend's `SampleResponse` as protobuf, with what the request asked besides the samples (prompt
+logprobs, top-k prompt and sample logprobs, target prompt logprobs in the ids' own dense or sparse
+layout, alternative draws). Backend calls run on a shared worker pool, never on the
 event loop. A request with `record_stability_info` records its samples under their sequence ids
 (`stability`) for `stable_reinforce` training in the same session.
 """
@@ -26,16 +28,6 @@ from meshrl.serve import wire
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FailedResult, FutureStore, ProtoResult, run_on
 from meshrl.serve.stability import StabilityRecords
-
-# SampleRequest options this server does not implement: (the value that means "not asked for", the
-# alternative the refusal names)
-_UNSUPPORTED = {
-    "topk_prompt_logprobs": (0, "include_prompt_logprobs=True gives the prompt tokens' own logprobs"),
-    "topk_sample_logprobs": (0, "every sampled token comes with its own logprob"),
-    "target_prompt_logprobs": (None, "a TrainingClient.forward with target_tokens scores chosen tokens"),
-    "prompt_alt_tokens_k": (0, "sample from a prompt prefix to draw alternatives at a position"),
-}
-
 
 @dataclass(frozen=True)
 class Sampler:
@@ -112,19 +104,22 @@ class Samplers:
             sampler = self._check(request)
             prompt = wire.model_input(request.prompt, "prompt")
             params = wire.sampling_params(request.sampling_params)
+            targets = wire.target_ids(request.target_prompt_logprobs)
         except UserError as exc:
             self._futures.settle(request_id, FailedResult(str(exc), "user"))
             return request_id, sequence_ids
-        include_prompt_logprobs = bool(request.prompt_logprobs)
         future: Future = run_on(self._pool, lambda: sampler.client.sample(
-            prompt, request.num_samples, params, include_prompt_logprobs=include_prompt_logprobs))
+            prompt, request.num_samples, params, include_prompt_logprobs=bool(request.prompt_logprobs),
+            topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
+            target_prompt_logprobs=None if targets is None else targets.rows,
+            prompt_alt_tokens_k=request.prompt_alt_tokens_k))
         def encode(response: Any) -> ProtoResult:
             if len(response.sequences) != request.num_samples:  # the SDK pairs them with sequence_ids
                 raise ValueError(f"the backend returned {len(response.sequences)} sequences for "
                                  f"num_samples = {request.num_samples}")
             if request.record_stability_info:
                 self.stability.record(sampler.session_id, sequence_ids, prompt.to_ints(), response.sequences)
-            return ProtoResult(wire.sample_response(response, request.prompt_logprobs_last_n))
+            return ProtoResult(wire.sample_response(response, request, targets))
 
         self._futures.track(request_id, future, encode)
         return request_id, sequence_ids
@@ -132,9 +127,6 @@ class Samplers:
     def _check(self, request: sdk.SampleRequest) -> Sampler:
         if request.sampling_session_id is None:
             raise UserError("asample: sampling_session_id is missing (sample through a sampling session)")
-        for name, (off, alternative) in _UNSUPPORTED.items():
-            if getattr(request, name) not in (off, False):
-                raise UserError(f"asample: {name} is not served; {alternative}")
         if request.num_samples < 1:
             raise UserError(f"asample: num_samples = {request.num_samples}, expected >= 1")
         if request.prompt_logprobs_last_n is not None and not request.prompt_logprobs:

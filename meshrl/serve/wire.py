@@ -259,19 +259,105 @@ def _output_array(tensor: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.numpy())
 
 
-def sample_response(result: SampleResponse, prompt_logprobs_last_n: int | None) -> bytes:
+def sample_response(result: SampleResponse, request: sdk.SampleRequest, targets: "TargetIds | None") -> bytes:
     """A backend `SampleResponse` as the SDK's protobuf: tokens as int32, log-probabilities as
     float32, NaN for a prompt position without one (and for positions before the last
-    ``prompt_logprobs_last_n``, when the request scored only those)."""
+    `prompt_logprobs_last_n`, when the request scored only those; their top-k rows are empty);
+    top-k lists as dense [positions, k] matrices, sentinel-filled (token 0, logprob -99999) where
+    an entry is missing; target logprobs in the layout of the request's ids (``targets``)."""
+    last_n = request.prompt_logprobs_last_n
     msg = pb.SampleResponse()
     for seq in result.sequences:
         out = msg.sequences.add(stop_reason=_STOP_REASONS[seq.stop_reason],
                                 tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes())
         if seq.logprobs:
             out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            out.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs, request.topk_sample_logprobs))
     if result.prompt_logprobs is not None:
         values = np.array([math.nan if v is None else v for v in result.prompt_logprobs], dtype=np.float32)
-        if prompt_logprobs_last_n is not None:
-            values[: max(len(values) - prompt_logprobs_last_n, 0)] = math.nan
+        if last_n is not None:
+            values[: max(len(values) - last_n, 0)] = math.nan
         msg.prompt_logprobs = values.tobytes()
+    if result.topk_prompt_logprobs is not None:
+        rows = list(result.topk_prompt_logprobs)
+        if last_n is not None:
+            rows[: max(len(rows) - last_n, 0)] = [None] * max(len(rows) - last_n, 0)
+        msg.topk_prompt_logprobs.CopyFrom(_topk(rows, request.topk_prompt_logprobs))
+    if result.target_prompt_logprobs is not None:
+        if targets is None:
+            raise ValueError("the backend returned target logprobs nobody asked for")
+        msg.target_prompt_logprobs.CopyFrom(targets.encode(result.target_prompt_logprobs))
+    if result.prompt_alt_tokens is not None:
+        alt = result.prompt_alt_tokens
+        msg.prompt_alt_tokens.tokens.CopyFrom(_dense(alt.tokens.to(torch.int64), pb.DTYPE_INT64))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense(alt.logprobs.to(torch.float32), pb.DTYPE_FLOAT32))
     return msg.SerializeToString()
+
+
+TOPK_SENTINEL = (0, -99999.0)
+"""The SDK's empty top-k cell (`tinker.types.topk_logprobs.MASK_LOGPROB`)."""
+
+
+def _topk(rows: list, k: int) -> pb.TopkLogprobs:
+    """Top-k lists (None: nothing at that position) as the SDK's dense [len(rows), k] matrices."""
+    ids = np.full((len(rows), k), TOPK_SENTINEL[0], dtype=np.int32)
+    values = np.full((len(rows), k), TOPK_SENTINEL[1], dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate((row or [])[:k]):
+            ids[i, j], values[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows))
+
+
+def _dense(tensor: torch.Tensor, dtype: int) -> pb.Tensor:
+    array = np.ascontiguousarray(tensor.detach().cpu().numpy())
+    return pb.Tensor(dense=array.tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+@dataclass(frozen=True)
+class TargetIds:
+    """`SampleRequest.target_prompt_logprobs`: token ids per prompt row (-1: nothing asked), and
+    the CSR layout (row pointers, column indices) it came in when sparse, which the reply keeps."""
+
+    rows: tuple[tuple[int, ...], ...]
+    csr: tuple[list[int], list[int]] | None = None
+
+    def encode(self, logprobs: torch.Tensor) -> pb.Tensor:
+        """The float32 logprobs of these ids ([rows, K], 0.0 where -1), in the request's layout."""
+        values = logprobs.to(torch.float32).reshape(len(self.rows), -1)
+        if self.csr is None:
+            return _dense(values, pb.DTYPE_FLOAT32)
+        crow, col = self.csr
+        rows = torch.repeat_interleave(torch.arange(len(crow) - 1), torch.tensor(crow).diff())
+        listed = values[rows, torch.tensor(col, dtype=torch.long)].numpy()
+        return pb.Tensor(sparse_csr=pb.SparseCsr(values=listed.tobytes(),
+                                                 crow_indices=np.asarray(crow, dtype=np.int64).tobytes(),
+                                                 col_indices=np.asarray(col, dtype=np.int64).tobytes()),
+                         dtype=pb.DTYPE_FLOAT32, shape=list(values.shape))
+
+
+def target_ids(data: sdk.TensorData | None) -> TargetIds | None:
+    """The ids of a request's `target_prompt_logprobs` (int64, [rows, K], dense or sparse CSR
+    with -1 in every unlisted cell); UserError naming what is malformed."""
+    if data is None:
+        return None
+    where = "target_prompt_logprobs"
+    if data.dtype != "int64" or data.shape is None or len(data.shape) != 2:
+        raise UserError(f"{where}: expected an int64 tensor of shape [len(prompt) - 1, K], got {data.dtype} "
+                        f"of shape {data.shape}")
+    n_rows, width = data.shape
+    values = [int(v) for v in data.data]
+    if data.sparse_crow_indices is None:
+        if len(values) != n_rows * width:
+            raise UserError(f"{where}: {len(values)} values do not fill shape {data.shape}")
+        return TargetIds(tuple(tuple(values[r * width:(r + 1) * width]) for r in range(n_rows)))
+    crow, col = list(data.sparse_crow_indices), list(data.sparse_col_indices or [])
+    if (len(crow) != n_rows + 1 or crow[0] != 0 or not crow[-1] == len(col) == len(values)
+            or any(b < a for a, b in zip(crow, crow[1:])) or any(not 0 <= c < width for c in col)):
+        raise UserError(f"{where}: malformed sparse CSR tensor (row pointers, column indices and values of "
+                        f"shape {data.shape} disagree)")
+    dense = [[-1] * width for _ in range(n_rows)]
+    for r in range(n_rows):
+        for i in range(crow[r], crow[r + 1]):
+            dense[r][col[i]] = values[i]
+    return TargetIds(tuple(map(tuple, dense)), (crow, col))

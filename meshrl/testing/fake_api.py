@@ -20,7 +20,9 @@ kept; `FakeService.delay_s` makes every training call take that long.
 Samplers generate, for sample ``j`` of a prompt ending in token ``p``, the tokens
 ``p + 3 j + 1, p + 3 j + 2, ...`` (mod 1000) up to ``max_tokens`` (8 when unset), stopping early at
 a token listed in ``stop`` (``stop_reason`` "stop", else "length"); their log-probabilities, and
-the prompt's, follow ``fake_logprobs`` with the sampler's ``w``.
+the prompt's, follow ``fake_logprobs`` with the sampler's ``w`` (an inflight sampler's ``w`` is its
+training client's at its newest inflight save); top-k, target and alternative logprobs follow the
+same formula (`FakeSamplingClient._sample`).
 
 Bad input raises `UserError`: an unknown model, checkpoint path or loss, a loss input that is
 missing or has the wrong dtype or rank, a LoRA rank below 1, a negative temperature.
@@ -39,8 +41,8 @@ import torch
 
 from meshrl.api.errors import UserError
 from meshrl.api.losses import CUSTOM, custom_call, custom_loss
-from meshrl.api.types import (ForwardBackwardOutput, SampledSequence, SampleResponse, SamplingParams,
-                              SupportedModel)
+from meshrl.api.types import (ForwardBackwardOutput, PromptAltTokens, SampledSequence, SampleResponse,
+                              SamplingParams, SupportedModel)
 from meshrl.losses.fx_graph import reduce_metrics, sum_over_datums
 from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
 from meshrl.types import AdamParams, Datum, DimuonParams, ModelInput
@@ -82,6 +84,7 @@ class FakeTrainingClient:
         self._grad = 0.0
         self._step = 0
         self._momentum = 0.0
+        self.inflight: tuple[float, str] | None = None  # (w, path) of the newest inflight save
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fake-{model_id}")
 
     def _run(self, operation: str, call: Callable[[], Any], data: list[Datum] | None = None) -> Future:
@@ -179,12 +182,20 @@ class FakeTrainingClient:
         if with_optimizer:
             self.optimizer = checkpoint.optimizer
 
-    def save_weights_for_sampler(self, name: str) -> Future:
+    def save_weights_for_sampler(self, name: str, kind: str = "snapshot") -> Future:
         def save() -> str:
             path = f"tinker://{self.model_id}/sampler_weights/{name}"
             self._service.sampler_weights[path] = self._w
+            if kind == "inflight":
+                self.inflight = (self._w, path)
             return path
         return self._run("save_weights_for_sampler", save)
+
+    def inflight_sampling_client(self) -> FakeSamplingClient:
+        """A sampler at this client's newest inflight save's ``w``, whenever it samples."""
+        if self.inflight is None:
+            raise UserError(f"{self.model_id}: no inflight save yet")
+        return FakeSamplingClient(self._service, self.inflight[1], self.base_model, self.inflight[0], follows=self)
 
     def close(self) -> None:
         self._service.record(self.model_id, "close", ())
@@ -192,21 +203,30 @@ class FakeTrainingClient:
 
 
 class FakeSamplingClient:
-    """A sampler of the fake model at a fixed weight."""
+    """A sampler of the fake model at a fixed weight, or at the weight of the newest inflight save
+    of the training client it ``follows``."""
 
-    def __init__(self, service: FakeService, model_path: str | None, base_model: str, w: float):
+    def __init__(self, service: FakeService, model_path: str | None, base_model: str, w: float,
+                 follows: FakeTrainingClient | None = None):
         self.model_path = model_path
         self.base_model = base_model
         self._service = service
         self._w = w
+        self._follows = follows
 
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-               include_prompt_logprobs: bool = False) -> Future:
-        return self._service.pool.submit(self._sample, prompt.to_ints(), num_samples, sampling_params,
-                                         include_prompt_logprobs)
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> Future:
+        w = self._w if self._follows is None else self._follows.inflight[0]
+        return self._service.pool.submit(self._sample, prompt.to_ints(), num_samples, sampling_params, w,
+                                         include_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs,
+                                         target_prompt_logprobs, prompt_alt_tokens_k)
 
-    def _sample(self, prompt: list[int], num_samples: int, params: SamplingParams,
-                include_prompt_logprobs: bool) -> SampleResponse:
+    def _sample(self, prompt: list[int], num_samples: int, params: SamplingParams, w: float,
+                include_prompt_logprobs: bool, topk_prompt: int, topk_sample: int, targets, alt_k: int) -> SampleResponse:
+        """The fake's top-k at a token t of logprob l: (t + j) mod 1000 with l - j, j < k; the
+        logprob of id t at prompt row i (position i + 1) is ``fake_logprobs([t])`` at position i,
+        as the prompt's own; the draws at row i are prompt[i + 1] + 1 + j (mod 1000)."""
         if params.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {params.temperature}")
         stop_ids = {s for s in params.stop or () if isinstance(s, int)}
@@ -218,11 +238,29 @@ class FakeSamplingClient:
                 if tokens[-1] in stop_ids:
                     reason = "stop"
                     break
-            sequences.append(SampledSequence(reason, tokens, fake_logprobs(tokens, self._w).tolist()))
-        prompt_logprobs = None
+            logprobs = fake_logprobs(tokens, w).tolist()
+            sequences.append(SampledSequence(reason, tokens, logprobs,
+                                             _fake_topk(tokens, logprobs, topk_sample) if topk_sample else None))
+        response = SampleResponse(sequences)
+        own = fake_logprobs(prompt[1:], w).tolist()
         if include_prompt_logprobs:
-            prompt_logprobs = [None, *fake_logprobs(prompt[1:], self._w).tolist()]
-        return SampleResponse(sequences, prompt_logprobs)
+            response.prompt_logprobs = [None, *own]
+        if topk_prompt:
+            response.topk_prompt_logprobs = [None, *_fake_topk(prompt[1:], own, topk_prompt)]
+        if targets is not None:
+            ids = torch.as_tensor(targets, dtype=torch.int64)
+            rows = torch.arange(ids.shape[0])[:, None]
+            scored = -(1 + (7 * ids + rows) % 13).to(torch.float32) / 8 - w
+            response.target_prompt_logprobs = torch.where(ids >= 0, scored, torch.zeros(()))
+        if alt_k:
+            drawn = (torch.tensor(prompt[1:])[:, None] + 1 + torch.arange(alt_k)) % 1000
+            rows = torch.arange(drawn.shape[0])[:, None]
+            response.prompt_alt_tokens = PromptAltTokens(drawn, -(1 + (7 * drawn + rows) % 13).to(torch.float32) / 8 - w)
+        return response
+
+
+def _fake_topk(tokens: list[int], logprobs: list[float], k: int) -> list[list[tuple[int, float]]]:
+    return [[((t + j) % 1000, lp - j) for j in range(k)] for t, lp in zip(tokens, logprobs)]
 
 
 class FakeService:
