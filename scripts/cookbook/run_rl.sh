@@ -8,8 +8,8 @@
 #   bash scripts/cookbook/run_rl.sh                      # 30 steps, ~10-20 min on 2 CPU cores
 #   RL_STEPS=40 RL_LR=3e-4 bash scripts/cookbook/run_rl.sh [more recipe args, e.g. lora_rank=16]
 #
-# loss_fn=importance_sampling: the recipe's default loss, stable_reinforce, needs the sampler's
-# stability records (SampleRequest.record_stability_info), which meshrl serve does not implement.
+# The recipe runs with its own defaults, its loss included (stable_reinforce: the server records
+# each sampled sequence's tokens and logprobs for it, see docs/tinker.md).
 source "$(dirname "$0")/common.sh"
 
 LOG_DIR="$WORKDIR/rl-$(date +%Y%m%d-%H%M%S)"
@@ -19,7 +19,7 @@ log "math_rl/train.py -> $LOG_DIR"
 t0=$SECONDS
 "$PY" -m tinker_cookbook.recipes.math_rl.train \
     model_name="$MODEL" base_url="$BASE_URL" log_path="$LOG_DIR" \
-    env=arithmetic loss_fn=importance_sampling \
+    env=arithmetic \
     group_size="${RL_GROUP_SIZE:-8}" groups_per_batch="${RL_GROUPS_PER_BATCH:-8}" \
     max_tokens="${RL_MAX_TOKENS:-8}" max_steps="${RL_STEPS:-30}" learning_rate="${RL_LR:-3e-4}" \
     "$@" >"$LOG_DIR.out" 2>&1 </dev/null || { log "the recipe failed; the end of $LOG_DIR.out:"; tail -40 "$LOG_DIR.out"; exit 1; }
