@@ -30,7 +30,7 @@ import socket
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
