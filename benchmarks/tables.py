@@ -307,6 +307,22 @@ def recovery(d: dict) -> str:
             + f"\n\nGoal: under {d['goal_s']:g} s without model load.")
 
 
+@renders("serve_load", "python benchmarks/serve_load.py", "`meshrl serve` under concurrent SDK clients")
+def serve_load(d: dict) -> str:
+    rows = [[str(r["clients"]), str(r["requests"]), num(r["tokens_per_s"], 1), num(r["one_batch_tokens_per_s"], 1),
+             num(r["ratio_to_one_batch"], 2, "x"), num(r["latency_p50_s"], 2, " s"), num(r["latency_p95_s"], 2, " s"),
+             num(r["load_average_1m"], 1)] for r in d["rows"]]
+    return (f"`{d['model']}`, each request {d['samples_per_request']} samples of up to {d['max_tokens']} tokens at "
+            f"temperature {d['temperature']:g} with a seed of its own, clients sending back to back, while "
+            f"{len(d['tenant_train_steps'])} tenants train (forward_backward + optim_step: "
+            f"{', '.join(map(str, d['tenant_train_steps']))} steps). "
+            "One batch: one request of clients x samples through the same server, right before each level.\n\n"
+            + table(["clients", "requests", "tokens/s", "one batch tokens/s", "vs one batch", "latency p50",
+                     "latency p95", "load (1 min)"], rows)
+            + f"\n\nAt 16 clients: {num(d['ratio_at_16_clients'], 2, 'x')} of the one-batch figure "
+              f"(goal {d['goal_ratio_at_16_clients']:g}x).")
+
+
 @renders("sandbox_throughput", "python benchmarks/sandbox_throughput.py", "Sandboxed executions, 16 at a time")
 def sandbox_throughput(d: dict) -> str:
     rows = [[layer["layer"], kind, num(layer[kind]["executions_per_s"], 1), num(layer[kind]["sequential_executions_per_s"], 1),

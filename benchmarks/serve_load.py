@@ -1,0 +1,219 @@
+"""Sampling throughput of `meshrl serve` under concurrent SDK clients while two tenants train.
+
+    python benchmarks/serve_load.py [--levels 1 4 16 64] [--samples 4] [--max-tokens 16]
+
+Starts `meshrl serve -c configs/serve.yaml` on loopback (the packaged SmolLM2-135M-Instruct, one
+vLLM generator) and two training tenants (sessions of their own) that loop forward_backward +
+optim_step on LoRA adapters for the whole run. At each level N, N sampling clients of the official
+SDK send requests back to back (each `num_samples` samples of up to `max_tokens` tokens at
+temperature 1, every request with its own seed), `--requests-per-client` each, and the generated
+tokens per second over the level's wall time and each request's latency are recorded. Right before
+each level, the same engine's one-batch figure is measured through the same server: one request
+of N x `num_samples` samples (the engine generates them as one batch), best of `--batch-rounds`.
+The ratio of the two is what concurrency costs against batching everything in one call (the
+tenants train throughout both). Writes benchmarks/results/serve_load.json; goal: at 16 clients,
+at least 0.8x of the one-batch figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import ROOT, write_result
+
+KEY = "tml-serve-load"
+PROMPT = "Write one sentence about the sea, then one about the mountains."
+
+
+def start_server(config: str, overrides: list[str], workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = workdir / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "meshrl.cli", "serve", "-c", config, f"output.dir={workdir}",
+                                 *overrides, "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 600)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith("serving at http://"):
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r}\n{log.read_text()[-3000:]}")
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        for p in family:
+            if p.is_running():
+                p.kill()
+
+
+class Tenant(threading.Thread):
+    """A training client of its own session looping forward_backward + optim_step until stopped."""
+
+    def __init__(self, url: str, base_model: str, seed: int, prompt: list[int]):
+        super().__init__(daemon=True)
+        import numpy as np
+        import tinker
+        from tinker import types as T
+
+        self.service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        self.client = self.service.create_lora_training_client(base_model=base_model, rank=8, seed=seed)
+        rng = np.random.default_rng(seed)
+        tokens = [prompt + rng.integers(100, 5000, 48).tolist() for _ in range(8)]
+        self.data = [T.Datum(model_input=T.ModelInput.from_ints(t[:-1]),
+                             loss_fn_inputs={"target_tokens": np.array(t[1:], dtype=np.int64),
+                                             "weights": np.ones(len(t) - 1, dtype=np.float32)}) for t in tokens]
+        self.adam = T.AdamParams(learning_rate=1e-4)
+        self.steps = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.client.forward_backward(self.data, "cross_entropy")
+            self.client.optim_step(self.adam).result(timeout=600)
+            self.steps += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(timeout=600)
+        self.service.close("success").result(timeout=60)
+
+
+def generated(response) -> int:
+    return sum(len(s.tokens) for s in response.sequences)
+
+
+def one_batch(sampler, prompt, samples: int, max_tokens: int, rounds: int) -> dict:
+    """One request of ``samples`` samples (one engine batch): best tokens/s of ``rounds``."""
+    from tinker import types as T
+
+    best = None
+    for r in range(rounds):
+        started = time.perf_counter()
+        response = sampler.sample(prompt, samples, T.SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                    seed=10_000 + r)).result(timeout=1200)
+        seconds = time.perf_counter() - started
+        tokens = generated(response)
+        if best is None or tokens / seconds > best["tokens_per_s"]:
+            best = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return best
+
+
+def concurrent_level(samplers, prompt, clients: int, requests: int, samples: int, max_tokens: int) -> dict:
+    """``clients`` SDK sampling clients sending ``requests`` requests each, back to back."""
+    from tinker import types as T
+
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for i in range(requests):
+            params = T.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * c + i)
+            started = time.perf_counter()
+            response = samplers[c].sample(prompt, samples, params).result(timeout=1200)
+            with lock:
+                latencies.append(time.perf_counter() - started)
+                tokens[0] += generated(response)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    seconds = time.perf_counter() - started
+    latencies.sort()
+    return {"clients": clients, "requests": clients * requests, "tokens": tokens[0], "seconds": seconds,
+            "tokens_per_s": tokens[0] / seconds, "latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/serve.yaml")
+    parser.add_argument("--override", action="append", default=[], help="a dotted config override for the server")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--samples", type=int, default=4, help="num_samples of each request")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--requests-per-client", type=int, default=0,
+                        help="requests each client sends (default: enough for 64 requests per level, at least 2)")
+    parser.add_argument("--batch-rounds", type=int, default=2)
+    parser.add_argument("--tenants", type=int, default=2, help="training tenants running throughout")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    os.environ["TINKER_TELEMETRY"] = "0"
+
+    import tinker
+    from tinker import types as T
+    from transformers import AutoTokenizer
+
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.models.provision import resolve_model
+
+    cfg = load_config(RunConfig, args.config, args.override)
+    model = cfg.model.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    prompt = T.ModelInput.from_ints(list(ids))
+    load_at_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="serve_load_") as tmp:
+        proc, url, log = start_server(args.config, args.override, Path(tmp))
+        try:
+            tenants = [Tenant(url, model, seed, list(ids)) for seed in range(1, args.tenants + 1)]
+            for t in tenants:
+                t.start()
+            service = tinker.ServiceClient(base_url=url, api_key=KEY)
+            samplers = [service.create_sampling_client(base_model=model) for _ in range(max(args.levels))]
+            one_batch(samplers[0], prompt, args.samples, args.max_tokens, 1)  # warm-up
+            rows = []
+            for clients in args.levels:
+                requests = args.requests_per_client or max(2, -(-64 // clients))
+                batch = one_batch(samplers[0], prompt, clients * args.samples, args.max_tokens, args.batch_rounds)
+                level = concurrent_level(samplers, prompt, clients, requests, args.samples, args.max_tokens)
+                level.update(one_batch_tokens_per_s=batch["tokens_per_s"], one_batch_seconds=batch["seconds"],
+                             ratio_to_one_batch=level["tokens_per_s"] / batch["tokens_per_s"],
+                             load_average_1m=os.getloadavg()[0])
+                rows.append(level)
+                print(f"{clients:3d} clients: {level['tokens_per_s']:7.1f} tokens/s, one batch "
+                      f"{batch['tokens_per_s']:7.1f} -> {level['ratio_to_one_batch']:.2f}x; latency p50 "
+                      f"{level['latency_p50_s']:.2f} s, p95 {level['latency_p95_s']:.2f} s", flush=True)
+            service.close("success").result(timeout=60)
+            steps = [t.steps for t in tenants]
+            for t in tenants:
+                t.close()
+            recovered = len(re.findall("recovering mesh", log.read_text()))
+        finally:
+            stop_server(proc)
+    at16 = next((r["ratio_to_one_batch"] for r in rows if r["clients"] == 16), None)
+    write_result("serve_load", {
+        "model": model, "samples_per_request": args.samples, "max_tokens": args.max_tokens,
+        "temperature": 1.0, "prompt_tokens": len(ids), "tenant_train_steps": steps, "mesh_recoveries": recovered,
+        "rows": rows, "ratio_at_16_clients": at16, "goal_ratio_at_16_clients": 0.8,
+        "load_average_1m_at_start": load_at_start, "load_average_1m": os.getloadavg()[0],
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
