@@ -14,7 +14,6 @@ from meshrl.envs.openenv_adapter import (
     openenv_app,
     openenv_types,
     spawn_openenv_server,
-    to_openenv,
 )
 from meshrl.envs.remote import (
     RemoteEnv,
