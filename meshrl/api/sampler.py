@@ -76,6 +76,7 @@ class Sampler:
         self._in_flight = 0
         self._switching = False
         self._waiting: deque[_Request] = deque()
+        self._closed = False
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT + 1, thread_name_prefix="api-sampler")
 
     def submit(self, version: int, prompt: list[int], num_samples: int, params: SamplingParams,
@@ -89,7 +90,9 @@ class Sampler:
             request.future.set_exception(e)
             return request.future
         with self._lock:
-            if self._held == version and not self._waiting and not self._switching:
+            if self._closed:
+                request.future.set_exception(RuntimeError("the sampler is closed"))
+            elif self._held == version and not self._waiting and not self._switching:
                 self._start(request)
             else:
                 self._waiting.append(request)
@@ -103,7 +106,7 @@ class Sampler:
 
     def _switch_when_drained(self) -> None:
         """Load the first waiting request's version once nothing is in flight (the lock is held)."""
-        if self._waiting and not self._in_flight and not self._switching:
+        if self._waiting and not self._in_flight and not self._switching and not self._closed:
             self._switching = True
             self._pool.submit(self._switch, self._waiting[0].version)
 
@@ -118,9 +121,11 @@ class Sampler:
             self._held = None if failure is not None else version
             mine = [r for r in self._waiting if r.version == version]
             self._waiting = deque(r for r in self._waiting if r.version != version)
-            if failure is None:
+            if failure is None and not self._closed:
                 for request in mine:
                     self._start(request)
+            elif failure is None:
+                failure = RuntimeError("the sampler is closed")
             self._switch_when_drained()
         if failure is not None:
             for request in mine:
@@ -150,7 +155,14 @@ class Sampler:
         return _response(self.backend.sample(request.prompt, engine_request, scoring), o)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Take no more requests and fail those not yet sent; those in flight finish (or fail
+        when the generators stop)."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            request.future.set_exception(RuntimeError("the sampler is closed"))
+        self._pool.shutdown(wait=False)
 
 
 def _response(sampled: Sampled, options: PromptOptions) -> SampleResponse:

@@ -1,0 +1,136 @@
+"""The API sampler's admission of requests by weight version (meshrl.api.sampler), over a stand-in
+backend whose `sample` calls block until the test releases them: requests of the held version
+start at once, each on its own; a request of another version waits, and so does every later one,
+until the requests in flight have finished; then the generators load its version and it starts;
+a version that cannot be loaded fails only its own requests; closing fails what was never sent.
+The real backend (generators with vLLM) is exercised in tests/test_api.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from meshrl.api.errors import UserError
+from meshrl.api.sampler import PromptOptions, Sampler
+from meshrl.api.types import SamplingParams
+from meshrl.engines import Completion, Sampled
+
+
+class Tokenizer:
+    """A vocabulary of 100 in which every stop string is token 1."""
+
+    def encode(self, text, add_special_tokens):
+        return [1]
+
+    def __len__(self):
+        return 100
+
+
+class Backend:
+    """`hold` and `sample` recorded in order; every `sample` waits for its prompt's release."""
+
+    def __init__(self):
+        self.cfg = SimpleNamespace(model=SimpleNamespace(max_model_len=64))
+        self.tokenizer = Tokenizer()
+        self.events: list[tuple] = []
+        self.held = None
+        self.released: dict[int, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def hold(self, version: int) -> None:
+        if version == 99:
+            raise UserError("the sampler weights of version 99 are no longer kept")
+        with self.lock:
+            self.events.append(("hold", version))
+            self.held = version
+
+    def sample(self, prompt, request, scoring) -> Sampled:
+        with self.lock:
+            self.events.append(("start", prompt[0], self.held))
+            gate = self.released.setdefault(prompt[0], threading.Event())
+        assert gate.wait(timeout=10)
+        with self.lock:
+            self.events.append(("end", prompt[0]))
+        return Sampled([Completion([prompt[0]], [-1.0], "length")])
+
+    def release(self, tag: int) -> None:
+        with self.lock:
+            self.released.setdefault(tag, threading.Event()).set()
+
+    def started(self) -> list[int]:
+        with self.lock:
+            return [e[1] for e in self.events if e[0] == "start"]
+
+
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def sampler():
+    backend = Backend()
+    sampler = Sampler(backend)
+    yield sampler
+    for tag in range(200):
+        backend.release(tag)
+    sampler.close()
+
+
+PARAMS = SamplingParams(max_tokens=4)
+
+
+def test_requests_of_the_held_version_run_together_and_another_version_waits_for_them(sampler):
+    backend = sampler.backend
+    a1 = sampler.submit(0, [1], 1, PARAMS)
+    wait_until(lambda: backend.started() == [1])
+    a2 = sampler.submit(0, [2], 1, PARAMS)
+    wait_until(lambda: backend.started() == [1, 2])  # both in flight at once
+    b = sampler.submit(5, [3], 1, PARAMS)
+    a3 = sampler.submit(0, [4], 1, PARAMS)  # held version, but behind a waiting request
+    time.sleep(0.1)
+    assert backend.started() == [1, 2]
+    backend.release(2)
+    assert a2.result(timeout=10).sequences[0].tokens == [2]
+    time.sleep(0.1)
+    assert backend.started() == [1, 2]  # a1 still runs: no version switch under it
+    backend.release(1)
+    backend.release(3)
+    assert b.result(timeout=10).sequences[0].tokens == [3] and a1.done()
+    backend.release(4)
+    assert a3.result(timeout=10).sequences[0].tokens == [4]
+    assert backend.events == [("hold", 0), ("start", 1, 0), ("start", 2, 0), ("end", 2), ("end", 1), ("hold", 5),
+                              ("start", 3, 5), ("end", 3), ("hold", 0), ("start", 4, 0), ("end", 4)]
+
+
+def test_a_version_that_cannot_be_loaded_fails_its_own_requests_only(sampler):
+    backend = sampler.backend
+    backend.release(1)
+    backend.release(2)
+    gone = sampler.submit(99, [1], 1, PARAMS)
+    fine = sampler.submit(0, [2], 1, PARAMS)
+    with pytest.raises(UserError, match="version 99 are no longer kept"):
+        gone.result(timeout=10)
+    assert fine.result(timeout=10).sequences[0].tokens == [2]
+
+
+def test_bad_requests_fail_at_once_and_closing_fails_what_was_never_sent(sampler):
+    with pytest.raises(UserError, match="topk_sample_logprobs = 65: between 0 and 64"):
+        sampler.submit(0, [1], 1, PARAMS, PromptOptions(topk_sample_logprobs=65)).result(timeout=0)
+    with pytest.raises(UserError, match=r"target_prompt_logprobs: expected \[len\(prompt\) - 1, K\] = \[1, K >= 1\]"):
+        sampler.submit(0, [1, 2], 1, PARAMS, PromptOptions(target_prompt_logprobs=((1,), (2,)))).result(timeout=0)
+    running = sampler.submit(0, [7], 1, PARAMS)
+    wait_until(lambda: sampler.backend.started() == [7])
+    waiting = sampler.submit(3, [8], 1, PARAMS)
+    sampler.close()
+    with pytest.raises(RuntimeError, match="the sampler is closed"):
+        waiting.result(timeout=10)
+    with pytest.raises(RuntimeError, match="the sampler is closed"):
+        sampler.submit(0, [9], 1, PARAMS).result(timeout=0)
+    sampler.backend.release(7)
+    assert running.result(timeout=10).sequences[0].tokens == [7]  # in flight: it finishes
