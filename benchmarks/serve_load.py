@@ -1,23 +1,25 @@
 """Sampling throughput of `meshrl serve` under concurrent SDK clients while two tenants train.
 
-    python benchmarks/serve_load.py [--levels 1 4 16 64] [--samples 4] [--max-tokens 16]
+    python benchmarks/serve_load.py [--levels 1 4 16 64] [--samples 4] [--max-tokens 16] [--rounds 3]
 
 Starts `meshrl serve -c configs/serve.yaml` on loopback (the packaged SmolLM2-135M-Instruct, one
 vLLM generator) and two training tenants (sessions of their own) that loop forward_backward +
-optim_step on LoRA adapters for the whole run. At each level N, N sampling clients of the official
-SDK send requests back to back (each `num_samples` samples of up to `max_tokens` tokens at
-temperature 1, every request with its own seed), `--requests-per-client` each, and the generated
-tokens per second over the level's wall time and each request's latency are recorded. Right before
-each level, the same engine's one-batch figure is measured through the same server: one request
-of N x `num_samples` samples (the engine generates them as one batch), best of `--batch-rounds`.
-The ratio of the two is what concurrency costs against batching everything in one call (the
-tenants train throughout both). Writes benchmarks/results/serve_load.json; goal: at 16 clients,
-at least 0.8x of the one-batch figure.
+optim_step on LoRA adapters for the whole run. Each level N runs `--rounds` rounds, each of two
+phases back to back through the same server: the engine's one-batch figure (one request of
+N x `num_samples` samples, which the engine generates as one batch) and then N sampling clients of
+the official SDK sending requests back to back (`num_samples` samples of up to `max_tokens` tokens
+at temperature 1, every request with its own seed; `--requests-per-client` each). A round's ratio is
+the clients' generated tokens per second over the one batch's; the level reports the median round
+(ratio and tokens/s) and the latencies of all its requests. Alternating the phases round by round
+keeps the tenants' training, which takes most of the 2 cores in bursts of seconds, from falling on
+one phase only. Writes benchmarks/results/serve_load.json; goal: at 16 clients, at least 0.8x of
+the one-batch figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import select
@@ -35,6 +37,7 @@ from pathlib import Path
 from common import ROOT, write_result
 
 KEY = "tml-serve-load"
+seeds = itertools.count(1)  # every request's own seed
 PROMPT = "Write one sentence about the sea, then one about the mountains."
 
 
@@ -79,7 +82,7 @@ class Tenant(threading.Thread):
         from tinker import types as T
 
         self.service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        self.client = self.service.create_lora_training_client(base_model=base_model, rank=8, seed=seed)
+        self.client = self.service.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result(600)
         rng = np.random.default_rng(seed)
         tokens = [prompt + rng.integers(100, 5000, 48).tolist() for _ in range(8)]
         self.data = [T.Datum(model_input=T.ModelInput.from_ints(t[:-1]),
@@ -105,20 +108,15 @@ def generated(response) -> int:
     return sum(len(s.tokens) for s in response.sequences)
 
 
-def one_batch(sampler, prompt, samples: int, max_tokens: int, rounds: int) -> dict:
-    """One request of ``samples`` samples (one engine batch): best tokens/s of ``rounds``."""
+def one_batch(sampler, prompt, samples: int, max_tokens: int, seed: int) -> dict:
+    """One request of ``samples`` samples (one engine batch): tokens, seconds, tokens/s."""
     from tinker import types as T
 
-    best = None
-    for r in range(rounds):
-        started = time.perf_counter()
-        response = sampler.sample(prompt, samples, T.SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                                                    seed=10_000 + r)).result(timeout=1200)
-        seconds = time.perf_counter() - started
-        tokens = generated(response)
-        if best is None or tokens / seconds > best["tokens_per_s"]:
-            best = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-    return best
+    started = time.perf_counter()
+    response = sampler.sample(prompt, samples, T.SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                seed=seed)).result(timeout=1200)
+    seconds = time.perf_counter() - started
+    return {"tokens": generated(response), "seconds": seconds, "tokens_per_s": generated(response) / seconds}
 
 
 def concurrent_level(samplers, prompt, clients: int, requests: int, samples: int, max_tokens: int) -> dict:
@@ -131,7 +129,7 @@ def concurrent_level(samplers, prompt, clients: int, requests: int, samples: int
 
     def client(c: int) -> None:
         for i in range(requests):
-            params = T.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * c + i)
+            params = T.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=next(seeds))
             started = time.perf_counter()
             response = samplers[c].sample(prompt, samples, params).result(timeout=1200)
             with lock:
@@ -142,10 +140,29 @@ def concurrent_level(samplers, prompt, clients: int, requests: int, samples: int
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     seconds = time.perf_counter() - started
+    return {"requests": clients * requests, "tokens": tokens[0], "seconds": seconds,
+            "tokens_per_s": tokens[0] / seconds, "latencies": latencies}
+
+
+def level(samplers, prompt, clients: int, requests: int, samples: int, max_tokens: int, rounds: int) -> dict:
+    """``rounds`` alternations of the one-batch figure and the clients' figure; the median round."""
+    per_round, latencies = [], []
+    for _ in range(rounds):
+        batch = one_batch(samplers[0], prompt, clients * samples, max_tokens, next(seeds))
+        load = concurrent_level(samplers, prompt, clients, requests, samples, max_tokens)
+        latencies += load.pop("latencies")
+        per_round.append({**load, "one_batch_tokens_per_s": batch["tokens_per_s"],
+                          "one_batch_seconds": batch["seconds"],
+                          "ratio_to_one_batch": load["tokens_per_s"] / batch["tokens_per_s"]})
+    median = sorted(per_round, key=lambda r: r["ratio_to_one_batch"])[len(per_round) // 2]
     latencies.sort()
-    return {"clients": clients, "requests": clients * requests, "tokens": tokens[0], "seconds": seconds,
-            "tokens_per_s": tokens[0] / seconds, "latency_p50_s": statistics.median(latencies),
-            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]}
+    return {"clients": clients, "requests": sum(r["requests"] for r in per_round),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in per_round),
+            "one_batch_tokens_per_s": statistics.median(r["one_batch_tokens_per_s"] for r in per_round),
+            "ratio_to_one_batch": median["ratio_to_one_batch"], "rounds": per_round,
+            "latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
+            "load_average_1m": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -156,8 +173,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="num_samples of each request")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--requests-per-client", type=int, default=0,
-                        help="requests each client sends (default: enough for 64 requests per level, at least 2)")
-    parser.add_argument("--batch-rounds", type=int, default=2)
+                        help="requests each client sends per round (default: 32 requests a round, at least 2 each)")
+    parser.add_argument("--rounds", type=int, default=3, help="one-batch / clients alternations per level")
     parser.add_argument("--tenants", type=int, default=2, help="training tenants running throughout")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -185,20 +202,18 @@ def main() -> None:
             for t in tenants:
                 t.start()
             service = tinker.ServiceClient(base_url=url, api_key=KEY)
-            samplers = [service.create_sampling_client(base_model=model) for _ in range(max(args.levels))]
-            one_batch(samplers[0], prompt, args.samples, args.max_tokens, 1)  # warm-up
+            samplers = [service.create_sampling_client(base_model=model).result(600) for _ in range(max(args.levels))]
+            one_batch(samplers[0], prompt, args.samples, args.max_tokens, 0)  # warm-up
             rows = []
             for clients in args.levels:
-                requests = args.requests_per_client or max(2, -(-64 // clients))
-                batch = one_batch(samplers[0], prompt, clients * args.samples, args.max_tokens, args.batch_rounds)
-                level = concurrent_level(samplers, prompt, clients, requests, args.samples, args.max_tokens)
-                level.update(one_batch_tokens_per_s=batch["tokens_per_s"], one_batch_seconds=batch["seconds"],
-                             ratio_to_one_batch=level["tokens_per_s"] / batch["tokens_per_s"],
-                             load_average_1m=os.getloadavg()[0])
-                rows.append(level)
-                print(f"{clients:3d} clients: {level['tokens_per_s']:7.1f} tokens/s, one batch "
-                      f"{batch['tokens_per_s']:7.1f} -> {level['ratio_to_one_batch']:.2f}x; latency p50 "
-                      f"{level['latency_p50_s']:.2f} s, p95 {level['latency_p95_s']:.2f} s", flush=True)
+                requests = args.requests_per_client or max(2, -(-32 // clients))
+                row = level(samplers, prompt, clients, requests, args.samples, args.max_tokens, args.rounds)
+                rows.append(row)
+                each = ", ".join(f"{r['ratio_to_one_batch']:.2f}" for r in row["rounds"])
+                print(f"{clients:3d} clients: {row['tokens_per_s']:7.1f} tokens/s, one batch "
+                      f"{row['one_batch_tokens_per_s']:7.1f}; median round {row['ratio_to_one_batch']:.2f}x "
+                      f"(rounds {each}); latency p50 {row['latency_p50_s']:.2f} s, p95 {row['latency_p95_s']:.2f} s",
+                      flush=True)
             service.close("success").result(timeout=60)
             steps = [t.steps for t in tenants]
             for t in tenants:
@@ -208,7 +223,7 @@ def main() -> None:
             stop_server(proc)
     at16 = next((r["ratio_to_one_batch"] for r in rows if r["clients"] == 16), None)
     write_result("serve_load", {
-        "model": model, "samples_per_request": args.samples, "max_tokens": args.max_tokens,
+        "model": model, "samples_per_request": args.samples, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "temperature": 1.0, "prompt_tokens": len(ids), "tenant_train_steps": steps, "mesh_recoveries": recovered,
         "rows": rows, "ratio_at_16_clients": at16, "goal_ratio_at_16_clients": 0.8,
         "load_average_1m_at_start": load_at_start, "load_average_1m": os.getloadavg()[0],

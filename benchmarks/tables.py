@@ -310,15 +310,18 @@ def recovery(d: dict) -> str:
 @renders("serve_load", "python benchmarks/serve_load.py", "`meshrl serve` under concurrent SDK clients")
 def serve_load(d: dict) -> str:
     rows = [[str(r["clients"]), str(r["requests"]), num(r["tokens_per_s"], 1), num(r["one_batch_tokens_per_s"], 1),
-             num(r["ratio_to_one_batch"], 2, "x"), num(r["latency_p50_s"], 2, " s"), num(r["latency_p95_s"], 2, " s"),
-             num(r["load_average_1m"], 1)] for r in d["rows"]]
+             num(r["ratio_to_one_batch"], 2, "x"), ", ".join(num(x["ratio_to_one_batch"], 2) for x in r["rounds"]),
+             num(r["latency_p50_s"], 2, " s"), num(r["latency_p95_s"], 2, " s"), num(r["load_average_1m"], 1)]
+            for r in d["rows"]]
     return (f"`{d['model']}`, each request {d['samples_per_request']} samples of up to {d['max_tokens']} tokens at "
             f"temperature {d['temperature']:g} with a seed of its own, clients sending back to back, while "
             f"{len(d['tenant_train_steps'])} tenants train (forward_backward + optim_step: "
-            f"{', '.join(map(str, d['tenant_train_steps']))} steps). "
-            "One batch: one request of clients x samples through the same server, right before each level.\n\n"
-            + table(["clients", "requests", "tokens/s", "one batch tokens/s", "vs one batch", "latency p50",
-                     "latency p95", "load (1 min)"], rows)
+            f"{', '.join(map(str, d['tenant_train_steps']))} steps). Each level alternates {d['rounds']} times the "
+            "one-batch figure (one request of clients x samples through the same server) and the clients; "
+            "tokens/s are medians over the rounds, the ratio is the median round's (each round's in `rounds`); the "
+            f"load average was {d['load_average_1m_at_start']:.1f} before the server started.\n\n"
+            + table(["clients", "requests", "tokens/s", "one batch tokens/s", "vs one batch", "rounds",
+                     "latency p50", "latency p95", "load (1 min)"], rows)
             + f"\n\nAt 16 clients: {num(d['ratio_at_16_clients'], 2, 'x')} of the one-batch figure "
               f"(goal {d['goal_ratio_at_16_clients']:g}x).")
 
