@@ -211,19 +211,23 @@ def test_requests_join_the_running_batch_and_keep_their_seeds(service):
     prompt = ModelInput.from_ints([5, 17, 42, 9])
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
     alone = [s.tokens for s in sampler.sample(prompt, 3, params).result(timeout=120).sequences]
+    finished = []  # the order in which the short and the long request completed
     long = sampler.sample(ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(max_tokens=240, seed=3))
-    time.sleep(1.0)  # the long request is generating
+    long.add_done_callback(lambda _: finished.append("long"))
+    time.sleep(0.05)  # the long request is admitted (240 steps take about a second here)
+    short = sampler.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1))
+    short.add_done_callback(lambda _: finished.append("short"))
     others = [sampler.sample(ModelInput.from_ints([8, 9, 10 + i]), 1 + i % 3,
                              SamplingParams(max_tokens=4 + 3 * i, temperature=0.5 + 0.2 * i, top_p=0.9, seed=100 + i,
                                             stop=[40 + i]))
               for i in range(6)]
     among = sampler.sample(prompt, 3, params)
     assert [s.tokens for s in among.result(timeout=120).sequences] == alone
-    short = sampler.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1)).result(timeout=120)
-    assert len(short.sequences[0].tokens) <= 2 and not long.done()  # it did not wait for the long one
+    assert len(short.result(timeout=120).sequences[0].tokens) <= 2
     for i, other in enumerate(others):
         assert all(len(s.tokens) <= 4 + 3 * i for s in other.result(timeout=120).sequences)
     assert len(long.result(timeout=300).sequences[0].tokens) == 240
+    assert finished == ["short", "long"]  # the short one did not wait for the long one
 
 
 def test_a_version_switch_waits_for_the_running_requests(service):

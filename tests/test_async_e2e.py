@@ -24,6 +24,7 @@ def _train_records(cfg):
     return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "fault"]
 
 
+@pytest.mark.slow
 def test_k1_never_trains_a_sample_more_than_one_version_old(tiny_run_config, tiny_session):
     from meshrl.controller.runtime import Runtime
 

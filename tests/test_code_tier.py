@@ -71,6 +71,7 @@ def test_splits_share_families_but_no_task_or_function_name():
     assert max(family(test).values()) <= 3  # no family dominates the held-out score
 
 
+@pytest.mark.slow
 def test_every_reference_passes_its_tests_and_stubs_fail(sb):
     tasks = easy("all")
     results = grade_many([(t, t.reference) for t in tasks], sb)

@@ -59,6 +59,7 @@ def _assert_close(a: dict, b: dict, label: str) -> None:
     assert worst <= 1e-5, f"{label}: parameters differ by up to {worst:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.monarch
 def test_two_learner_processes_equal_one(tmp_path):
     from meshrl.meshes.local import prepare_environment

@@ -17,6 +17,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.monarch
 def test_custom_rewarder_and_mesh_of_your_own_on_two_hosts():
     """A rewarder class and a declared mesh of the user's, the standard loop, the process launcher

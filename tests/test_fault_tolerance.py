@@ -34,9 +34,10 @@ def _faults(records):
     return [r for r in records if r["kind"] == "fault"]
 
 
-# two replicas (hedging, then replacement) in the slow tier: ~80 s on 2 cores. The real vLLM
-# engine: its replacement starts a new engine and pulls the run's weights into it
-@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+# slow tier: ~35 s with one replica, ~80 s with two (hedging, then replacement) on 2 cores. The real
+# vLLM engine: its replacement starts a new engine and pulls the run's weights into it
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_run_config, replicas):
     cfg = tiny_run_config(
         "output.name=gen-kill", "generator.backend=vllm", "trainer.steps=4", "trainer.eval.every=0",
@@ -59,6 +60,7 @@ def test_generator_killed_mid_generation_is_replaced_and_no_group_is_lost(tiny_r
     assert result["steps"] == 4
 
 
+@pytest.mark.slow
 def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config, tiny_session):
     cfg = tiny_run_config(
         "output.name=multi-fault", "trainer.steps=3", "trainer.eval.every=0", "trainer.eval.at_start=false",
@@ -76,6 +78,7 @@ def test_rewarder_kill_and_hung_generator_are_both_survived(tiny_run_config, tin
     assert train[-1]["faults/restarts/rewarder"] == 1 and train[-1]["faults/restarts/generator"] == 1
 
 
+@pytest.mark.slow
 def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_run_config):
     from meshrl.controller.runtime import Runtime
 
@@ -130,6 +133,7 @@ def test_killed_rank_of_a_two_process_learner_resumes(tiny_run_config):
     assert [r["step"] for r in _train(records)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_mesh_and_leaves_no_orphans(tmp_path):
     from tests.conftest import TINY_RUN
 

@@ -31,6 +31,7 @@ def _gone(pids, within_s):
     return not alive
 
 
+@pytest.mark.slow
 def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_processes():
     cfg = load_config(RunConfig, None, TINY_RUN + [
         "launch.launcher=process", "launch.hosts={trainer: 1, sampler: 2}", "launch.place={generator: sampler}",
