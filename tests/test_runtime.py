@@ -57,6 +57,7 @@ def test_three_steps_advance_version_and_weights_stay_in_sync(runtime):
         versions.append(metrics["version"])
         assert metrics["batch/datums"] > 0, "the toy reward must give a learning signal"
         assert metrics["sync/bytes"] > 0 and metrics["sync/pull_s"] > 0
+        assert metrics["sync/pulled_bytes"] == metrics["sync/bytes"] * runtime.meshes.procs_of("generator")
         assert metrics["sync/transport/shm"] == runtime.meshes.procs_of("generator")  # same host: shared memory
         # every sample of a step was drawn by the weights of the previous version
         assert {t.version for t in trajectories} == {metrics["version"] - 1}

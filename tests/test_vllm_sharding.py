@@ -109,3 +109,39 @@ def test_slices_loaded_through_vllms_loaders_equal_the_whole_weights(monkeypatch
     with pytest.raises(RuntimeError, match="but only TensorSlice"):  # a loader reading outside the slice
         cut = slices[f"{LAYER}.mlp.down_proj.weight"]
         SlicedWeight(torch.zeros(HIDDEN, cut.length), (HIDDEN, FFN), cut, "down").narrow(1, 0, FFN)
+
+
+def test_each_worker_computes_its_slices_and_loads_only_its_ranks_payload(monkeypatch):
+    """The functions the engine runs on every tensor-parallel worker (``collective_rpc``): a
+    worker's slices come from its own model; handed rank r's payload, only rank r's worker loads
+    it (through its reload, here vLLM's loaders of the layer) and ends equal to loading the whole
+    weights; the others leave their weights untouched."""
+    import vllm.distributed as distributed
+
+    from meshrl.engines.vllm_sharding import rank_payload, tensor_slices, worker_reload_rank, worker_tensor_slices
+
+    class Worker:  # vLLM's worker wrapper, as far as the functions reach into it
+        def __init__(self, model):
+            self.model_runner = type("Runner", (), {"get_model": lambda _: model})()
+            self.model = model
+
+        def reload_weights(self, weights_iterator):
+            load(self.model, list(weights_iterator))
+
+    hf = hf_weights(7)
+    shapes = {k: tuple(v.shape) for k, v in hf.items()}
+    whole = build_layer(monkeypatch, 1, 2)
+    load(whole, list(hf.items()))
+    worker = Worker(build_layer(monkeypatch, 1, 2))
+    slices = worker_tensor_slices(worker, shapes)
+    assert slices == tensor_slices(worker.model, shapes) and set(slices) == set(hf)
+    payload = rank_payload([(k, v.narrow(slices[k].dim, slices[k].start, slices[k].length) if k in slices else v)
+                            for k, v in hf.items()], slices, shapes)
+
+    monkeypatch.setattr(distributed, "get_tensor_model_parallel_rank", lambda: 0)
+    assert worker_reload_rank(worker, 1, payload) is False
+    assert all(torch.isnan(p).all() for p in worker.model.parameters())
+    monkeypatch.setattr(distributed, "get_tensor_model_parallel_rank", lambda: 1)
+    assert worker_reload_rank(worker, 1, payload) is True
+    for (name, a), (_, b) in zip(whole.named_parameters(), worker.model.named_parameters()):
+        assert torch.equal(a, b), name

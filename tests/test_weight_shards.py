@@ -200,3 +200,21 @@ def test_one_part_pulled_whole_reads_every_chunk_in_place():
     chunks = chunk_ranges(max(p.src + p.nbytes for p in pieces), 8, ALIGN)  # as the publisher cuts them
     direct, waves = rdma_plan(chunks, moves(whole_bucket(layout), [pieces]), 64)
     assert sorted(c for c, _ in direct) == list(range(len(chunks))) and not waves
+
+
+def test_a_ranks_payload_marks_its_slices_and_refuses_other_shapes():
+    """What a tensor-parallel worker is handed: a tensor of its slice's shape travels as that
+    slice, one of the whole shape (a merged adapter layer, a weight loaded whole) whole, and any
+    other shape is refused naming the weight."""
+    from meshrl.engines.vllm_sharding import rank_payload
+
+    shapes = {"q.weight": (8, 4), "norm.weight": (4,)}
+    cuts = {"q.weight": TensorSlice(0, 4, 4)}
+    payload = rank_payload([("q.weight", torch.ones(4, 4)), ("norm.weight", torch.ones(4))], cuts, shapes)
+    assert [(n, cut, shape) for n, _, cut, shape in payload] == [("q.weight", cuts["q.weight"], (8, 4)),
+                                                                ("norm.weight", None, (4,))]
+    merged = rank_payload([("q.weight", torch.ones(8, 4)), ("lora.weight", torch.ones(2, 2))], cuts, shapes)
+    assert [(n, cut, shape) for n, _, cut, shape in merged] == [("q.weight", None, (8, 4)), ("lora.weight", None, (2, 2))]
+    with pytest.raises(ValueError, match=r"'q.weight': a pulled tensor of shape \[2, 4\] is neither the whole weight "
+                                         r"\[8, 4\] nor this rank's slice"):
+        rank_payload([("q.weight", torch.ones(2, 4))], cuts, shapes)

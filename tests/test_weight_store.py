@@ -21,6 +21,7 @@ from monarch.actor import Actor, ActorError, endpoint, this_host  # noqa: E402
 from meshrl.testing.shards import split_rows  # noqa: E402
 
 from meshrl.actors.follower import PolicyFollower  # noqa: E402
+from meshrl.engines.vllm_sharding import rank_payload  # noqa: E402
 from meshrl.transport.arena import views  # noqa: E402
 from meshrl.transport.shards import TensorSlice, moves, whole_bucket  # noqa: E402
 from meshrl.transport.same_host import (  # noqa: E402
@@ -176,6 +177,31 @@ class RecordingEngine:
         self.loaded = {name: t.clone() for name, t in items}
 
 
+class TensorParallelEngine:
+    """Stands in for a vLLM engine of two tensor-parallel workers (the weight path is what is
+    tested; vLLM's own loaders of slices are tested in test_vllm_sharding): worker ``r`` loads
+    half ``r`` of each projection, of layers 0 and 2 by rows and of layers 1 and 3 by columns, and
+    every other weight whole. It records what each worker was handed, as its worker would build it."""
+
+    tensor_parallel_size = 2
+
+    def __init__(self):
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.loaded: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.sliced: list[set[str]] = [set(), set()]
+
+    def rank_slices(self, rank: int, shapes) -> dict[str, TensorSlice]:
+        self.shapes = dict(shapes)
+        return {name: TensorSlice(int(name.split(".")[1]) % 2, rank * shape[0] // 2, shape[0] // 2)
+                for name, shape in self.shapes.items() if name.startswith("layers.")}
+
+    def load_rank_weights(self, rank: int, items) -> None:
+        for name, t, cut, shape in rank_payload(items, self.rank_slices(rank, self.shapes), self.shapes):
+            self.loaded[rank][name] = t.clone()
+            if cut is not None:
+                self.sliced[rank].add(name)
+
+
 class SyncReader(Actor):
     """Uses the sync API (sync actor endpoints)."""
 
@@ -216,6 +242,19 @@ class SyncReader(Actor):
         engine = RecordingEngine()
         stats = PolicyFollower(store, self.cfg, Path(".")).update(engine, min_version, exact)
         return stats, checksums(engine.loaded)
+
+    @endpoint
+    def follow_tensor_parallel(self, store: str, min_version: int) -> list[tuple[dict, list[dict], list[list[str]]]]:
+        """Two PolicyFollower updates (bucketed) into a two-worker tensor-parallel engine: the
+        stats, and per worker the checksums it was handed and the names it got as slices."""
+        engine = TensorParallelEngine()
+        follower = PolicyFollower(store, self.cfg.model_copy(update={"pull_bucket_mib": 1}), Path("."))
+        out = []
+        for _ in range(2):
+            stats = follower.update(engine, min_version)
+            out.append((stats, [checksums(loaded) for loaded in engine.loaded], [sorted(s) for s in engine.sliced]))
+            engine.loaded, engine.sliced = [{}, {}], [set(), set()]
+        return out
 
     @endpoint
     def mapped_segments(self) -> set[str]:
@@ -331,6 +370,28 @@ def test_the_policy_followers_stats_name_the_transport(cluster):
     stats, loaded = cluster.readers[0].follow.call_one("policy", version).get(timeout=60)
     assert stats["transport"] == "shm" and stats["version"] == version and stats["bytes"] > 0
     assert loaded == checksums(make_state_dict(version))
+
+
+def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster):
+    """A follower of a tensor-parallel engine pulls, per worker, the slices that worker loads and
+    hands them to it alone: every worker gets its halves of the projections and the rest whole,
+    the bytes moved are one rank's share per worker (not the whole model per worker), and a
+    second update of the same version moves nothing."""
+    owner = cluster.meshes["pub"].spawn("tp_owner", Publisher, "tp", CFG)
+    owner.publish.call_one(3).get(timeout=60)
+    whole = make_state_dict(3)
+    (stats, loaded, sliced), (again, loaded_again, _) = cluster.readers[0].follow_tensor_parallel.call_one(
+        "tp", 3).get(timeout=60)
+    for rank in (0, 1):
+        expected = {name: t.narrow(int(name.split(".")[1]) % 2, rank * 256, 256) if name.startswith("layers.") else t
+                    for name, t in whole.items()}
+        assert loaded[rank] == checksums(expected)
+        assert sliced[rank] == [f"layers.{i}.proj.weight" for i in range(4)]
+    one_whole = 1000 * 256 * 2 + 256 * 4 + 4 * 512 * 512 * 4  # the tied head shares the embedding's bytes
+    one_rank = 1000 * 256 * 2 + 256 * 4 + 4 * 512 * 256 * 4
+    assert stats["version"] == 3 and stats["transport"] == "shm" and stats["bytes"] == 2 * one_rank < 1.2 * one_whole
+    assert again["version"] == 3 and again["bytes"] == 0 and loaded_again == [{}, {}]
+    owner.close.call_one().get(timeout=30)
 
 
 def test_exact_pulls_get_each_kept_versions_bytes_in_any_order(cluster):

@@ -4,6 +4,7 @@ the adapter was published, load into the engine between requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -30,7 +31,9 @@ class PolicyFollower:
 
     def __init__(self, store: str, sync_cfg: WeightSyncConfig, model_path: Path):
         self.puller = WeightPuller(store, sync_cfg)
+        self.store, self.sync_cfg = store, sync_cfg
         self.bucketed = sync_cfg.pull_bucket_mib > 0
+        self._rank_pullers: list[WeightPuller] = []  # ranks 1.. of a tensor-parallel engine (rank 0's is `puller`)
         self.model_path = Path(model_path)
         self._base = None
         self.version: int | None = 0
@@ -39,9 +42,12 @@ class PolicyFollower:
     def update(self, engine, min_version: int, exact: bool = False) -> dict:
         """Pull the newest version >= ``min_version`` (``exact``: that version itself) and load it
         into ``engine`` (nothing moves when the engine already holds it): bucket by bucket under
-        ``weight_sync.pull_bucket_mib``, else whole into the puller's arena first."""
+        ``weight_sync.pull_bucket_mib``, else whole into the puller's arena first; into a
+        tensor-parallel engine, each worker's own slices into that worker."""
         try:
-            if self.bucketed:
+            if getattr(engine, "tensor_parallel_size", 1) > 1:
+                result, load_s = self._pull_rank_slices(engine, min_version, exact)
+            elif self.bucketed:
                 result = self.puller.pull_into(functools.partial(self._load, engine), min_version, exact=exact)
                 load_s = result.stats.load_seconds
             else:
@@ -51,17 +57,40 @@ class PolicyFollower:
                     self._load(engine, list(result.tensors.items()))
                 load_s = time.perf_counter() - started
         except BaseException:
-            if self.puller.version is None:  # the engine (or the arena it loads from) was being overwritten
-                self.version = None
+            if any(p.version is None for p in (self.puller, *self._rank_pullers)):
+                self.version = None  # the engine (or the arena it loads from) was being overwritten
             raise
         self.version = result.version
         return {"version": result.version, "pull_s": result.stats.seconds,
                 "transfer_s": result.stats.transfer_seconds, "bytes": result.stats.nbytes, "load_s": load_s,
                 "transport": result.stats.transport}
 
-    def _load(self, engine, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Load pulled tensors into ``engine``; an adapter (``lora.sync: adapter``) is merged into
-        the base weights of the layers it adapts first, and those whole layers are loaded."""
+    def _pull_rank_slices(self, engine, min_version: int, exact: bool):
+        """A tensor-parallel engine: each rank's puller pulls only the slices that rank's worker
+        loads (``engine.rank_slices``), bucket by bucket into that worker alone; rank 0 takes the
+        newest version >= ``min_version`` (or ``exact``), the other ranks that same version. Without
+        ``pull_bucket_mib`` a rank's share is one bucket."""
+        ranks = engine.tensor_parallel_size
+        while len(self._rank_pullers) < ranks - 1:
+            self._rank_pullers.append(WeightPuller(self.store, self.sync_cfg))
+        pullers = [self.puller, *self._rank_pullers[: ranks - 1]]
+        results = []
+        for rank, puller in enumerate(pullers):
+            version, rank_exact = (min_version, exact) if rank == 0 else (results[0].version, True)
+            results.append(puller.pull_into(functools.partial(self._load, engine, rank=rank), version,
+                                            exact=rank_exact, slices=functools.partial(engine.rank_slices, rank)))
+        stats = [r.stats for r in results]
+        merged = dataclasses.replace(
+            stats[0], seconds=sum(s.seconds for s in stats), transfer_seconds=sum(s.transfer_seconds for s in stats),
+            nbytes=sum(s.nbytes for s in stats), read_bytes=sum(s.read_bytes for s in stats),
+            buckets=sum(s.buckets for s in stats),
+            transport="+".join(sorted({t for s in stats if s.nbytes for t in s.transport.split("+")})) or "none")
+        return dataclasses.replace(results[0], stats=merged), sum(s.load_seconds for s in stats)
+
+    def _load(self, engine, items: list[tuple[str, torch.Tensor]], rank: int | None = None) -> None:
+        """Load pulled tensors into ``engine`` (into tensor-parallel ``rank``'s worker alone when
+        given); an adapter (``lora.sync: adapter``) is merged into the base weights of the layers it
+        adapts first, and those whole layers are loaded."""
         tensors = dict(items)
         if is_adapter(tensors):
             if self._base is None:
@@ -71,7 +100,10 @@ class PolicyFollower:
                 self._base = load_base_state(self.model_path, torch.float32)
             layers = {layer_group(k.removesuffix(".lora_A") + ".weight") for k in tensors if k.endswith(".lora_A")}
             tensors = merge_adapter({k: v for k, v in self._base.items() if layer_group(k) in layers}, tensors)
-        engine.load_weights(tensors.items())
+        if rank is None:
+            engine.load_weights(tensors.items())
+        else:
+            engine.load_rank_weights(rank, tensors.items())
 
 
 class InProcessFollower:

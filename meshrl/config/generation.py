@@ -34,9 +34,10 @@ class GeneratorConfig(Section):
     """Sampling settings for training rollouts (evaluation is always greedy)."""
 
     tensor_parallel_size: int = Field(1, ge=1)
-    """GPUs one vLLM engine (one generator replica) shards its model over; > 1 needs the vllm
-    backend on a CUDA host, with that many GPUs visible to each generator process. Replicas are
-    `meshes.generator.procs`."""
+    """Worker processes one vLLM engine (one generator replica) shards its model over; > 1 needs
+    the vllm backend: on a CUDA host that many GPUs visible to each generator process, on a CPU
+    host one core set per worker (`omp_threads_bind`, e.g. "0|1"). Each worker is handed only
+    its own slices of each weight version. Replicas are `meshes.generator.procs`."""
 
     seed: int = 0
     """Base seed of the engine's sampler; replica r uses seed + r."""
@@ -51,7 +52,8 @@ class GeneratorConfig(Section):
     """Disable graph capture / compilation in vLLM (faster start, fine for small models)."""
 
     omp_threads_bind: str = "auto"
-    """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all` or a core list like `0-1`."""
+    """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all`, a core list like `0-1`, or with
+    `tensor_parallel_size` > 1 one list per worker joined by `|` (`0|1`)."""
 
     torch_threads: int = Field(2, ge=1)
     """torch intra-op threads in a generator process (HF backend and weight loading); at most the

@@ -129,13 +129,14 @@ class GRPOLoop:
         return tc.prompts_per_step // (tc.num_substeps * tc.num_minibatches)
 
     def _sync(self, version: int) -> dict:
-        """Every weight reader pulls ``version``; the generators' pull statistics and the seconds
-        each other reader mesh took (`sync/<mesh>_s`, e.g. SDPO's teacher)."""
+        """Every weight reader pulls ``version``; the generators' pull statistics (`sync/pulled_bytes`:
+        what they received together, a tensor-parallel generator only its workers' slices) and the
+        seconds each other reader mesh took (`sync/<mesh>_s`, e.g. SDPO's teacher)."""
         t0 = time.perf_counter()
         by_mesh = self.client.sync_readers(version)
         pulls = by_mesh[GENERATOR]
         metrics = {"sync/pull_s": max(p["pull_s"] for p in pulls), "sync/load_s": max(p["load_s"] for p in pulls),
-                   "timing/sync_s": time.perf_counter() - t0}
+                   "sync/pulled_bytes": sum(p["bytes"] for p in pulls), "timing/sync_s": time.perf_counter() - t0}
         for p in pulls:  # how many generators pulled over each transport (shm, cuda_ipc, rdma)
             key = f"sync/transport/{p['transport']}"
             metrics[key] = metrics.get(key, 0) + 1

@@ -144,14 +144,13 @@ def cpu_share(replicas: int) -> int:
 def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
                 replicas: int = 1, module: torch.nn.Module | None = None, colocated: bool = False) -> Engine:
     """The engine selected by `generator.backend`, one of ``replicas`` on this host (their threads
-    share its cores). Tensor parallelism is checked here, in the process that runs the engine (the
-    controller's host may have no GPU). ``module``: a policy in this process whose parameters the HF
+    share its cores). Tensor parallelism (vLLM's worker processes, on CUDA or CPU hosts) needs the
+    vllm backend. ``module``: a policy in this process whose parameters the HF
     engine samples with (shared storage); the vLLM engine keeps its own copy regardless, and when
     ``colocated`` with the learner on a GPU starts from dummy weights and sleeps between calls."""
-    if cfg.tensor_parallel_size > 1 and (cfg.backend != "vllm" or not torch.cuda.is_available()):
-        where = "the hf backend" if cfg.backend != "vllm" else "a host without CUDA"
+    if cfg.tensor_parallel_size > 1 and cfg.backend != "vllm":
         raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
-                         f"vllm backend on a CUDA host, not {where}")
+                         f"vllm backend, not {cfg.backend}")
     share = cpu_share(replicas)
     # the in-process vLLM engine computes on torch's threads (its own CPU thread binding applies to
     # its worker processes only); set before its worker turns torch.set_num_threads into a no-op

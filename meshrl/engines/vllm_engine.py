@@ -29,6 +29,8 @@ from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, PromptScores, PromptScoring, SampleRequest, Sampled, TopK
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.engines.vllm_loop import EngineLoop, gather
+from meshrl.engines.vllm_sharding import rank_payload, worker_reload_rank, worker_tensor_slices
+from meshrl.transport.shards import TensorSlice
 
 
 def configure_vllm_environment(cfg: GeneratorConfig) -> None:
@@ -80,6 +82,10 @@ class VLLMEngine:
         # per-id prompt scoring (`prompt_logprob_token_ids`) needs its V2 runner, which needs Triton
         kwargs["max_logprobs"] = -1
         self._loop = EngineLoop(lambda: LLM(**kwargs), sleeps=self.sleeps)
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        """Workers the engine runs; above 1 a weight reader can pull each its own slices."""
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._rank_slices: list[dict[str, TensorSlice]] = []
         self.llm = self._loop.llm
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -153,6 +159,31 @@ class VLLMEngine:
 
         def reload(llm) -> None:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            llm.reset_prefix_cache()
+
+        with self._loop.paused():
+            self._loop.call(reload)
+        self.holds_weights = True
+
+    def rank_slices(self, rank: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorSlice]:
+        """The slice of each HF weight (name -> whole shape) tensor-parallel ``rank``'s worker loads,
+        read from every worker's model once per layout; weights it loads whole are left out."""
+        shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        if shapes != self._shapes:
+            self._rank_slices = self._loop.call(lambda llm: llm.collective_rpc(worker_tensor_slices, args=(shapes,)))
+            self._shapes = shapes
+        return self._rank_slices[rank]
+
+    def load_rank_weights(self, rank: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load pulled weights (whole, or the slices :meth:`rank_slices` named) into tensor-parallel
+        ``rank``'s worker only."""
+        payload = rank_payload(named_tensors, self._rank_slices[rank] if self._rank_slices else {}, self._shapes)
+
+        def reload(llm) -> None:
+            loaded = llm.collective_rpc(worker_reload_rank, args=(rank, payload))
+            if sum(map(bool, loaded)) != 1:
+                raise RuntimeError(f"tensor-parallel rank {rank}'s weights were loaded by {sum(map(bool, loaded))} "
+                                   f"of {len(loaded)} workers")
             llm.reset_prefix_cache()
 
         with self._loop.paused():

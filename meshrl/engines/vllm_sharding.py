@@ -19,16 +19,18 @@ back for what it cannot place). A weight-store reader pulls only the slices
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from meshrl.transport.shards import TensorSlice
 
 
-def tensor_slices(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]]) -> dict[str, TensorSlice]:
+def tensor_slices(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]],
+                  param_of: Callable[[torch.nn.Module, str], object] = getattr) -> dict[str, TensorSlice]:
     """The slice this worker's vLLM ``model`` loads of each HF weight in ``shapes`` (name -> whole
-    shape); weights it loads whole are left out."""
+    shape); weights it loads whole are left out. ``param_of(module, name)`` gives the parameter as
+    the loader fills it (by default the live one)."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -48,7 +50,7 @@ def tensor_slices(model: torch.nn.Module, shapes: Mapping[str, Sequence[int]]) -
                 break
         module_name, _, param_name = target.rpartition(".")
         module = modules.get(module_name)
-        param = getattr(module, param_name, None) if module is not None else None
+        param = param_of(module, param_name) if module is not None else None
         if not isinstance(param, torch.Tensor) or getattr(module, "tp_size", 1) <= 1 or _packed(param):
             continue
         cut = None
@@ -148,3 +150,60 @@ def sliced_weights(items: Iterable[tuple[str, torch.Tensor]], slices: Mapping[st
     """Pulled ``(name, tensor)`` pairs as vLLM's loaders take them: a sliced weight wrapped in a
     :class:`SlicedWeight` of its whole shape, the others as they are."""
     return [(name, SlicedWeight(t, shapes[name], slices[name], name) if name in slices else t) for name, t in items]
+
+
+# ------------------------------------------------------------- on each tensor-parallel worker
+# Run through ``LLM.collective_rpc`` (``worker`` is vLLM's worker wrapper in each worker process).
+
+
+def worker_tensor_slices(worker, shapes: Mapping[str, Sequence[int]]) -> dict[str, TensorSlice]:
+    """This worker's :func:`tensor_slices` of its own model, read from the parameters as its
+    in-place reload fills them (:func:`as_reloaded`)."""
+    return tensor_slices(worker.model_runner.get_model(), shapes, as_reloaded)
+
+
+def as_reloaded(module: torch.nn.Module, name: str):
+    """A parameter as vLLM's in-place reload (``reload_weights``) fills it: the checkpoint-format
+    original vLLM recorded at load time (``model_loader/reload``) when it did. The live parameter
+    may be a kernel-format tensor without the loader's attributes: the CPU backend repacks the
+    linear layers' weights after loading."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    recorded = info.restore_metadata[0].get(name) if info is not None else None
+    return recorded if recorded is not None else getattr(module, name, None)
+
+
+RankPayload = list[tuple[str, torch.Tensor, "TensorSlice | None", tuple[int, ...]]]
+"""(name, pulled tensor, the slice it is or None when whole, the whole weight's shape)."""
+
+
+def worker_reload_rank(worker, rank: int, payload: RankPayload) -> bool:
+    """On tensor-parallel rank ``rank`` only, reload the pulled weights in place (a slice goes to
+    vLLM's loader as a :class:`SlicedWeight` of its whole shape); other ranks do nothing. Returns
+    whether this worker loaded."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return False
+    worker.reload_weights(weights_iterator=[(name, SlicedWeight(t, shape, cut, name) if cut is not None else t)
+                                            for name, t, cut, shape in payload])
+    return True
+
+
+def rank_payload(items: Iterable[tuple[str, torch.Tensor]], slices: Mapping[str, TensorSlice],
+                 shapes: Mapping[str, Sequence[int]]) -> RankPayload:
+    """Pulled ``(name, tensor)`` pairs for one rank's worker: a tensor of its whole shape travels
+    whole (an adapter merged into whole layers, a weight the rank loads whole); one of its slice's
+    shape travels as that slice; any other shape is refused."""
+    out = []
+    for name, t in items:
+        whole = tuple(shapes[name]) if name in shapes else tuple(t.shape)
+        cut = slices.get(name)
+        if tuple(t.shape) == whole:
+            cut = None
+        elif cut is None or tuple(t.shape) != cut.shape(whole):
+            raise ValueError(f"'{name}': a pulled tensor of shape {list(t.shape)} is neither the whole weight "
+                             f"{list(whole)} nor this rank's slice {cut}")
+        out.append((name, t, cut, whole))
+    return out
