@@ -125,6 +125,26 @@ def test_a_replica_still_busy_past_the_deadline_fails_the_next_call():
     assert len(dispatcher.run(Mesh(gens), 2, 4, 2, _issue, 5.0, "generator.generate")) == 4  # a new mesh starts clean
 
 
+def test_a_replica_that_dies_busy_with_a_late_duplicate_fails_the_next_call_at_once():
+    """A replica killed while its hedged chunk runs leaves a call that never finishes: the next
+    call, and the weight sync, see the dead process at once instead of waiting out the deadline."""
+    gens = [SeedEcho(0), SeedEcho(1)]
+    gens[1].delay = 2.0
+    mesh, dispatcher = Mesh(gens), Dispatcher()
+    dispatcher.run(mesh, 2, 4, 2, _issue, 30.0, "generator.generate")  # hedged: replica 1 stays busy
+    alive = lambda: None  # noqa: E731
+    dead = lambda: "process 7 of mesh 'generator' is gone"  # noqa: E731
+    assert len(dispatcher.send_all(mesh, 2, lambda g: g.update_weights.call_one(1), lambda _: None, 30.0,
+                                   "generator.update_weights", watch=alive)) == 1  # the free replica's pull
+    started = time.monotonic()
+    with pytest.raises(ProcessDied, match="generator.generate: process 7 of mesh 'generator' is gone"):
+        dispatcher.send_all(mesh, 2, lambda g: g.update_weights.call_one(2), lambda _: None, 30.0,
+                            "generator.update_weights", watch=dead)
+    with pytest.raises(ProcessDied, match="generator.generate: process 7 of mesh 'generator' is gone"):
+        dispatcher.run(mesh, 2, 4, 2, _issue, 30.0, "generator.generate", watch=dead)
+    assert time.monotonic() - started < 1.0
+
+
 def test_a_deferred_pull_that_loads_an_old_version_fails_a_later_call():
     client, (_, slow) = _client([0.0, 0.5])
     client.generate(_prompts(8), REQUEST)  # the slow replica is left with a late duplicate

@@ -284,7 +284,7 @@ class MeshClient:
         dispatcher = self._dispatcher(mesh)
         return self.call(mesh, "sync", lambda m: dispatcher.send_all(
             m, self.procs(mesh), lambda replica: replica.update_weights.call_one(version), check,
-            self.timeouts["sync"], what), what, self.timeouts["sync"])
+            self.timeouts["sync"], what, watch=lambda: self.meshes.dead_process(mesh)), what, self.timeouts["sync"])
 
     def sync_readers(self, version: int) -> dict[str, list[dict]]:
         """Every weight reader pulls the newest published version, at least ``version``, all the

@@ -115,9 +115,11 @@ class Dispatcher:
         self._leftovers: list[_Work] = []
         self._lock = threading.Lock()  # the producer thread and the learner side share the meshes
 
-    def _settle(self, actors, now: float) -> set[int]:
+    def _settle(self, actors, now: float, watch: Callable[[], str | None] | None = None) -> set[int]:
         """Drop the leftovers that have finished (checking those whose reply matters); raise
-        CallTimeout for one past its deadline. Returns the replicas still busy."""
+        CallTimeout for one past its deadline, and ProcessDied when a replica is still busy while
+        ``watch()`` reports a dead process (its leftover would never finish). Returns the replicas
+        still busy."""
         with self._lock:
             if actors is not self._actors:  # a replaced mesh: its old work is gone with it
                 self._actors, self._leftovers = actors, []
@@ -130,7 +132,10 @@ class Dispatcher:
                 else:
                     busy.append(work)
             self._leftovers = busy
-            return {work.replica for work in busy}
+        reason = watch() if busy and watch else None
+        if reason:
+            raise ProcessDied(f"{busy[0].what}: {reason}")
+        return {work.replica for work in busy}
 
     def _leave(self, works: list[_Work]) -> None:
         with self._lock:
@@ -148,7 +153,7 @@ class Dispatcher:
         running: list[_Work] = []
         deadline = time.monotonic() + timeout_s
         while len(replies) < len(bounds):
-            busy = self._settle(actors, time.monotonic()) | {w.replica for w in running}
+            busy = self._settle(actors, time.monotonic(), watch) | {w.replica for w in running}
             for r in (r for r in range(replicas) if r not in busy):
                 chunk = todo.popleft() if todo else _oldest_least_copied(running, replies)
                 if chunk is None:
@@ -176,11 +181,12 @@ class Dispatcher:
         return [replies[c] for c in range(len(bounds))]
 
     def send_all(self, actors, replicas: int, send: Callable[[Any], Any], check: Callable[[Any], None],
-                 timeout_s: float, what: str) -> list:
+                 timeout_s: float, what: str, watch: Callable[[], str | None] | None = None) -> list:
         """``send(replica_actor)`` to every replica. Returns the futures of the free replicas (the
         caller waits for them); a busy replica serves the message after its earlier work, and its
-        reply is passed to ``check`` when it arrives (errors raise at a later call)."""
-        busy = self._settle(actors, time.monotonic())
+        reply is passed to ``check`` when it arrives (errors raise at a later call). ProcessDied
+        when a replica is busy and ``watch()`` reports a dead process."""
+        busy = self._settle(actors, time.monotonic(), watch)
         deadline = time.monotonic() + timeout_s
         now, later = [], []
         for r in range(replicas):
