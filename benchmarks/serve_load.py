@@ -115,8 +115,8 @@ def one_batch(sampler, prompt, samples: int, max_tokens: int, seed: int) -> dict
     started = time.perf_counter()
     response = sampler.sample(prompt, samples, T.SamplingParams(max_tokens=max_tokens, temperature=1.0,
                                                                 seed=seed)).result(timeout=1200)
-    seconds = time.perf_counter() - started
-    return {"tokens": generated(response), "seconds": seconds, "tokens_per_s": generated(response) / seconds}
+    seconds, tokens = time.perf_counter() - started, generated(response)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def concurrent_level(samplers, prompt, clients: int, requests: int, samples: int, max_tokens: int) -> dict:

@@ -211,10 +211,10 @@ def test_a_ranks_payload_marks_its_slices_and_refuses_other_shapes():
     shapes = {"q.weight": (8, 4), "norm.weight": (4,)}
     cuts = {"q.weight": TensorSlice(0, 4, 4)}
     payload = rank_payload([("q.weight", torch.ones(4, 4)), ("norm.weight", torch.ones(4))], cuts, shapes)
-    assert [(n, cut, shape) for n, _, cut, shape in payload] == [("q.weight", cuts["q.weight"], (8, 4)),
-                                                                ("norm.weight", None, (4,))]
+    assert [n for n, _ in payload.items] == ["q.weight", "norm.weight"]
+    assert payload.slices == {"q.weight": cuts["q.weight"]} and payload.shapes == {"q.weight": (8, 4)}
     merged = rank_payload([("q.weight", torch.ones(8, 4)), ("lora.weight", torch.ones(2, 2))], cuts, shapes)
-    assert [(n, cut, shape) for n, _, cut, shape in merged] == [("q.weight", None, (8, 4)), ("lora.weight", None, (2, 2))]
+    assert [n for n, _ in merged.items] == ["q.weight", "lora.weight"] and merged.slices == merged.shapes == {}
     with pytest.raises(ValueError, match=r"'q.weight': a pulled tensor of shape \[2, 4\] is neither the whole weight "
                                          r"\[8, 4\] nor this rank's slice"):
         rank_payload([("q.weight", torch.ones(2, 4))], cuts, shapes)

@@ -196,10 +196,9 @@ class TensorParallelEngine:
                 for name, shape in self.shapes.items() if name.startswith("layers.")}
 
     def load_rank_weights(self, rank: int, items) -> None:
-        for name, t, cut, shape in rank_payload(items, self.rank_slices(rank, self.shapes), self.shapes):
-            self.loaded[rank][name] = t.clone()
-            if cut is not None:
-                self.sliced[rank].add(name)
+        payload = rank_payload(items, self.rank_slices(rank, self.shapes), self.shapes)
+        self.loaded[rank].update((name, t.clone()) for name, t in payload.items)
+        self.sliced[rank].update(payload.slices)
 
 
 class SyncReader(Actor):

@@ -31,7 +31,6 @@ class PolicyFollower:
 
     def __init__(self, store: str, sync_cfg: WeightSyncConfig, model_path: Path):
         self.puller = WeightPuller(store, sync_cfg)
-        self.store, self.sync_cfg = store, sync_cfg
         self.bucketed = sync_cfg.pull_bucket_mib > 0
         self._rank_pullers: list[WeightPuller] = []  # ranks 1.. of a tensor-parallel engine (rank 0's is `puller`)
         self.model_path = Path(model_path)
@@ -72,7 +71,7 @@ class PolicyFollower:
         ``pull_bucket_mib`` a rank's share is one bucket."""
         ranks = engine.tensor_parallel_size
         while len(self._rank_pullers) < ranks - 1:
-            self._rank_pullers.append(WeightPuller(self.store, self.sync_cfg))
+            self._rank_pullers.append(WeightPuller(self.puller.store, self.puller.config))
         pullers = [self.puller, *self._rank_pullers[: ranks - 1]]
         results = []
         for rank, puller in enumerate(pullers):

@@ -33,6 +33,8 @@ log = logging.getLogger("meshrl")
 
 MAX_IN_FLIGHT = 256
 """Most requests sent to the generators at once (each waits on a thread of its own)."""
+CLOSED = "the sampler is closed"
+"""What a request fails with once :meth:`Sampler.close` was called, unless it was already in flight."""
 MAX_TOPK = 64
 """Most top-k entries asked per position (`topk_prompt_logprobs`, `topk_sample_logprobs`) and
 most draws (`prompt_alt_tokens_k`)."""
@@ -91,7 +93,7 @@ class Sampler:
             return request.future
         with self._lock:
             if self._closed:
-                request.future.set_exception(RuntimeError("the sampler is closed"))
+                request.future.set_exception(RuntimeError(CLOSED))
             elif self._held == version and not self._waiting and not self._switching:
                 self._start(request)
             else:
@@ -125,7 +127,7 @@ class Sampler:
                 for request in mine:
                     self._start(request)
             elif failure is None:
-                failure = RuntimeError("the sampler is closed")
+                failure = RuntimeError(CLOSED)
             self._switch_when_drained()
         if failure is not None:
             for request in mine:
@@ -161,7 +163,7 @@ class Sampler:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
-            request.future.set_exception(RuntimeError("the sampler is closed"))
+            request.future.set_exception(RuntimeError(CLOSED))
         self._pool.shutdown(wait=False)
 
 

@@ -19,7 +19,7 @@ back for what it cannot place). A weight-store reader pulls only the slices
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -174,8 +174,14 @@ def as_reloaded(module: torch.nn.Module, name: str):
     return recorded if recorded is not None else getattr(module, name, None)
 
 
-RankPayload = list[tuple[str, torch.Tensor, "TensorSlice | None", tuple[int, ...]]]
-"""(name, pulled tensor, the slice it is or None when whole, the whole weight's shape)."""
+class RankPayload(NamedTuple):
+    """Pulled weights for one tensor-parallel rank's worker, as :func:`sliced_weights` takes them."""
+
+    items: list[tuple[str, torch.Tensor]]
+    slices: dict[str, TensorSlice]
+    """The slice each tensor pulled as a slice is (tensors not named here travel whole)."""
+    shapes: dict[str, tuple[int, ...]]
+    """Those tensors' whole shapes."""
 
 
 def worker_reload_rank(worker, rank: int, payload: RankPayload) -> bool:
@@ -186,8 +192,7 @@ def worker_reload_rank(worker, rank: int, payload: RankPayload) -> bool:
 
     if get_tensor_model_parallel_rank() != rank:
         return False
-    worker.reload_weights(weights_iterator=[(name, SlicedWeight(t, shape, cut, name) if cut is not None else t)
-                                            for name, t, cut, shape in payload])
+    worker.reload_weights(weights_iterator=sliced_weights(*payload))
     return True
 
 
@@ -196,14 +201,15 @@ def rank_payload(items: Iterable[tuple[str, torch.Tensor]], slices: Mapping[str,
     """Pulled ``(name, tensor)`` pairs for one rank's worker: a tensor of its whole shape travels
     whole (an adapter merged into whole layers, a weight the rank loads whole); one of its slice's
     shape travels as that slice; any other shape is refused."""
-    out = []
+    items = list(items)
+    cuts, wholes = {}, {}
     for name, t in items:
         whole = tuple(shapes[name]) if name in shapes else tuple(t.shape)
-        cut = slices.get(name)
         if tuple(t.shape) == whole:
-            cut = None
-        elif cut is None or tuple(t.shape) != cut.shape(whole):
+            continue
+        cut = slices.get(name)
+        if cut is None or tuple(t.shape) != cut.shape(whole):
             raise ValueError(f"'{name}': a pulled tensor of shape {list(t.shape)} is neither the whole weight "
                              f"{list(whole)} nor this rank's slice {cut}")
-        out.append((name, t, cut, whole))
-    return out
+        cuts[name], wholes[name] = cut, whole
+    return RankPayload(items, cuts, wholes)
