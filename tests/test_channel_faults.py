@@ -19,7 +19,7 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
               "{mesh: teacher_replay, at_step: 3, action: kill, during: step_start}]")
     with FakeOpenAIServer({"m0": "42", "m1": "42", "m2": "41"}) as server:
         cfg = tiny_run_config("output.name=channel-faults", "trainer.steps=5", *COMMON, "sdpo.alpha=0.5",
-                              "replay.beta=0.5", "replay.pool.procs=1", "replay.pool.result_timeout_s=3",
+                              "sdpo.teacher=mesh", "replay.beta=0.5", "replay.pool.procs=1", "replay.pool.result_timeout_s=3",
                               _teachers(server.base_url, ", price_completion_per_1m_usd: 1000"), faults)
         run_dir = make_run_dir(cfg, overwrite=True)
         run_training(cfg, run_dir, session=tiny_session)

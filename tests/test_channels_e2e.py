@@ -31,8 +31,8 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error"), "hinter": "Hint: add carefully."}
     with FakeOpenAIServer(script) as server:
         hinter = f"sdpo.hint_generator={{enabled: true, endpoint: {{name: h, base_url: '{server.base_url}', model: hinter}}}}"
-        cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "replay.beta=0.5",
-                              "replay.pool.procs=1", _teachers(server.base_url), hinter)
+        cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "sdpo.teacher=mesh",
+                              "replay.beta=0.5", "replay.pool.procs=1", _teachers(server.base_url), hinter)
         train = _run(cfg, tiny_session)
         requests = server.chat_requests("m0")
     assert len(train) == 4

@@ -20,13 +20,13 @@ def placed(overrides, gpu_ids=EIGHT):
 def test_automatic_order_is_learner_generator_rewarder_then_channels_around_explicit_devices():
     got = placed(["meshes.learner.procs=2", "meshes.learner.gpus_per_proc=2",
                   "meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[0,7]",
-                  "meshes.rewarder.gpus_per_proc=1", "sdpo.alpha=0.1", "sdpo.mesh.gpus_per_proc=1"])
+                  "meshes.rewarder.gpus_per_proc=1", "sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.gpus_per_proc=1"])
     assert got == {"learner": [(1, 2), (3, 4)], "generator": [(0,), (7,)], "rewarder": [(5,)], "sdpo_teacher": [(6,)]}
 
 
 def test_co_located_meshes_see_their_host_meshes_gpus_and_cpu_meshes_see_none():
     cfg = load_config(RunConfig, None, ["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1",
-                                        "sdpo.alpha=0.1", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator",
+                                        "sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator",
                                         "meshes.rewarder.colocate_with=learner"])
     placement = plan_run(cfg, EIGHT, host="h")
     assert placement.devices("sdpo_teacher") == placement.devices("generator") == [(0,), (1,)]
@@ -64,7 +64,7 @@ def test_learner_may_have_several_processes():
     (["meshes.learner.gpus_per_proc=1", "meshes.learner.devices=[3]",
       "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[3]"], EIGHT,
      "meshes.generator.devices = [3]: GPU 3 is already meshes.learner's"),
-    (["sdpo.alpha=0.1", "sdpo.mesh.gpus_per_proc=1", "sdpo.mesh.devices=[0]", "meshes.learner.gpus_per_proc=1",
+    (["sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.gpus_per_proc=1", "sdpo.mesh.devices=[0]", "meshes.learner.gpus_per_proc=1",
       "meshes.learner.devices=[0]"], EIGHT, "sdpo.mesh.devices = [0]: GPU 0 is already meshes.learner's"),
     (["meshes.learner.procs=5", "meshes.learner.gpus_per_proc=1", "meshes.generator.procs=4",
       "meshes.generator.gpus_per_proc=1"], EIGHT,
@@ -72,9 +72,9 @@ def test_learner_may_have_several_processes():
     (["meshes.generator.gpus_per_proc=1"], (), "meshes.generator.gpus_per_proc = 1: 1 process(es) need 1 GPU(s) but the host has none"),
     (["meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[8]"], EIGHT,
      "meshes.generator.devices = [8]: GPU 8 is not on the host (it has GPUs 0-7)"),
-    (["sdpo.alpha=0.1", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator"], EIGHT,
+    (["sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator"], EIGHT,
      "sdpo.mesh.procs = 2: must equal meshes.generator.procs = 1 to co-locate"),
-    (["sdpo.alpha=0.1", "sdpo.mesh.colocate_with=rewarder", "meshes.rewarder.colocate_with=learner"], EIGHT,
+    (["sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.colocate_with=rewarder", "meshes.rewarder.colocate_with=learner"], EIGHT,
      "sdpo.mesh.colocate_with = 'rewarder': meshes.rewarder is itself co-located (with learner)"),
     (["task.kind=code", "meshes.generator.colocate_with=rewarder"], EIGHT,
      "meshes.generator.colocate_with = 'rewarder': this run spawns no rewarder mesh"),

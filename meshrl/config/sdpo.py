@@ -66,11 +66,12 @@ class SDPOConfig(Section):
     `alpha_warmup_steps + 1`, then stays constant; while it is 0 no site is scored. 0 = `alpha`
     from the first step."""
 
-    teacher: Literal["mesh", "learner"] = "mesh"
-    """Where the hinted teacher's forward runs: `mesh` = its own SDPOTeacherActor mesh (a weight
-    reader that pulls every version, scoring in the producer while the learner trains); `learner` =
-    in the learner's processes, which already hold the current weights (no extra mesh, no extra
-    pull; the scoring runs before each optimizer step, on the learner's time)."""
+    teacher: Literal["mesh", "learner"] = "learner"
+    """Where the hinted teacher's forward runs: `learner` (the default, the faster one in
+    `benchmarks/sdpo_cost.py`) = in the learner's processes, which already hold the current weights
+    (no extra mesh, no extra pull; the scoring runs before each optimizer step, on the learner's
+    time); `mesh` = its own SDPOTeacherActor mesh (a weight reader that pulls every version, scoring
+    in the producer while the learner trains)."""
 
     jsd_beta: float = Field(0.5, ge=0.0, le=1.0)
     """Generalized JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."""
