@@ -2,7 +2,8 @@
 weights: the slices come from the workers' models, tile the split weights between the two ranks,
 and loading them (each rank only its own, into its worker alone) gives the engine exactly the
 weights: greedy samples change with perturbed weights and come back bit-for-bit with the original
-ones. The same path on CUDA workers is untested (no GPU here)."""
+ones. On the publisher's host each worker copies its slices out of the shared memory itself. The
+same path on CUDA workers is untested (no GPU here)."""
 
 import pytest
 import torch
@@ -71,6 +72,22 @@ def test_each_worker_loads_its_own_slices_and_the_engine_holds_exactly_the_weigh
         engine.load_rank_weights(0, [(name, torch.zeros(7, 64))])
 
 
+def test_a_worker_that_cannot_reach_its_bucket_fails_the_load_in_one_line(engine):
+    """A bucket handed to a worker to copy out of a publisher's arena that is gone fails the load
+    with a one-line error naming the rank and the segment, within the deadline."""
+    from meshrl.transport.arena import ArenaLayout
+    from meshrl.transport.same_host import HostFill, SegmentRef
+    from meshrl.transport.shards import Move
+    from meshrl.transport.weight_index import WeightSyncError
+
+    engine, _ = engine
+    layout = ArenaLayout.from_entries([("model.norm.weight", torch.float32, (64,), None)])
+    plan = HostFill(layout, layout.total_bytes, ((SegmentRef("meshrl-arena.gone", 256), (Move(0, 0, 0, 256),)),), "shm")
+    with pytest.raises(WeightSyncError, match="rank 1's worker failed to load its weights: .*meshrl-arena.gone") as e:
+        engine.fill_rank(1, plan, timeout_s=30)
+    assert "\n" not in str(e.value)
+
+
 def test_a_run_with_a_tensor_parallel_generator_hands_each_worker_its_slices(tmp_path):
     """`meshrl train` with a two-worker vLLM generator: every weight sync pulls each worker's
     slices (the projections once between the two, everything else once per worker), and the run
@@ -97,3 +114,4 @@ def test_a_run_with_a_tensor_parallel_generator_hands_each_worker_its_slices(tmp
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["sync/bytes"] == split + whole and r["sync/pulled_bytes"] == split + 2 * whole, r
+        assert r["sync/transport/worker_shm"] == 1, r  # each worker copied its slices out of the shared memory

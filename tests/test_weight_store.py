@@ -9,6 +9,7 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import asyncio  # noqa: E402
 import hashlib  # noqa: E402
+import pickle  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,6 +26,7 @@ from meshrl.engines.vllm_sharding import rank_payload  # noqa: E402
 from meshrl.transport.arena import views  # noqa: E402
 from meshrl.transport.shards import TensorSlice, moves, whole_bucket  # noqa: E402
 from meshrl.transport.same_host import (  # noqa: E402
+    HostFiller,
     PREFIX,
     SHM_DIR,
     SameHostReader,
@@ -181,7 +183,9 @@ class TensorParallelEngine:
     """Stands in for a vLLM engine of two tensor-parallel workers (the weight path is what is
     tested; vLLM's own loaders of slices are tested in test_vllm_sharding): worker ``r`` loads
     half ``r`` of each projection, of layers 0 and 2 by rows and of layers 1 and 3 by columns, and
-    every other weight whole. It records what each worker was handed, as its worker would build it."""
+    every other weight whole. It records what each worker was handed, as its worker would build it;
+    a bucket handed off as a ``HostFill`` it fills as its worker would, with its own ``HostFiller``
+    (``meshrl.engines.vllm_sharding.worker_fill_rank``)."""
 
     tensor_parallel_size = 2
 
@@ -189,6 +193,8 @@ class TensorParallelEngine:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.loaded: list[dict[str, torch.Tensor]] = [{}, {}]
         self.sliced: list[set[str]] = [set(), set()]
+        self.fillers = [HostFiller(), HostFiller()]
+        self.plan_bytes = 0  # pickled size of the plans handed off (what would cross vLLM's RPC queue)
 
     def rank_slices(self, rank: int, shapes) -> dict[str, TensorSlice]:
         self.shapes = dict(shapes)
@@ -199,6 +205,10 @@ class TensorParallelEngine:
         payload = rank_payload(items, self.rank_slices(rank, self.shapes), self.shapes)
         self.loaded[rank].update((name, t.clone()) for name, t in payload.items)
         self.sliced[rank].update(payload.slices)
+
+    def fill_rank(self, rank: int, plan, timeout_s: float) -> None:
+        self.plan_bytes += len(pickle.dumps(plan))
+        self.load_rank_weights(rank, self.fillers[rank].fill(plan).items())
 
 
 class SyncReader(Actor):
@@ -243,16 +253,20 @@ class SyncReader(Actor):
         return stats, checksums(engine.loaded)
 
     @endpoint
-    def follow_tensor_parallel(self, store: str, min_version: int) -> list[tuple[dict, list[dict], list[list[str]]]]:
+    def follow_tensor_parallel(self, store: str, min_version: int, transport: str = "auto"
+                               ) -> list[tuple[dict, list[dict], list[list[str]], int]]:
         """Two PolicyFollower updates (bucketed) into a two-worker tensor-parallel engine: the
-        stats, and per worker the checksums it was handed and the names it got as slices."""
+        stats, per worker the checksums it was handed and the names it got as slices, and the
+        pickled bytes of the buckets handed off to the workers."""
         engine = TensorParallelEngine()
-        follower = PolicyFollower(store, self.cfg.model_copy(update={"pull_bucket_mib": 1}), Path("."))
+        cfg = self.cfg.model_copy(update={"pull_bucket_mib": 1, "transport": transport})
+        follower = PolicyFollower(store, cfg, Path("."))
         out = []
         for _ in range(2):
             stats = follower.update(engine, min_version)
-            out.append((stats, [checksums(loaded) for loaded in engine.loaded], [sorted(s) for s in engine.sliced]))
-            engine.loaded, engine.sliced = [{}, {}], [set(), set()]
+            out.append((stats, [checksums(loaded) for loaded in engine.loaded], [sorted(s) for s in engine.sliced],
+                        engine.plan_bytes))
+            engine.loaded, engine.sliced, engine.plan_bytes = [{}, {}], [set(), set()], 0
         return out
 
     @endpoint
@@ -371,16 +385,19 @@ def test_the_policy_followers_stats_name_the_transport(cluster):
     assert loaded == checksums(make_state_dict(version))
 
 
-def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster):
+@pytest.mark.parametrize("transport", ["auto", "rdma"])
+def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster, transport):
     """A follower of a tensor-parallel engine pulls, per worker, the slices that worker loads and
     hands them to it alone: every worker gets its halves of the projections and the rest whole,
     the bytes moved are one rank's share per worker (not the whole model per worker), and a
-    second update of the same version moves nothing."""
+    second update of the same version moves nothing. On the publisher's host (transport auto)
+    each worker copies its buckets out of the publisher's shared memory itself: what is handed to
+    it is a plan of a few KB, not the bytes; over RDMA the follower pulls the buckets."""
     owner = cluster.meshes["pub"].spawn("tp_owner", Publisher, "tp", CFG)
     owner.publish.call_one(3).get(timeout=60)
     whole = make_state_dict(3)
-    (stats, loaded, sliced), (again, loaded_again, _) = cluster.readers[0].follow_tensor_parallel.call_one(
-        "tp", 3).get(timeout=60)
+    (stats, loaded, sliced, plan_bytes), (again, loaded_again, _, _) = (
+        cluster.readers[0].follow_tensor_parallel.call_one("tp", 3, transport).get(timeout=60))
     for rank in (0, 1):
         expected = {name: t.narrow(int(name.split(".")[1]) % 2, rank * 256, 256) if name.startswith("layers.") else t
                     for name, t in whole.items()}
@@ -388,7 +405,11 @@ def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster):
         assert sliced[rank] == [f"layers.{i}.proj.weight" for i in range(4)]
     one_whole = 1000 * 256 * 2 + 256 * 4 + 4 * 512 * 512 * 4  # the tied head shares the embedding's bytes
     one_rank = 1000 * 256 * 2 + 256 * 4 + 4 * 512 * 256 * 4
-    assert stats["version"] == 3 and stats["transport"] == "shm" and stats["bytes"] == 2 * one_rank < 1.2 * one_whole
+    assert stats["version"] == 3 and stats["bytes"] == 2 * one_rank < 1.2 * one_whole
+    if transport == "auto":
+        assert stats["transport"] == "worker_shm" and 0 < plan_bytes < 20_000
+    else:
+        assert stats["transport"] == "rdma" and plan_bytes == 0
     assert again["version"] == 3 and again["bytes"] == 0 and loaded_again == [{}, {}]
     owner.close.call_one().get(timeout=30)
 

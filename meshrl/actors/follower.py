@@ -14,6 +14,7 @@ import torch
 from meshrl.transport import in_process
 from meshrl.transport.weight_index import WeightSyncError
 from meshrl.config.weight_sync import WeightSyncConfig
+from meshrl.transport.same_host import HostFill
 from meshrl.transport.shards import layer_group
 from meshrl.transport.weight_store import WeightPuller
 from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
@@ -68,7 +69,8 @@ class PolicyFollower:
         """A tensor-parallel engine: each rank's puller pulls only the slices that rank's worker
         loads (``engine.rank_slices``), bucket by bucket into that worker alone; rank 0 takes the
         newest version >= ``min_version`` (or ``exact``), the other ranks that same version. Without
-        ``pull_bucket_mib`` a rank's share is one bucket."""
+        ``pull_bucket_mib`` a rank's share is one bucket. On the publishers' host a worker copies
+        its buckets out of their arenas itself (``engine.fill_rank``; transport ``worker_shm``)."""
         ranks = engine.tensor_parallel_size
         while len(self._rank_pullers) < ranks - 1:
             self._rank_pullers.append(WeightPuller(self.puller.store, self.puller.config))
@@ -77,7 +79,8 @@ class PolicyFollower:
         for rank, puller in enumerate(pullers):
             version, rank_exact = (min_version, exact) if rank == 0 else (results[0].version, True)
             results.append(puller.pull_into(functools.partial(self._load, engine, rank=rank), version,
-                                            exact=rank_exact, slices=functools.partial(engine.rank_slices, rank)))
+                                            exact=rank_exact, slices=functools.partial(engine.rank_slices, rank),
+                                            elsewhere=functools.partial(self._hand_off, engine, rank)))
         stats = [r.stats for r in results]
         merged = dataclasses.replace(
             stats[0], seconds=sum(s.seconds for s in stats), transfer_seconds=sum(s.transfer_seconds for s in stats),
@@ -85,6 +88,14 @@ class PolicyFollower:
             buckets=sum(s.buckets for s in stats),
             transport="+".join(sorted({t for s in stats if s.nbytes for t in s.transport.split("+")})) or "none")
         return dataclasses.replace(results[0], stats=merged), sum(s.load_seconds for s in stats)
+
+    def _hand_off(self, engine, rank: int, plan: HostFill) -> bool:
+        """Have tensor-parallel ``rank``'s worker fill and load ``plan`` itself; an adapter's bucket
+        is declined (it is merged into the base weights here first)."""
+        if is_adapter(m.name for m in plan.layout.tensors):
+            return False
+        engine.fill_rank(rank, plan, self.puller.config.transfer_timeout_s)
+        return True
 
     def _load(self, engine, items: list[tuple[str, torch.Tensor]], rank: int | None = None) -> None:
         """Load pulled tensors into ``engine`` (into tensor-parallel ``rank``'s worker alone when

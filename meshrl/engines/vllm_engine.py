@@ -29,8 +29,11 @@ from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, PromptScores, PromptScoring, SampleRequest, Sampled, TopK
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.engines.vllm_loop import EngineLoop, gather
-from meshrl.engines.vllm_sharding import rank_payload, worker_reload_rank, worker_tensor_slices
+from meshrl.engines.vllm_sharding import rank_payload, worker_fill_rank, worker_reload_rank, worker_tensor_slices
+from meshrl.transport.same_host import HostFill
 from meshrl.transport.shards import TensorSlice
+from meshrl.transport.steps import _one_line
+from meshrl.transport.weight_index import WeightSyncError
 
 
 def configure_vllm_environment(cfg: GeneratorConfig) -> None:
@@ -176,11 +179,27 @@ class VLLMEngine:
 
     def load_rank_weights(self, rank: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load pulled weights (whole, or the slices :meth:`rank_slices` named) into tensor-parallel
-        ``rank``'s worker only."""
+        ``rank``'s worker only (they travel to it through vLLM's RPC queue)."""
         payload = rank_payload(named_tensors, self._rank_slices[rank] if self._rank_slices else {}, self._shapes)
+        self._reload_rank(rank, worker_reload_rank, (rank, payload), None)
+
+    def fill_rank(self, rank: int, plan: HostFill, timeout_s: float) -> None:
+        """Tensor-parallel ``rank``'s worker copies the bucket ``plan`` describes (its slices, pulled
+        under :meth:`rank_slices`) straight out of the publishers' arenas on this host and reloads
+        it: only the plan travels through vLLM's RPC queue. Raises ``WeightSyncError`` when the
+        worker cannot (an arena gone, its publisher dead) or takes over ``timeout_s``."""
+        args = (rank, plan, self._rank_slices[rank] if self._rank_slices else {}, self._shapes)
+        self._reload_rank(rank, worker_fill_rank, args, timeout_s)
+
+    def _reload_rank(self, rank: int, fn, args: tuple, timeout_s: float | None) -> None:
+        """Run ``fn(worker, *args)`` on every worker between requests; exactly one (``rank``'s) must load."""
 
         def reload(llm) -> None:
-            loaded = llm.collective_rpc(worker_reload_rank, args=(rank, payload))
+            try:
+                loaded = llm.collective_rpc(fn, timeout=timeout_s, args=args)
+            except (RuntimeError, TimeoutError) as e:
+                raise WeightSyncError(f"tensor-parallel rank {rank}'s worker failed to load its weights: "
+                                      f"{_one_line(e)}") from None
             if sum(map(bool, loaded)) != 1:
                 raise RuntimeError(f"tensor-parallel rank {rank}'s weights were loaded by {sum(map(bool, loaded))} "
                                    f"of {len(loaded)} workers")

@@ -14,15 +14,20 @@ the result against the whole tensor's shape. Everything else is loaded whole: re
 ``VocabParallelEmbedding`` / ``ParallelLMHead`` (their loader asserts the full vocabulary),
 quantized or packed parameters, names it cannot place (as vLLM's own M2N weight transfer falls
 back for what it cannot place). A weight-store reader pulls only the slices
-(``WeightPuller.pull_into(slices=...)``) and hands them to the loader as :class:`SlicedWeight`.
+(``WeightPuller.pull_into(slices=...)``) and hands them to the loader as :class:`SlicedWeight`;
+on the publishers' host each worker copies its own slices out of their arenas
+(:func:`worker_fill_rank`), so no weight bytes pass through vLLM's RPC queue, which every worker
+reads.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from meshrl.transport.same_host import HostFill, HostFiller
 from meshrl.transport.shards import TensorSlice
 
 
@@ -193,6 +198,28 @@ def worker_reload_rank(worker, rank: int, payload: RankPayload) -> bool:
     if get_tensor_model_parallel_rank() != rank:
         return False
     worker.reload_weights(weights_iterator=sliced_weights(*payload))
+    return True
+
+
+@functools.cache
+def _host_filler() -> HostFiller:
+    """This worker process's bucket buffer and segment mappings, kept between fills."""
+    return HostFiller()
+
+
+def worker_fill_rank(worker, rank: int, plan: HostFill, slices: Mapping[str, TensorSlice],
+                     shapes: Mapping[str, Sequence[int]]) -> bool:
+    """On tensor-parallel rank ``rank`` only, copy the bucket ``plan`` describes straight out of the
+    publishers' arenas on this host into this worker's bucket buffer (on its model's device), then
+    reload it in place as :func:`worker_reload_rank` does; other ranks do nothing. Returns whether
+    this worker loaded."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != rank:
+        return False
+    device = next(worker.model_runner.get_model().parameters()).device
+    items = list(_host_filler().fill(plan, device).items())
+    worker.reload_weights(weights_iterator=sliced_weights(*rank_payload(items, slices, shapes)))
     return True
 
 

@@ -5,6 +5,7 @@ wire is the adapter (a few MB), not the model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -61,8 +62,9 @@ def unembedding_is_tied(model_path: Path) -> bool:
     return bool(AutoConfig.from_pretrained(str(model_path)).tie_word_embeddings)
 
 
-def is_adapter(tensors: dict[str, torch.Tensor]) -> bool:
-    return any(k.endswith(".lora_A") for k in tensors)
+def is_adapter(names: Iterable[str]) -> bool:
+    """Whether tensors of these names (a state dict's keys) are a LoRA adapter's."""
+    return any(k.endswith(".lora_A") for k in names)
 
 
 def merge_adapter(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

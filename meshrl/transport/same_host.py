@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from meshrl.transport.arena import allocate_arena
+from meshrl.transport.arena import ArenaLayout, allocate_arena, views
 from meshrl.transport.shards import Move, apply_move
 
 SHM_DIR = "/dev/shm"
@@ -255,6 +255,38 @@ class SameHostReader:
             finally:
                 os.close(fd)
         return mapped
+
+
+@dataclass(frozen=True)
+class HostFill:
+    """One bucket of a version for another process on the publishers' host to fill itself (a
+    tensor-parallel engine's worker): the bucket's ``layout`` and size, and per publishing part its
+    arena and the moves out of it. No tensor bytes travel with it."""
+
+    layout: ArenaLayout
+    nbytes: int
+    parts: tuple[tuple[LocalRef, tuple[Move, ...]], ...]
+    transport: str
+    """"shm" or "cuda_ipc" (every part's)."""
+
+
+class HostFiller:
+    """The filling process's side of :class:`HostFill`: one bucket buffer, reused, filled straight
+    out of the publishers' arenas."""
+
+    def __init__(self) -> None:
+        self.reader = SameHostReader()
+        self.buffer: torch.Tensor | None = None
+
+    def fill(self, plan: HostFill, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The bucket's tensors: views of the buffer, valid until the next fill. Raises as
+        :meth:`SameHostReader.copy_moves` does."""
+        self.reader.drop_unlinked()
+        if self.buffer is None or self.buffer.numel() < plan.nbytes or self.buffer.device != torch.device(device):
+            self.buffer = allocate_arena(plan.nbytes, device)
+        for ref, part_moves in plan.parts:
+            self.reader.copy_moves(ref, self.buffer, part_moves)
+        return views(self.buffer, plan.layout)
 
 
 def local_transport(mode: str, publisher_host: str, ref: LocalRef | None) -> str | None:

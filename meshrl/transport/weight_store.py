@@ -21,7 +21,9 @@ The TorchStore design (index + data owners + RDMA handles), rebuilt for Monarch 
   under ``transport`` auto or shm, RDMA chunk reads from the others): either into one arena whose
   zero-copy views it returns (``pull``), or bucket by bucket, whole decoder layers at a time, into a
   caller's loader (``pull_into``: the reader never holds a second full copy; with ``slices`` it
-  takes only a tensor-parallel rank's slice of each tensor). It releases the lease at the end.
+  takes only a tensor-parallel rank's slice of each tensor; with ``elsewhere`` a bucket whose parts
+  are all on this host is handed, as a small ``HostFill``, to another process, a tensor-parallel
+  worker, which copies it out of the publishers' arenas itself). It releases the lease at the end.
 
 Both objects offer sync methods (for sync actor endpoints and plain scripts) and ``a``-prefixed
 coroutines (for async actors; ``.get()`` would block their event loop). Both variants run the same
@@ -72,6 +74,7 @@ from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.transport.arena import allocate_arena, chunk_ranges, views
 from meshrl.transport.same_host import (
+    HostFill,
     OwnerGone,
     SameHostReader,
     SameHostUnavailable,
@@ -104,6 +107,10 @@ logger = logging.getLogger(__name__)
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's ``(name, tensor)`` pairs (views valid only during the call)."""
+Elsewhere = Callable[[HostFill], bool]
+"""Takes one bucket as a :class:`HostFill` to be filled and loaded by another process on this host
+(a tensor-parallel engine's worker); False declines it (it is then filled here and goes to the
+loader)."""
 Slicer = Callable[[dict[str, tuple[int, ...]]], Mapping[str, TensorSlice]]
 """Given every tensor's whole shape, the slice a reader takes of each (tensors left out come whole),
 e.g. a tensor-parallel engine rank's (``meshrl.engines.vllm_sharding.tensor_slices``)."""
@@ -136,7 +143,8 @@ class PullStats:
     """Bytes received (the arena, or the buckets' tensors; 0 when the reader already had the latest version)."""
     transport: str
     """How they moved: "shm", "cuda_ipc", "rdma", several joined by "+" (parts on several hosts),
-    or "none" when nothing moved."""
+    "worker_shm" / "worker_cuda_ipc" (buckets the loader's own processes copied out of the
+    publishers' arenas: ``pull_into(elsewhere=...)``), or "none" when nothing moved."""
     read_bytes: int = 0
     """Bytes copied out of the publishers' arenas or read over RDMA (whole chunks, where a bucket
     needs only part of one)."""
@@ -411,15 +419,16 @@ class WeightPuller:
         return await _adrive(self._pull_steps(min_version, timeout_s, exact))
 
     def pull_into(self, load: Loader, min_version: int = 0, timeout_s: float | None = None, exact: bool = False,
-                  slices: Slicer | None = None) -> PullResult:
-        return _drive(self._pull_steps(min_version, timeout_s, exact, load, slices))
+                  slices: Slicer | None = None, elsewhere: Elsewhere | None = None) -> PullResult:
+        return _drive(self._pull_steps(min_version, timeout_s, exact, load, slices, elsewhere))
 
     async def apull_into(self, load: Loader, min_version: int = 0, timeout_s: float | None = None,
-                         exact: bool = False, slices: Slicer | None = None) -> PullResult:
-        return await _adrive(self._pull_steps(min_version, timeout_s, exact, load, slices))
+                         exact: bool = False, slices: Slicer | None = None,
+                         elsewhere: Elsewhere | None = None) -> PullResult:
+        return await _adrive(self._pull_steps(min_version, timeout_s, exact, load, slices, elsewhere))
 
     def _pull_steps(self, min_version: int, timeout_s: float | None, exact: bool, load: Loader | None = None,
-                    slices: Slicer | None = None) -> Steps:
+                    slices: Slicer | None = None, elsewhere: Elsewhere | None = None) -> Steps:
         cfg = self.config
         start = time.perf_counter()
         what = f"weight pull of '{self.store}'"
@@ -442,7 +451,7 @@ class WeightPuller:
             if load is None:
                 fill = yield from self._arena_steps(handle, read_timeout, what)
             else:
-                fill = yield from self._bucket_steps(handle, load, slices, read_timeout, what)
+                fill = yield from self._bucket_steps(handle, load, slices, elsewhere, read_timeout, what)
         except BaseException:
             try:  # best effort: the lease also expires on its own
                 yield from _call(what, self._index.release.call_one(*release), cfg.rpc_timeout_s)
@@ -469,19 +478,28 @@ class WeightPuller:
         return {"transfer_seconds": time.perf_counter() - began, "nbytes": nbytes, "transport": transport,
                 "read_bytes": read}
 
-    def _bucket_steps(self, handle: VersionHandle, load: Loader, slices: Slicer | None, read_timeout: int,
-                      what: str) -> Steps:
-        """The version bucket by bucket into ``load``; the bucket buffer is reused."""
+    def _bucket_steps(self, handle: VersionHandle, load: Loader, slices: Slicer | None, elsewhere: Elsewhere | None,
+                      read_timeout: int, what: str) -> Steps:
+        """The version bucket by bucket into ``load``; the bucket buffer is reused. A bucket whose
+        parts are all on this host goes to ``elsewhere`` as a :class:`HostFill` when given (its
+        loader fills it straight out of the publishers' arenas; transport ``worker_shm`` /
+        ``worker_cuda_ipc``), unless ``elsewhere`` declines it."""
         bucket_bytes = self.config.pull_bucket_mib << 20 or handle.layout.total_bytes
         cuts = slices({m.name: m.shape for m in handle.layout.tensors}) if slices is not None else None
         buckets = plan_buckets(handle.layout, bucket_bytes, cuts)
-        size = max(b.nbytes for b in buckets)
-        if self._bucket is None or self._bucket.numel() < size:
-            self._bucket = allocate_arena(size, self.config.arena_device)
         transfer_s = load_s = 0.0
         transports, read = set(), 0
         for bucket in buckets:
             began = time.perf_counter()
+            plan = self._host_fill(handle, bucket) if elsewhere is not None else None
+            if plan is not None and (yield _Run(functools.partial(elsewhere, plan))):
+                transports.add(f"worker_{plan.transport}")
+                read += sum(m.nbytes * m.rows for _, part_moves in plan.parts for m in part_moves)
+                load_s += time.perf_counter() - began
+                self._log_transport(f"worker_{plan.transport}", None)
+                continue
+            if self._bucket is None or self._bucket.numel() < bucket.nbytes:
+                self._bucket = allocate_arena(max(b.nbytes for b in buckets), self.config.arena_device)
             transport, n = yield from self._fill_steps(handle, bucket, self._bucket, bucket_bytes, read_timeout, what)
             transports.update(transport.split("+"))
             read += n
@@ -493,16 +511,31 @@ class WeightPuller:
                 "transport": "+".join(sorted(transports)), "read_bytes": read, "load_seconds": load_s,
                 "buckets": len(buckets)}
 
+    def _host_fill(self, handle: VersionHandle, bucket: Bucket) -> HostFill | None:
+        """``bucket`` as a :class:`HostFill` when the transport config lets every part it reads be
+        copied on this host; None otherwise (then it is filled here, over RDMA where needed)."""
+        parts, used = [], set()
+        for i, part_moves in _moves_by_part(handle, bucket).items():
+            part = handle.parts[i]
+            try:
+                transport = local_transport(self.config.transport, part.host, part.local)
+            except SameHostUnavailable:
+                return None  # _fill_steps raises it under transport shm, or falls back to RDMA
+            if transport is None:
+                return None
+            parts.append((part.local, tuple(part_moves)))
+            used.add(transport)
+        if len(used) != 1:
+            return None
+        return HostFill(bucket.layout, bucket.nbytes, tuple(parts), used.pop())
+
     def _fill_steps(self, handle: VersionHandle, bucket: Bucket, dst: torch.Tensor, staging_bytes: int,
                     read_timeout: int, what: str) -> Steps:
         """Fill ``dst`` with ``bucket`` from every part: one local copy per part on this host when
         the transport config allows it, else RDMA (also when a local arena cannot be opened under
         transport auto). Returns (transports joined by "+", bytes read)."""
-        by_part: dict[int, list[Move]] = {}
-        for m in moves(bucket, [p.pieces for p in handle.parts]):
-            by_part.setdefault(m.part, []).append(m)
         transports, remote, read, fallback = set(), [], 0, None
-        for i, part_moves in by_part.items():
+        for i, part_moves in _moves_by_part(handle, bucket).items():
             part = handle.parts[i]
             try:
                 transport = local_transport(self.config.transport, part.host, part.local)
@@ -591,6 +624,14 @@ class WeightPuller:
             if any(getattr(self, name) is t for t in targets):
                 setattr(self, name, None)
         self._views_layout = None
+
+
+def _moves_by_part(handle: VersionHandle, bucket: Bucket) -> dict[int, list[Move]]:
+    """The copies that fill ``bucket``, by the publishing part (rank) they read from."""
+    by_part: dict[int, list[Move]] = {}
+    for m in moves(bucket, [p.pieces for p in handle.parts]):
+        by_part.setdefault(m.part, []).append(m)
+    return by_part
 
 
 def _apply_all(src: torch.Tensor, dst: torch.Tensor, copies: tuple[Move, ...]) -> None:
