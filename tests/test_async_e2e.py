@@ -86,8 +86,9 @@ def test_learner_killed_in_async_mode_resumes_the_stream(tiny_run_config):
 
 @pytest.mark.slow
 def test_all_three_channels_train_in_async_mode(tiny_run_config):
-    """K = 1 with SDPO (teacher scored at the sampling version, in the producer) and trace replay
-    (results drained on the learner side with their version checks)."""
+    """K = 1 with SDPO (its teacher in the learner, the default: the sites of samples one version
+    old are scored with the learner's current weights) and trace replay (results drained on the
+    learner side with their version checks)."""
     from meshrl.testing.fake_openai import FakeOpenAIServer
 
     with FakeOpenAIServer({"m0": "The answer is 42.", "m1": "42", "m2": "42"}) as server:
