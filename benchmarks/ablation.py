@@ -19,7 +19,9 @@ script on the configs' port for those arms and stopped after them.
 
 Each run, as it ends, writes benchmarks/results/ablation/<run>.json (its settings, eval curve
 with the training seconds spent before each eval, losses, counters, commit, date and the load
-sampled during the run) and, with --commit, commits that file, so a stop loses no finished run.
+sampled during the run) and, with --commit, commits that file, so a stop loses no finished run;
+the run's checkpoints are then deleted (its directory under benchmarks/results/runs keeps the
+config, metrics and curves).
 A run whose file exists with the same settings is not run again. ablation.json (the summary that
 benchmarks/tables.py renders) and ablation.png are rebuilt from the run files after every run.
 """
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -257,6 +260,9 @@ def main() -> None:
                "load_1m": {"mean": sum(load.samples) / max(len(load.samples), 1), "max": max(load.samples, default=0.0)}}
         RUN_FILES.mkdir(parents=True, exist_ok=True)
         run_file(key).write_text(json.dumps(run, indent=1) + "\n")
+        # the run file holds what the ablation needs; a run's two checkpoints (~3.3 GB with the
+        # optimizer state) would fill the disk over the 30 planned runs
+        shutil.rmtree(ROOT / RUNS / run_name(*key) / "checkpoints", ignore_errors=True)
         written = [*write_summary(RUN_FILES), *render_tables()]
         if args.commit:
             commit([run_file(key), *written], f"Ablation run {run_name(*key)}: {len(run['evals'])} evals, "
