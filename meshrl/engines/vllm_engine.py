@@ -180,7 +180,7 @@ class VLLMEngine:
     def load_rank_weights(self, rank: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load pulled weights (whole, or the slices :meth:`rank_slices` named) into tensor-parallel
         ``rank``'s worker only (they travel to it through vLLM's RPC queue)."""
-        payload = rank_payload(named_tensors, self._rank_slices[rank] if self._rank_slices else {}, self._shapes)
+        payload = rank_payload(named_tensors, self._slices_of(rank), self._shapes)
         self._reload_rank(rank, worker_reload_rank, (rank, payload), None)
 
     def fill_rank(self, rank: int, plan: HostFill, timeout_s: float) -> None:
@@ -188,8 +188,12 @@ class VLLMEngine:
         under :meth:`rank_slices`) straight out of the publishers' arenas on this host and reloads
         it: only the plan travels through vLLM's RPC queue. Raises ``WeightSyncError`` when the
         worker cannot (an arena gone, its publisher dead) or takes over ``timeout_s``."""
-        args = (rank, plan, self._rank_slices[rank] if self._rank_slices else {}, self._shapes)
+        args = (rank, plan, self._slices_of(rank), self._shapes)
         self._reload_rank(rank, worker_fill_rank, args, timeout_s)
+
+    def _slices_of(self, rank: int) -> dict[str, TensorSlice]:
+        """What :meth:`rank_slices` found for ``rank`` (nothing before it was asked: all whole)."""
+        return self._rank_slices[rank] if self._rank_slices else {}
 
     def _reload_rank(self, rank: int, fn, args: tuple, timeout_s: float | None) -> None:
         """Run ``fn(worker, *args)`` on every worker between requests; exactly one (``rank``'s) must load."""

@@ -259,6 +259,11 @@ class Move(NamedTuple):
     dst_stride: int = 0
 
     @property
+    def copied_bytes(self) -> int:
+        """Bytes it copies (every block)."""
+        return self.rows * self.nbytes
+
+    @property
     def extent(self) -> int:
         """Bytes from ``src`` to the end of the last block."""
         return (self.rows - 1) * self.src_stride + self.nbytes

@@ -494,7 +494,7 @@ class WeightPuller:
             plan = self._host_fill(handle, bucket) if elsewhere is not None else None
             if plan is not None and (yield _Run(functools.partial(elsewhere, plan))):
                 transports.add(f"worker_{plan.transport}")
-                read += sum(m.nbytes * m.rows for _, part_moves in plan.parts for m in part_moves)
+                read += sum(m.copied_bytes for _, part_moves in plan.parts for m in part_moves)
                 load_s += time.perf_counter() - began
                 self._log_transport(f"worker_{plan.transport}", None)
                 continue
@@ -542,7 +542,7 @@ class WeightPuller:
                 if transport is not None:
                     yield _Run(functools.partial(self._same_host.copy_moves, part.local, dst, part_moves))
                     transports.add(transport)
-                    read += sum(m.nbytes * m.rows for m in part_moves)
+                    read += sum(m.copied_bytes for m in part_moves)
                     continue
             except OwnerGone as e:
                 raise WeightSyncError(f"{what} failed: {e}") from None
