@@ -26,11 +26,14 @@ from meshrl.engines.vllm_sharding import rank_payload  # noqa: E402
 from meshrl.transport.arena import views  # noqa: E402
 from meshrl.transport.shards import TensorSlice, moves, whole_bucket  # noqa: E402
 from meshrl.transport.same_host import (  # noqa: E402
+    CudaIpcRef,
     HostFiller,
     PREFIX,
     SHM_DIR,
     SameHostReader,
+    SameHostUnavailable,
     host_identity,
+    local_transport,
     remove_stale_segments,
 )
 from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
@@ -189,7 +192,8 @@ class TensorParallelEngine:
 
     tensor_parallel_size = 2
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        self.device = device  # where each worker's bucket buffer lives (its model's device)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.loaded: list[dict[str, torch.Tensor]] = [{}, {}]
         self.sliced: list[set[str]] = [set(), set()]
@@ -208,7 +212,7 @@ class TensorParallelEngine:
 
     def fill_rank(self, rank: int, plan, timeout_s: float) -> None:
         self.plan_bytes += len(pickle.dumps(plan))
-        self.load_rank_weights(rank, self.fillers[rank].fill(plan).items())
+        self.load_rank_weights(rank, self.fillers[rank].fill(plan, self.device).items())
 
 
 class SyncReader(Actor):
@@ -253,13 +257,13 @@ class SyncReader(Actor):
         return stats, checksums(engine.loaded)
 
     @endpoint
-    def follow_tensor_parallel(self, store: str, min_version: int, transport: str = "auto"
+    def follow_tensor_parallel(self, store: str, min_version: int, transport: str = "auto", device: str = "cpu"
                                ) -> list[tuple[dict, list[dict], list[list[str]], int]]:
-        """Two PolicyFollower updates (bucketed) into a two-worker tensor-parallel engine: the
-        stats, per worker the checksums it was handed and the names it got as slices, and the
-        pickled bytes of the buckets handed off to the workers."""
-        engine = TensorParallelEngine()
-        cfg = self.cfg.model_copy(update={"pull_bucket_mib": 1, "transport": transport})
+        """Two PolicyFollower updates (bucketed) into a two-worker tensor-parallel engine whose
+        workers hold their weights on ``device``: the stats, per worker the checksums it was handed
+        and the names it got as slices, and the pickled bytes of the buckets handed off to them."""
+        engine = TensorParallelEngine(device)
+        cfg = self.cfg.model_copy(update={"pull_bucket_mib": 1, "transport": transport, "arena_device": device})
         follower = PolicyFollower(store, cfg, Path("."))
         out = []
         for _ in range(2):
@@ -385,19 +389,25 @@ def test_the_policy_followers_stats_name_the_transport(cluster):
     assert loaded == checksums(make_state_dict(version))
 
 
-@pytest.mark.parametrize("transport", ["auto", "rdma"])
-def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster, transport):
+@pytest.mark.parametrize("transport,device", [
+    ("auto", "cpu"), ("rdma", "cpu"),
+    pytest.param("auto", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")),
+])
+def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster, transport, device):
     """A follower of a tensor-parallel engine pulls, per worker, the slices that worker loads and
     hands them to it alone: every worker gets its halves of the projections and the rest whole,
     the bytes moved are one rank's share per worker (not the whole model per worker), and a
     second update of the same version moves nothing. On the publisher's host (transport auto)
     each worker copies its buckets out of the publisher's shared memory itself: what is handed to
-    it is a plan of a few KB, not the bytes; over RDMA the follower pulls the buckets."""
-    owner = cluster.meshes["pub"].spawn("tp_owner", Publisher, "tp", CFG)
+    it is a plan of a few KB, not the bytes (CUDA arenas: CUDA IPC handles, the workers' buffers on
+    the GPU); over RDMA the follower pulls the buckets."""
+    store = f"tp_{device}"
+    owner = cluster.meshes["pub"].spawn(f"tp_owner_{device}", Publisher, store,
+                                        CFG.model_copy(update={"arena_device": device}))
     owner.publish.call_one(3).get(timeout=60)
     whole = make_state_dict(3)
     (stats, loaded, sliced, plan_bytes), (again, loaded_again, _, _) = (
-        cluster.readers[0].follow_tensor_parallel.call_one("tp", 3, transport).get(timeout=60))
+        cluster.readers[0].follow_tensor_parallel.call_one(store, 3, transport, device).get(timeout=60))
     for rank in (0, 1):
         expected = {name: t.narrow(int(name.split(".")[1]) % 2, rank * 256, 256) if name.startswith("layers.") else t
                     for name, t in whole.items()}
@@ -407,7 +417,8 @@ def test_each_tensor_parallel_worker_is_handed_only_its_slices(cluster, transpor
     one_rank = 1000 * 256 * 2 + 256 * 4 + 4 * 512 * 256 * 4
     assert stats["version"] == 3 and stats["bytes"] == 2 * one_rank < 1.2 * one_whole
     if transport == "auto":
-        assert stats["transport"] == "worker_shm" and 0 < plan_bytes < 20_000
+        local = "cuda_ipc" if device == "cuda" else "shm"
+        assert stats["transport"] == f"worker_{local}" and 0 < plan_bytes < 20_000
     else:
         assert stats["transport"] == "rdma" and plan_bytes == 0
     assert again["version"] == 3 and again["bytes"] == 0 and loaded_again == [{}, {}]
@@ -551,6 +562,22 @@ def test_cuda_arenas_are_copied_over_cuda_ipc_on_one_host(cluster):
     _, published = owner.publish.call_one(1).get(timeout=60)
     got = cluster.readers[0].pull.call_one("cuda", 0, None, {"arena_device": "cuda"}).get(timeout=60)
     assert got["transport"] == "cuda_ipc" and got["checksums"] == published
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process that sees no GPU")
+def test_a_process_without_a_gpu_reads_gpu_arenas_over_rdma_and_keeps_its_buffers_on_the_cpu(cluster):
+    """A mesh placed on the CPU beside a learner on the host's GPU (`arena_device: cuda`): a GPU
+    arena's CUDA IPC handle cannot be opened there, so transport auto reads it over RDMA and shm
+    refuses it in one line; the reader's own buffers stay on the CPU, and its pulls work."""
+    gpu_arena = CudaIpcRef(rebuild=torch.empty, args=())
+    assert local_transport("auto", host_identity(), gpu_arena) is None
+    with pytest.raises(SameHostUnavailable, match="in GPU memory and this process sees no GPU"):
+        local_transport("shm", host_identity(), gpu_arena)
+    version = describe(cluster)["latest"] + 1
+    _, published = cluster.pub.publish.call_one(version).get(timeout=60)
+    for overrides in ({"arena_device": "cuda"}, {"arena_device": "cuda", "transport": "rdma"}):
+        got = cluster.readers[0].pull.call_one("policy", version, None, overrides).get(timeout=60)
+        assert got["version"] == version and got["checksums"] == published
 
 
 def test_leased_version_stays_readable_and_is_dropped_after_release(cluster):

@@ -60,7 +60,8 @@ class WeightSyncConfig(Section):
 
     arena_device: Literal["cpu", "cuda"] = "cpu"
     """Where arenas live on both sides: `cpu`, or `cuda` (GPU memory registered for ibverbs
-    GPUDirect RDMA; needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."""
+    GPUDirect RDMA; needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). A process that sees
+    no GPU (a mesh placed on the CPU) keeps its own on the CPU and reads GPU arenas over RDMA."""
 
     alignment: int = Field(64, ge=1)
     """Byte alignment of every tensor (and chunk boundary) in an arena; a power of two."""

@@ -105,6 +105,13 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def usable_device(device: str) -> str:
+    """``device`` where this process can hold memory on it: the CPU for `cuda` in a process that
+    sees no GPU (a mesh placed off the GPUs, e.g. a generator beside a learner that holds the
+    host's only GPU)."""
+    return "cpu" if device == "cuda" and not torch.cuda.is_available() else device
+
+
 def allocate_arena(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """A 1-D uint8 tensor of ``nbytes`` (contents undefined)."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)

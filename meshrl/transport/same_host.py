@@ -292,7 +292,8 @@ class HostFiller:
 def local_transport(mode: str, publisher_host: str, ref: LocalRef | None) -> str | None:
     """The same-host transport a pull under config ``mode`` (auto, rdma, shm) uses for a version
     published on ``publisher_host`` with ``ref``: ``"shm"`` or ``"cuda_ipc"``, or None for RDMA.
-    Raises ``SameHostUnavailable`` under ``shm`` when the publisher is elsewhere or shares nothing."""
+    Raises ``SameHostUnavailable`` under ``shm`` when the publisher is elsewhere or shares nothing
+    this process can open (a GPU arena, in a process that sees no GPU)."""
     if mode == "rdma":
         return None
     if publisher_host != host_identity():
@@ -306,6 +307,11 @@ def local_transport(mode: str, publisher_host: str, ref: LocalRef | None) -> str
             raise SameHostUnavailable(
                 "transport 'shm' but the publisher shares no arena (its transport is 'rdma', or /dev/shm was unusable)"
             )
+        return None
+    if isinstance(ref, CudaIpcRef) and not torch.cuda.is_available():
+        if mode == "shm":
+            raise SameHostUnavailable("transport 'shm' but the publisher's arena is in GPU memory and this process "
+                                      "sees no GPU (CUDA IPC needs one)")
         return None
     return "cuda_ipc" if isinstance(ref, CudaIpcRef) else "shm"
 

@@ -72,7 +72,7 @@ from monarch.actor import ActorError
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
 from meshrl.config.weight_sync import WeightSyncConfig
-from meshrl.transport.arena import allocate_arena, chunk_ranges, views
+from meshrl.transport.arena import allocate_arena, chunk_ranges, usable_device, views
 from meshrl.transport.same_host import (
     HostFill,
     OwnerGone,
@@ -221,6 +221,8 @@ class WeightPublisher:
             raise ValueError(f"publisher rank {rank} outside a world of {world}")
         self.store = store
         self.config = config or WeightSyncConfig()
+        self.device = usable_device(self.config.arena_device)
+        """Where this publisher's arenas live (`arena_device`, or the CPU in a process without a GPU)."""
         self.rank, self.world = rank, world
         self.group = group or uuid.uuid4().hex
         self.owner_id = owner_id or (store if rank == 0 else f"{store}#rank{rank}")
@@ -339,7 +341,7 @@ class WeightPublisher:
         elif len(self._arenas) >= self.config.max_arenas:
             return None
         share = self.config.transport != "rdma"
-        arena = _Arena(SharedArena(nbytes, self.config.arena_device, share))
+        arena = _Arena(SharedArena(nbytes, self.device, share))
         self._arenas.append(arena)
         return arena
 
@@ -398,6 +400,8 @@ class WeightPuller:
     def __init__(self, store: str, config: WeightSyncConfig | None = None) -> None:
         self.store = store
         self.config = config or WeightSyncConfig()
+        self.device = usable_device(self.config.arena_device)
+        """Where this reader's buffers live (`arena_device`, or the CPU in a process without a GPU)."""
         self.version: int | None = None
         """The version the arena (``pull``) or the loader (``pull_into``) holds; None while a failed
         pull left it incomplete."""
@@ -469,7 +473,7 @@ class WeightPuller:
         """The whole version into this reader's arena; its views become ``self._views``."""
         nbytes = handle.layout.total_bytes
         if self._arena is None or self._arena.numel() < nbytes:
-            self._arena, self._views_layout = allocate_arena(nbytes, self.config.arena_device), None
+            self._arena, self._views_layout = allocate_arena(nbytes, self.device), None
         began = time.perf_counter()
         transport, read = yield from self._fill_steps(handle, whole_bucket(handle.layout), self._arena,
                                                       _STAGING_BYTES, read_timeout, what)
@@ -499,7 +503,7 @@ class WeightPuller:
                 self._log_transport(f"worker_{plan.transport}", None)
                 continue
             if self._bucket is None or self._bucket.numel() < bucket.nbytes:
-                self._bucket = allocate_arena(max(b.nbytes for b in buckets), self.config.arena_device)
+                self._bucket = allocate_arena(max(b.nbytes for b in buckets), self.device)
             transport, n = yield from self._fill_steps(handle, bucket, self._bucket, bucket_bytes, read_timeout, what)
             transports.update(transport.split("+"))
             read += n
@@ -577,7 +581,7 @@ class WeightPuller:
             plans.append((part, direct, waves))
         size = max((w.nbytes for _, _, waves in plans for w in waves), default=0)
         if size and (self._staging is None or self._staging.numel() < size):
-            self._staging = allocate_arena(size, self.config.arena_device)
+            self._staging = allocate_arena(size, self.device)
         staging = self._staging
         pending = [(part.chunks[c], dst[d : d + part.chunks[c].nbytes]) for part, direct, _ in plans for c, d in direct]
         read = sum(chunk.nbytes for chunk, _ in pending)
