@@ -13,7 +13,7 @@ from meshrl.losses import LossOutput, register_loss
 from meshrl.models.provision import resolve_model
 from meshrl.testing.custom_losses import importance_sampling_custom
 from meshrl.training.policy import PolicyTrainer
-from meshrl.types import Datum
+from meshrl.types import AdamParams, Datum
 
 V = 49152
 
@@ -304,3 +304,17 @@ def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path)
         assert torch.allclose(lp, ref_lp, atol=1e-4)
     full = trainer.topk_logprobs([teacher_datum(sites[1])], 0)[0]
     assert full[0] is None and torch.allclose(full[1].exp().sum(-1), torch.ones(sites[1].length), atol=1e-4)
+
+
+def test_optim_step_reports_the_learners_memory(model_path):
+    """A step's metrics carry the learner's resident memory and its peak (a run's JSONL shows the
+    learner growing before the host kills it); a big allocation held across a step shows in both."""
+    trainer = _trainer(model_path)
+    trainer.forward_backward(_rl_datums(), "ppo")
+    before = trainer.optim_step(AdamParams(learning_rate=1e-5))
+    held = torch.ones(512 << 20, dtype=torch.uint8)  # 512 MiB, touched
+    trainer.forward_backward(_rl_datums(), "ppo")
+    after = trainer.optim_step(AdamParams(learning_rate=1e-5))
+    assert 0 < before["rss_gib"] <= before["peak_rss_gib"] <= after["peak_rss_gib"]
+    assert after["rss_gib"] - before["rss_gib"] > 0.4 and after["peak_rss_gib"] >= after["rss_gib"]
+    del held

@@ -289,7 +289,8 @@ class PolicyTrainer:
 
     def optim_step(self, adam: AdamParams | DimuonParams) -> dict:
         """Apply the accumulated gradients with the optimizer (AdamW, or a LoRA adapter's Dimuon:
-        ``adam`` must be that optimizer's parameters), then clear them."""
+        ``adam`` must be that optimizer's parameters), then clear them. Reports the gradient norm,
+        the learning rate, the seconds and this process's memory (`rss_gib`, `peak_rss_gib`)."""
         started = time.perf_counter()
         set_step_params(self.optimizer, adam)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -303,7 +304,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += 1
         return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate,
-                "optim_s": time.perf_counter() - started}
+                "optim_s": time.perf_counter() - started, **_memory_gib()}
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_shards(self) -> dict[str, Shard]:
@@ -383,6 +384,18 @@ class PolicyTrainer:
             return merged_state_dict(self.model, dtype)
         converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
         return {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
+
+
+def _memory_gib() -> dict[str, float]:
+    """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``), so
+    a run's metrics show a learner growing towards the host's limit before it is killed."""
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux; the kernel updates it lazily
+    return {"rss_gib": rss, "peak_rss_gib": max(peak, rss)}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
