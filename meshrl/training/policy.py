@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import resource
 import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from meshrl import losses
@@ -389,10 +391,6 @@ class PolicyTrainer:
 def _memory_gib() -> dict[str, float]:
     """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``), so
     a run's metrics show a learner growing towards the host's limit before it is killed."""
-    import resource
-
-    import psutil
-
     rss = psutil.Process().memory_info().rss / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux; the kernel updates it lazily
     return {"rss_gib": rss, "peak_rss_gib": max(peak, rss)}
