@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import resource
 import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 
 from meshrl import losses
@@ -391,9 +389,9 @@ class PolicyTrainer:
 def _memory_gib() -> dict[str, float]:
     """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``), so
     a run's metrics show a learner growing towards the host's limit before it is killed."""
-    rss = psutil.Process().memory_info().rss / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux; the kernel updates it lazily
-    return {"rss_gib": rss, "peak_rss_gib": max(peak, rss)}
+    with open("/proc/self/status") as f:  # VmHWM is the kernel's high-water mark of VmRSS, never below it
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+    return {"rss_gib": kib["VmRSS"] / 2**20, "peak_rss_gib": kib["VmHWM"] / 2**20}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
