@@ -308,7 +308,8 @@ def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path)
 
 def test_optim_step_reports_the_learners_memory(model_path):
     """A step's metrics carry the learner's resident memory and its peak (a run's JSONL shows the
-    learner growing before the host kills it); a big allocation held across a step shows in both."""
+    learner growing before the host kills it), and the free heap handed back before (unless
+    `release_heap_each_step` is off); a big allocation held across a step shows in both."""
     trainer = _trainer(model_path)
     trainer.forward_backward(_rl_datums(), "ppo")
     before = trainer.optim_step(AdamParams(learning_rate=1e-5))
@@ -317,4 +318,8 @@ def test_optim_step_reports_the_learners_memory(model_path):
     after = trainer.optim_step(AdamParams(learning_rate=1e-5))
     assert 0 < before["rss_gib"] <= before["peak_rss_gib"] <= after["peak_rss_gib"]
     assert after["rss_gib"] - before["rss_gib"] > 0.4 and after["peak_rss_gib"] >= after["rss_gib"]
+    assert after["released_gib"] > -0.01  # the held tensor stays: releasing frees only free pages
     del held
+    trainer.cfg.release_heap_each_step = False
+    trainer.forward_backward(_rl_datums(), "ppo")
+    assert "released_gib" not in trainer.optim_step(AdamParams(learning_rate=1e-5))

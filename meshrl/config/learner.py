@@ -65,6 +65,13 @@ class LearnerConfig(Section):
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing log-softmax over the vocabulary (bounds peak memory)."""
 
+    release_heap_each_step: bool = True
+    """After each optimizer step, hand the heap memory the step freed back to the kernel (glibc
+    `malloc_trim`), so the learner's resident memory is what it holds between steps instead of
+    its largest step so far plus the arenas' fragmentation (which grows step by step on long,
+    varied sequences until the host kills the process). Off: the next step reuses those pages
+    without faulting them in again. No effect where the C library has no `malloc_trim`."""
+
     torch_threads: int = Field(2, ge=1)
     """torch intra-op threads in the learner process."""
 

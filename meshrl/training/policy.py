@@ -23,6 +23,7 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
+from meshrl.training.memory import release_free_heap, resident_gib
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -290,7 +291,9 @@ class PolicyTrainer:
     def optim_step(self, adam: AdamParams | DimuonParams) -> dict:
         """Apply the accumulated gradients with the optimizer (AdamW, or a LoRA adapter's Dimuon:
         ``adam`` must be that optimizer's parameters), then clear them. Reports the gradient norm,
-        the learning rate, the seconds and this process's memory (`rss_gib`, `peak_rss_gib`)."""
+        the learning rate, the seconds and this process's memory (`rss_gib`, `peak_rss_gib`; with
+        `learner.release_heap_each_step`, `released_gib`: the free heap handed back to the kernel
+        first, meshrl.training.memory)."""
         started = time.perf_counter()
         set_step_params(self.optimizer, adam)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -303,8 +306,13 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += 1
+        memory = {}
+        if self.cfg.release_heap_each_step:
+            held = resident_gib()["rss_gib"]
+            if release_free_heap():
+                memory["released_gib"] = held - resident_gib()["rss_gib"]
         return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate,
-                "optim_s": time.perf_counter() - started, **_memory_gib()}
+                "optim_s": time.perf_counter() - started, **resident_gib(), **memory}
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_shards(self) -> dict[str, Shard]:
@@ -384,14 +392,6 @@ class PolicyTrainer:
             return merged_state_dict(self.model, dtype)
         converted: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
         return {k: converted.setdefault(id(v), v.to(dtype)) for k, v in self.model.state_dict().items()}
-
-
-def _memory_gib() -> dict[str, float]:
-    """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``), so
-    a run's metrics show a learner growing towards the host's limit before it is killed."""
-    with open("/proc/self/status") as f:  # VmHWM is the kernel's high-water mark of VmRSS, never below it
-        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
-    return {"rss_gib": kib["VmRSS"] / 2**20, "peak_rss_gib": kib["VmHWM"] / 2**20}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""Host memory of a training process: what it holds, and handing freed heap memory back.
+
+glibc's malloc keeps the memory a process frees inside its arenas (one per thread that
+allocated, up to 8 per core), so a learner whose steps allocate and free gigabytes of
+activations of varying sizes grows step after step although it holds little between them
+(measured: a 135M-parameter learner on multi-turn code episodes held 11.3 GiB between steps,
+2.9 GiB after one `malloc_trim`). `release_free_heap` returns those free pages to the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+
+def resident_gib() -> dict[str, float]:
+    """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``)."""
+    with open("/proc/self/status") as f:  # VmHWM is the kernel's high-water mark of VmRSS, never below it
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+    return {"rss_gib": kib["VmRSS"] / 2**20, "peak_rss_gib": kib["VmHWM"] / 2**20}
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of every malloc arena to the kernel (glibc ``malloc_trim(0)``); the
+    memory the process still uses is untouched. False where the C library cannot (nothing done)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
