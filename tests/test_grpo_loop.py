@@ -10,6 +10,7 @@ import torch
 from meshrl.meshes.dispatch import split_evenly
 from meshrl.meshes.client import StepError
 from meshrl.meshes.supervisor import CallTimeout, wait_all
+from meshrl.terms import LossTerm, register_term
 from meshrl.testing.fake_meshes import FakeLearner, Future, UniformForEvenOperand, make_loop
 
 
@@ -257,3 +258,42 @@ def test_a_step_whose_learner_failed_midway_is_trained_again_from_the_start():
     loop.close()
     assert _calls(learner, "scale") == _calls(clean_learner, "scale")
     assert [len(c[1]) for c in _calls(learner, "fb")] == [len(c[1]) for c in _calls(clean_learner, "fb")]
+
+
+@register_term("counts_steps")
+class _CountsSteps(LossTerm):
+    """A term whose state is the number of steps it has seen (trains nothing)."""
+
+    loss, trains = "ppo", False
+
+    def __init__(self, ctx, weight=1.0, params=None):
+        super().__init__(ctx, weight, params)
+        self.steps = 0
+
+    def start_step(self, step):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_a_run_started_over_from_step_0_starts_its_terms_over_too():
+    """A learner lost before the first checkpoint starts the run over from step 0: the terms go back
+    to their state at the start as well (the replay term's inbox kept its dedupe horizon and
+    dropped the rerun steps' teacher results as stale or duplicate), while the counters carry on."""
+    loop, _, _ = make_loop(**{"trainer.prompts_per_step": 2, "trainer.group_size": 2,
+                              "trainer.terms": "[{name: counts_steps}]"})
+    term = loop.terms[-1]
+    loop.step()
+    loop.step()
+    assert term.steps == 2 and loop.version == 2
+    prompts = loop.counters.prompts_too_long, loop.counters.empty_generations
+    loop.load_state_dict(loop.start_over_state())
+    assert term.steps == 0 and loop.version == 0 and loop.step_index == 0
+    assert (loop.counters.prompts_too_long, loop.counters.empty_generations) == prompts
+    loop.step()
+    loop.close()
+    assert term.steps == 1 and loop.version == 1

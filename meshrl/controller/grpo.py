@@ -92,6 +92,7 @@ class GRPOLoop:
         self.step_index = 0  # the step being run (1-based once running)
         self.published = 0  # the latest published weight version
         self.producer = Producer(self, cfg.trainer.steps)
+        self._initial_terms = self._term_states()  # what a run started over from step 0 restores
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
             log.warning("trainer.max_steps_off_policy = %d with the unclipped importance_sampling loss: "
                         "consider ppo (stale samples destabilise plain importance sampling)",
@@ -365,9 +366,20 @@ class GRPOLoop:
             state = {"version": self.published, "step_index": self.step_index,
                      "counters": dataclasses.asdict(self.counters), "producer": self.producer.state_dict(),
                      "hooks": [hook.state_dict() for hook in self.hooks]}
-        terms = {term.name: term.state_dict() for term in self.terms}
-        state["terms"] = {name: value for name, value in terms.items() if value is not None}
+        state["terms"] = self._term_states()
         return state
+
+    def _term_states(self) -> dict:
+        terms = {term.name: term.state_dict() for term in self.terms}
+        return {name: value for name, value in terms.items() if value is not None}
+
+    def start_over_state(self) -> dict:
+        """What a run started over from step 0 loads (its learner was lost before the first
+        checkpoint): version 0 and every term as it was built (e.g. the replay inbox's dedupe
+        horizon back at the start, so the rerun steps' teacher results are not dropped as stale or
+        duplicate); the run's counters carry on."""
+        return {"version": 0, "step_index": 0, "counters": dataclasses.asdict(self.counters),
+                "terms": self._initial_terms}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore (the producer is stopped first and starts again with the next step)."""

@@ -5,7 +5,6 @@ themselves."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from meshrl.config.meshes import LEARNER
@@ -112,8 +111,7 @@ class Runtime:
             self.learner_call("load_checkpoint", str(checkpoint.learner_dir))
             self.loop.load_state_dict(checkpoint.state["loop"])
         else:
-            self.loop.load_state_dict({"version": 0, "step_index": 0,
-                                       "counters": dataclasses.asdict(self.loop.counters)})
+            self.loop.load_state_dict(self.loop.start_over_state())
         self.loop.join()
         version = self.loop.version
         self.learner_call("publish", version)
