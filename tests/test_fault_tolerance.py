@@ -101,16 +101,22 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
         assert [i["version"] for i in infos.values()] == [2, 2]
 
 
-def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session):
+@pytest.mark.parametrize("killed_at, checkpoint_every, resumed_from", [(4, 2, 2), (2, 3, 0)],
+                         ids=["from-checkpoint", "before-the-first-checkpoint"])
+def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session, killed_at,
+                                                                     checkpoint_every, resumed_from):
+    """The learner is killed during a step's training: the run goes back to its last checkpoint (or,
+    before the first, starts over from step 0) and reproduces the uninterrupted run step for step."""
     common = ["trainer.steps=5", "trainer.eval.every=0", "trainer.eval.at_start=false",
-              "trainer.checkpoint.every=2", "trainer.checkpoint.export_final=false"]
+              f"trainer.checkpoint.every={checkpoint_every}", "trainer.checkpoint.export_final=false"]
     _, clean = _run(tiny_run_config("output.name=clean", *common), tiny_session)
     _, faulty = _run(tiny_run_config(
         "output.name=learner-kill", *common,
-        "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]"), tiny_session)
+        f"faults.inject=[{{mesh: learner, at_step: {killed_at}, action: kill, during: train, seconds: 0}}]"),
+        tiny_session)
     faults = _faults(faulty)
     assert len(faults) == 1 and faults[0]["mesh"] == "learner"
-    assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (4, 2)  # back to the step-2 checkpoint
+    assert (faults[0]["step"], faults[0]["resumed_from_step"]) == (killed_at, resumed_from)
     a, b = _train(clean), _train(faulty)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for x, y in zip(a, b):
