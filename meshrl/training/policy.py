@@ -306,13 +306,13 @@ class PolicyTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += 1
-        memory = {}
-        if self.cfg.release_heap_each_step:
-            held = resident_gib()["rss_gib"]
-            if release_free_heap():
-                memory["released_gib"] = held - resident_gib()["rss_gib"]
+        held = resident_gib()["rss_gib"] if self.cfg.release_heap_each_step else None
+        released = held is not None and release_free_heap()
+        memory = resident_gib()
+        if released:
+            memory["released_gib"] = held - memory["rss_gib"]
         return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate,
-                "optim_s": time.perf_counter() - started, **resident_gib(), **memory}
+                "optim_s": time.perf_counter() - started, **memory}
 
     # ---- weights for inference -----------------------------------------------------------
     def sync_shards(self) -> dict[str, Shard]:
