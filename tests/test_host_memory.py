@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from meshrl.training.memory import release_free_heap, resident_gib
+from meshrl.training.memory import release_free_heap, reset_peak, resident_gib
 
 # In a fresh interpreter: 256 MiB of 4 MiB blocks served from the heap (mmap threshold raised),
 # touched, then all freed but the last one, which pins the heap's top so that free() alone
@@ -42,3 +42,15 @@ def test_resident_memory_reads_the_kernels_figures():
     memory = resident_gib()
     assert 0 < memory["rss_gib"] <= memory["peak_rss_gib"]
     assert release_free_heap() is sys.platform.startswith("linux")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/clear_refs")
+def test_the_peak_starts_over_at_a_reset():
+    """A freed 300 MiB buffer stays in the peak until reset_peak, which brings it down to the RSS."""
+    buffer = b"\1" * (300 << 20)  # written: resident
+    del buffer
+    before = resident_gib()
+    assert before["peak_rss_gib"] - before["rss_gib"] > 0.25
+    assert reset_peak()
+    after = resident_gib()
+    assert after["peak_rss_gib"] - after["rss_gib"] < 0.05

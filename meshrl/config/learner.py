@@ -72,6 +72,12 @@ class LearnerConfig(Section):
     varied sequences until the host kills the process). Off: the next step reuses those pages
     without faulting them in again. No effect where the C library has no `malloc_trim`."""
 
+    release_heap_each_micro_batch: bool = False
+    """Also hand the free heap back after each micro-batch's backward, so the pages one
+    micro-batch freed (logits, activations) do not stay in an arena beside the next one's: bounds
+    the step's own peak rather than what the learner holds between steps, at the cost of
+    faulting those pages in again."""
+
     torch_threads: int = Field(2, ge=1)
     """torch intra-op threads in the learner process."""
 
