@@ -12,9 +12,9 @@ carry the loss (a new random draw per step, the lengths shuffled). Arms:
 - `step`: the free heap goes back to the kernel after each optimizer step (the default,
   `learner.release_heap_each_step`);
 - `micro-batch`: also after each micro-batch (`learner.release_heap_each_micro_batch`);
-- `mmap`: the step's release, with glibc's mmap threshold fixed at 1 MiB in the learner's process
-  (`MALLOC_MMAP_THRESHOLD_`), so every block of 1 MiB or more is mapped and unmapped instead of
-  kept in an arena;
+- `mmap`: the step's release, with glibc's mmap threshold fixed at 1 MiB
+  (`learner.mmap_threshold_mib`), so every block of 1 MiB or more is mapped and unmapped instead
+  of kept in an arena;
 - `off` (with `--arms`): no release at all.
 
 Per step the learner reports its peak resident memory during the step (the kernel's VmHWM, started
@@ -38,12 +38,12 @@ from learner_mesh import learner_mesh
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARMS = {
-    "step": ({"release_heap_each_step": True}, {}),
-    "micro-batch": ({"release_heap_each_step": True, "release_heap_each_micro_batch": True}, {}),
-    "mmap": ({"release_heap_each_step": True}, {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}),
-    "off": ({"release_heap_each_step": False}, {}),
+    "step": {"release_heap_each_step": True},
+    "micro-batch": {"release_heap_each_step": True, "release_heap_each_micro_batch": True},
+    "mmap": {"release_heap_each_step": True, "mmap_threshold_mib": 1},
+    "off": {"release_heap_each_step": False},
 }
-"""arm -> (learner settings, environment of the learner's process)."""
+"""arm -> its learner settings."""
 
 
 def episode_lengths(run: Path, tokenizer) -> list[tuple[int, int]]:
@@ -84,29 +84,20 @@ def batch(seed: int, lengths: list[tuple[int, int]], vocab: int):
 
 
 def run_arm(name: str, args, cfg, lengths, vocab: int) -> dict:
-    settings, env = ARMS[name]
+    settings = ARMS[name]
     learner_cfg = cfg.learner.model_copy(update={"micro_batch_size": 16, "micro_batch_tokens": 4096, **settings})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the learner's process inherits it; this one read its own at start
-    try:
-        with learner_mesh(cfg, learner_cfg, f"bench-memory-{name}") as client:
-            steps = []
-            for step in range(args.steps):
-                began = time.perf_counter()
-                out = client.forward_backward(batch(step, lengths, vocab), "ppo")
-                client.scale_grads(1.0 / max(out["tokens"], 1.0))
-                m = client.optim_step(learner_cfg.adam_params())
-                steps.append({"step_s": time.perf_counter() - began, "peak_gib": m["peak_rss_gib"],
-                              "rss_after_gib": m["rss_gib"], "released_gib": m.get("released_gib")})
-                print(f"{name:12s} step {step + 1}: {steps[-1]['step_s']:6.1f} s  peak {m['peak_rss_gib']:5.2f} GiB  "
-                      f"after {m['rss_gib']:5.2f} GiB", flush=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return {"arm": name, "settings": settings, "env": env, "steps": steps,
+    steps = []
+    with learner_mesh(cfg, learner_cfg, f"bench-memory-{name}") as client:
+        for step in range(args.steps):
+            began = time.perf_counter()
+            out = client.forward_backward(batch(step, lengths, vocab), "ppo")
+            client.scale_grads(1.0 / max(out["tokens"], 1.0))
+            m = client.optim_step(learner_cfg.adam_params())
+            steps.append({"step_s": time.perf_counter() - began, "peak_gib": m["peak_rss_gib"],
+                          "rss_after_gib": m["rss_gib"], "released_gib": m.get("released_gib")})
+            print(f"{name:12s} step {step + 1}: {steps[-1]['step_s']:6.1f} s  peak {m['peak_rss_gib']:5.2f} GiB  "
+                  f"after {m['rss_gib']:5.2f} GiB", flush=True)
+    return {"arm": name, "settings": settings, "steps": steps,
             "peak_gib_max": max(s["peak_gib"] for s in steps),
             "rss_after_gib_last": steps[-1]["rss_after_gib"],
             "step_s_median": statistics.median(s["step_s"] for s in steps[1:] or steps)}

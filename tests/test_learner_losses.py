@@ -320,22 +320,27 @@ def test_optim_step_reports_the_learners_memory(model_path):
     assert 0 < before["rss_gib"] <= before["peak_rss_gib"]
     assert during["rss_gib"] - before["rss_gib"] > 0.4 and during["peak_rss_gib"] >= during["rss_gib"]
     assert during["released_gib"] > -0.01  # the held tensor stays: releasing frees only free pages
-    del held
+    del held  # after the peak's reset at the end of that step: the next step's peak starts with it
     trainer.cfg.release_heap_each_step = False
-    trainer.forward_backward(_rl_datums(), "ppo")
-    after = trainer.optim_step(AdamParams(learning_rate=1e-5))
+    for _ in range(2):
+        trainer.forward_backward(_rl_datums(), "ppo")
+        after = trainer.optim_step(AdamParams(learning_rate=1e-5))
     assert "released_gib" not in after
-    assert after["peak_rss_gib"] < during["peak_rss_gib"] - 0.4  # the peak was the step's, not the process's
+    assert after["peak_rss_gib"] < during["peak_rss_gib"] - 0.4  # the step's own peak, not the process's
 
 
 def test_the_heap_can_go_back_after_every_micro_batch(model_path, monkeypatch):
     """`release_heap_each_micro_batch` hands the free heap back once per micro-batch, after its
-    backward; off, forward_backward releases nothing (optim_step does, per step)."""
+    backward; off, forward_backward releases nothing (optim_step does, per step).
+    `mmap_threshold_mib` is set in the learner's process when the trainer starts."""
     import meshrl.training.policy as policy
 
-    calls = []
+    calls, thresholds = [], []
     monkeypatch.setattr(policy, "release_free_heap", lambda: calls.append(1) or True)
-    trainer = _trainer(model_path, micro_batch_size=2)
+    monkeypatch.setattr(policy, "set_mmap_threshold", lambda n: thresholds.append(n) or True)
+    trainer = PolicyTrainer(model_path, LearnerConfig(torch_threads=1, micro_batch_size=2, autocast_bf16=False,
+                                                      mmap_threshold_mib=4))
+    assert thresholds == [4 << 20]
     datums = _rl_datums()
     trainer.forward_backward(datums, "ppo")
     assert calls == []

@@ -44,6 +44,22 @@ def _malloc_trim():
     return trim
 
 
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve every heap block of ``nbytes`` or more with its own mapping, unmapped when freed
+    (glibc ``mallopt(M_MMAP_THRESHOLD)``; it also stops glibc raising the threshold as big
+    blocks are freed), so big tensors never stay in an arena. False where the C library cannot."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+_M_MMAP_THRESHOLD = -3
+"""glibc's mallopt parameter number (malloc.h)."""
+
+
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the kernel (glibc ``malloc_trim(0)``); the
     memory the process still uses is untouched. False where the C library cannot (nothing done)."""
