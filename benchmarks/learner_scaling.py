@@ -18,6 +18,7 @@ import statistics
 import time
 
 from common import write_result
+from learner_mesh import learner_mesh
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,25 +39,9 @@ def _batch(seed: int, seqs: int, length: int, vocab: int):
     return out
 
 
-def run_arm(name: str, procs: int, mode: str, threads: int, args, model_path, cfg) -> dict:
-    from meshrl.actors.learner import Learner
-    from meshrl.config.meshes import MeshesConfig
-    from meshrl.meshes.client import MeshClient
-    from meshrl.meshes.supervisor import Supervisor
-    from meshrl.meshes.group import MeshGroup
-    from meshrl.config.launch import LaunchConfig
-    from meshrl.meshes.hosts import Hosts
-    from meshrl.meshes.rendezvous import Rendezvous
-
+def run_arm(name: str, procs: int, mode: str, threads: int, args, cfg) -> dict:
     learner_cfg = cfg.learner.model_copy(update={"data_parallel": mode, "torch_threads": threads})
-    group = MeshGroup(MeshesConfig(learner={"procs": procs}), Hosts.local(LaunchConfig()))
-    try:
-        address = Rendezvous()
-        group.spawn("learner", Learner, str(model_path), cfg.model, learner_cfg, cfg.weight_sync, f"bench-{name}",
-                    address)
-        group.wait_ready(timeout_s=600)
-        client = MeshClient(group, Supervisor(group, cfg.faults), {"learner": 1800.0, "sync": 600.0},
-                            cfg.meshes.chunks_per_replica)
+    with learner_mesh(cfg, learner_cfg, f"bench-{name}", procs) as client:
         times, tokens = [], 0.0
         for step in range(args.steps + 1):
             batch = _batch(step, args.seqs, args.len, args.vocab)
@@ -70,8 +55,6 @@ def run_arm(name: str, procs: int, mode: str, threads: int, args, model_path, cf
         return {"arm": name, "procs": procs, "data_parallel": mode if procs > 1 else "single",
                 "torch_threads": threads, "step_s_median": statistics.median(times),
                 "tokens_per_s": tokens / sum(times)}
-    finally:
-        group.stop()
 
 
 def main() -> None:
@@ -89,13 +72,10 @@ def main() -> None:
 
     cfg = load_config(RunConfig, None, [f"model.name_or_path={args.model}"])
     prepare_environment(cfg.meshes)
-    from meshrl.models.provision import resolve_model
-
-    model_path = resolve_model(args.model)
     cores = os.cpu_count() or 1
-    arms = [run_arm("1 process", 1, "fsdp2", cores, args, model_path, cfg),
-            run_arm("2 processes, FSDP2", 2, "fsdp2", max(1, cores // 2), args, model_path, cfg),
-            run_arm("2 processes, DDP", 2, "ddp", max(1, cores // 2), args, model_path, cfg)]
+    arms = [run_arm("1 process", 1, "fsdp2", cores, args, cfg),
+            run_arm("2 processes, FSDP2", 2, "fsdp2", max(1, cores // 2), args, cfg),
+            run_arm("2 processes, DDP", 2, "ddp", max(1, cores // 2), args, cfg)]
     base = arms[0]["tokens_per_s"]
     for arm in arms:
         arm["ratio_to_1_process"] = arm["tokens_per_s"] / base

@@ -307,19 +307,43 @@ def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path)
 
 
 def test_optim_step_reports_the_learners_memory(model_path):
-    """A step's metrics carry the learner's resident memory and its peak (a run's JSONL shows the
-    learner growing before the host kills it), and the free heap handed back before (unless
-    `release_heap_each_step` is off); a big allocation held across a step shows in both."""
+    """A step's metrics carry the learner's resident memory and the step's own peak (a run's JSONL
+    shows the learner growing before the host kills it), and the free heap handed back before
+    (unless `release_heap_each_step` is off); a big allocation held across a step shows in both,
+    and the next step's peak no longer counts it once it is freed."""
     trainer = _trainer(model_path)
     trainer.forward_backward(_rl_datums(), "ppo")
     before = trainer.optim_step(AdamParams(learning_rate=1e-5))
     held = torch.ones(512 << 20, dtype=torch.uint8)  # 512 MiB, touched
     trainer.forward_backward(_rl_datums(), "ppo")
-    after = trainer.optim_step(AdamParams(learning_rate=1e-5))
-    assert 0 < before["rss_gib"] <= before["peak_rss_gib"] <= after["peak_rss_gib"]
-    assert after["rss_gib"] - before["rss_gib"] > 0.4 and after["peak_rss_gib"] >= after["rss_gib"]
-    assert after["released_gib"] > -0.01  # the held tensor stays: releasing frees only free pages
-    del held
+    during = trainer.optim_step(AdamParams(learning_rate=1e-5))
+    assert 0 < before["rss_gib"] <= before["peak_rss_gib"]
+    assert during["rss_gib"] - before["rss_gib"] > 0.4 and during["peak_rss_gib"] >= during["rss_gib"]
+    assert during["released_gib"] > -0.01  # the held tensor stays: releasing frees only free pages
+    del held  # after the peak's reset at the end of that step: the next step's peak starts with it
     trainer.cfg.release_heap_each_step = False
-    trainer.forward_backward(_rl_datums(), "ppo")
-    assert "released_gib" not in trainer.optim_step(AdamParams(learning_rate=1e-5))
+    for _ in range(2):
+        trainer.forward_backward(_rl_datums(), "ppo")
+        after = trainer.optim_step(AdamParams(learning_rate=1e-5))
+    assert "released_gib" not in after
+    assert after["peak_rss_gib"] < during["peak_rss_gib"] - 0.4  # the step's own peak, not the process's
+
+
+def test_the_heap_can_go_back_after_every_micro_batch(model_path, monkeypatch):
+    """`release_heap_each_micro_batch` hands the free heap back once per micro-batch, after its
+    backward; off, forward_backward releases nothing (optim_step does, per step).
+    `mmap_threshold_mib` is set in the learner's process when the trainer starts."""
+    import meshrl.training.policy as policy
+
+    calls, thresholds = [], []
+    monkeypatch.setattr(policy, "release_free_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(policy, "set_mmap_threshold", lambda n: thresholds.append(n) or True)
+    trainer = PolicyTrainer(model_path, LearnerConfig(torch_threads=1, micro_batch_size=2, autocast_bf16=False,
+                                                      mmap_threshold_mib=4))
+    assert thresholds == [4 << 20]
+    datums = _rl_datums()
+    trainer.forward_backward(datums, "ppo")
+    assert calls == []
+    trainer.cfg.release_heap_each_micro_batch = True
+    trainer.forward_backward(datums, "ppo")
+    assert len(calls) == -(-len(datums) // 2)

@@ -15,10 +15,23 @@ import functools
 
 
 def resident_gib() -> dict[str, float]:
-    """This process's resident memory now (``rss_gib``) and its peak so far (``peak_rss_gib``)."""
+    """This process's resident memory now (``rss_gib``) and its peak (``peak_rss_gib``) since it
+    started or since the last :func:`reset_peak`."""
     with open("/proc/self/status") as f:  # VmHWM is the kernel's high-water mark of VmRSS, never below it
         kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
     return {"rss_gib": kib["VmRSS"] / 2**20, "peak_rss_gib": kib["VmHWM"] / 2**20}
+
+
+def reset_peak() -> bool:
+    """Start the kernel's peak-resident-memory mark (VmHWM) over from the current RSS, so the next
+    :func:`resident_gib` reports the peak of what ran in between (Linux 4.0+). False where the
+    kernel does not allow it (nothing done)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 @functools.cache
@@ -29,6 +42,22 @@ def _malloc_trim():
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve every heap block of ``nbytes`` or more with its own mapping, unmapped when freed
+    (glibc ``mallopt(M_MMAP_THRESHOLD)``; it also stops glibc raising the threshold as big
+    blocks are freed), so big tensors never stay in an arena. False where the C library cannot."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+_M_MMAP_THRESHOLD = -3
+"""glibc's mallopt parameter number (malloc.h)."""
 
 
 def release_free_heap() -> bool:

@@ -23,7 +23,7 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
-from meshrl.training.memory import release_free_heap, resident_gib
+from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -97,6 +97,8 @@ class PolicyTrainer:
 
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.torch_threads)
+        if cfg.mmap_threshold_mib:
+            set_mmap_threshold(cfg.mmap_threshold_mib << 20)
         self.cfg = cfg
         self.model_path = Path(model_path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,7 +206,8 @@ class PolicyTrainer:
         nothing). ``tokens`` counts the positions that carry a training signal (the loss's
         ``signal``, else every position it reads): the policy entropy is their mean, and the
         micro-batches' metrics are weighted by them. ``padding`` datums add nothing (see
-        :meth:`_passes`)."""
+        :meth:`_passes`). With `learner.release_heap_each_micro_batch` the free heap goes back to
+        the kernel after each micro-batch."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         started = time.perf_counter()
@@ -227,6 +230,9 @@ class PolicyTrainer:
             weight = n_signal if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
             parts.append((float(weight), metrics))
             tokens += n_signal
+            if self.cfg.release_heap_each_micro_batch:
+                del fp, out, signal  # this micro-batch's logits and activations, before the release
+                release_free_heap()
         result = combine_metrics(parts)
         result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
         if outputs:
@@ -291,9 +297,10 @@ class PolicyTrainer:
     def optim_step(self, adam: AdamParams | DimuonParams) -> dict:
         """Apply the accumulated gradients with the optimizer (AdamW, or a LoRA adapter's Dimuon:
         ``adam`` must be that optimizer's parameters), then clear them. Reports the gradient norm,
-        the learning rate, the seconds and this process's memory (`rss_gib`, `peak_rss_gib`; with
-        `learner.release_heap_each_step`, `released_gib`: the free heap handed back to the kernel
-        first, meshrl.training.memory)."""
+        the learning rate, the seconds and this process's memory: `rss_gib` after the step,
+        `peak_rss_gib` the peak since the previous optim_step (the step's own), and with
+        `learner.release_heap_each_step` `released_gib`, the free heap handed back to the kernel
+        first (meshrl.training.memory)."""
         started = time.perf_counter()
         set_step_params(self.optimizer, adam)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -309,6 +316,7 @@ class PolicyTrainer:
         held = resident_gib()["rss_gib"] if self.cfg.release_heap_each_step else None
         released = held is not None and release_free_heap()
         memory = resident_gib()
+        reset_peak()  # the next step's peak is its own
         if released:
             memory["released_gib"] = held - memory["rss_gib"]
         return {"grad_norm": float(local_value(norm)), "lr": adam.learning_rate,

@@ -1,0 +1,142 @@
+"""The learner's host memory per step, with the free heap handed back at different points, side by side.
+
+    python benchmarks/learner_memory.py [--steps 3] [--run benchmarks/results/runs/ablation-baseline-code-s2]
+
+Each arm is a real learner mesh (a Monarch process, the real model, the code tier's learner
+settings: bf16 autocast, micro-batches of at most 16 sequences and 4096 padded tokens, 2 torch
+threads) that trains ``--steps`` policy-gradient steps (forward_backward with `ppo`, scale_grads,
+optim_step) on batches of random tokens shaped like the last training step of a committed code-tier
+run: one sequence per episode, as long as that episode's tokens, of which its completions' tokens
+carry the loss (a new random draw per step, the lengths shuffled). Arms:
+
+- `step`: the free heap goes back to the kernel after each optimizer step (the default,
+  `learner.release_heap_each_step`);
+- `micro-batch`: also after each micro-batch (`learner.release_heap_each_micro_batch`);
+- `mmap`: the step's release, with glibc's mmap threshold fixed at 1 MiB
+  (`learner.mmap_threshold_mib`), so every block of 1 MiB or more is mapped and unmapped instead
+  of kept in an arena;
+- `off` (with `--arms`): no release at all.
+
+Per step the learner reports its peak resident memory during the step (the kernel's VmHWM, started
+over after each optimizer step), its resident memory after it, and the step's seconds. Writes
+benchmarks/results/learner_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from common import write_result
+from learner_mesh import learner_mesh
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ARMS = {
+    "step": {"release_heap_each_step": True},
+    "micro-batch": {"release_heap_each_step": True, "release_heap_each_micro_batch": True},
+    "mmap": {"release_heap_each_step": True, "mmap_threshold_mib": 1},
+    "off": {"release_heap_each_step": False},
+}
+"""arm -> its learner settings."""
+
+
+def episode_lengths(run: Path, tokenizer) -> list[tuple[int, int]]:
+    """(tokens, completion tokens) of each episode of ``run``'s last training step (its last
+    prompts_per_step x group_size training episodes in trajectories.jsonl), counted with the
+    model's tokenizer; only their lengths are used."""
+    import yaml
+
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    per_step = config["trainer"]["prompts_per_step"] * config["trainer"]["group_size"]
+    episodes = [json.loads(line) for line in (run / "trajectories.jsonl").open()]
+    episodes = [e for e in episodes if not e["episode_id"].startswith("eval")][-per_step:]
+    out = []
+    for e in episodes:
+        total = len(tokenizer.apply_chat_template(e["messages"], tokenize=True, return_dict=True)["input_ids"])
+        completion = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                         for m in e["messages"] if m["role"] == "assistant")
+        out.append((total, min(completion, total - 1)))
+    return out
+
+
+def batch(seed: int, lengths: list[tuple[int, int]], vocab: int):
+    """Random-token datums of these lengths in a seeded order; advantages +-0.5 on the completions."""
+    import torch
+
+    from meshrl.types import Datum
+
+    order = list(lengths)
+    random.Random(seed).shuffle(order)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (n, completion) in enumerate(order):
+        prompt = n - completion
+        out.append(Datum.from_sequence(torch.randint(0, vocab, (n,), generator=g).tolist(),
+                                       mask=[0] * prompt + [1] * completion, logprobs=[-2.0] * n,
+                                       advantages=[0.0] * prompt + [0.5 - (i % 2)] * completion))
+    return out
+
+
+def run_arm(name: str, args, cfg, lengths, vocab: int) -> dict:
+    settings = ARMS[name]
+    learner_cfg = cfg.learner.model_copy(update={"micro_batch_size": 16, "micro_batch_tokens": 4096, **settings})
+    steps = []
+    with learner_mesh(cfg, learner_cfg, f"bench-memory-{name}") as client:
+        for step in range(args.steps):
+            began = time.perf_counter()
+            out = client.forward_backward(batch(step, lengths, vocab), "ppo")
+            client.scale_grads(1.0 / max(out["tokens"], 1.0))
+            m = client.optim_step(learner_cfg.adam_params())
+            steps.append({"step_s": time.perf_counter() - began, "peak_gib": m["peak_rss_gib"],
+                          "rss_after_gib": m["rss_gib"], "released_gib": m.get("released_gib")})
+            print(f"{name:12s} step {step + 1}: {steps[-1]['step_s']:6.1f} s  peak {m['peak_rss_gib']:5.2f} GiB  "
+                  f"after {m['rss_gib']:5.2f} GiB", flush=True)
+    return {"arm": name, "settings": settings, "steps": steps,
+            "peak_gib_max": max(s["peak_gib"] for s in steps),
+            "rss_after_gib_last": steps[-1]["rss_after_gib"],
+            "step_s_median": statistics.median(s["step_s"] for s in steps[1:] or steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--run", type=Path, default=Path("benchmarks/results/runs/ablation-baseline-code-s2"),
+                        help="a committed code-tier run whose last training step gives the sequence lengths")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["step", "micro-batch", "mmap"])
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.meshes.local import prepare_environment
+    from meshrl.models.provision import resolve_model
+
+    cfg = load_config(RunConfig, None, [f"model.name_or_path={args.model}"])
+    prepare_environment(cfg.meshes)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    lengths = episode_lengths(args.run, tokenizer)
+    load_before = os.getloadavg()[0]
+    arms = [run_arm(name, args, cfg, lengths, len(tokenizer)) for name in args.arms]
+    base = next((a for a in arms if a["arm"] == "step"), arms[0])
+    for arm in arms:
+        arm["peak_vs_step"] = arm["peak_gib_max"] / base["peak_gib_max"]
+        arm["time_vs_step"] = arm["step_s_median"] / base["step_s_median"]
+        print(f"{arm['arm']:12s} peak {arm['peak_gib_max']:5.2f} GiB (x{arm['peak_vs_step']:.2f})  "
+              f"step {arm['step_s_median']:6.1f} s (x{arm['time_vs_step']:.2f})")
+    write_result("learner_memory", {
+        "model": args.model, "run": str(args.run), "steps": args.steps, "sequences": len(lengths),
+        "tokens_per_step": sum(n for n, _ in lengths), "completion_tokens_per_step": sum(c for _, c in lengths),
+        "longest": max(n for n, _ in lengths), "arms": arms,
+        "load_average_1m": [load_before, os.getloadavg()[0]]})
+
+
+if __name__ == "__main__":
+    main()
