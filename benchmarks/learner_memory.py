@@ -9,9 +9,10 @@ optim_step) on batches of random tokens shaped like the last training step of a 
 run: one sequence per episode, as long as that episode's tokens, of which its completions' tokens
 carry the loss (a new random draw per step, the lengths shuffled). Arms:
 
-- `step`: the free heap goes back to the kernel after each optimizer step (the default,
-  `learner.release_heap_each_step`);
-- `micro-batch`: also after each micro-batch (`learner.release_heap_each_micro_batch`);
+- `step`: the free heap goes back to the kernel after each optimizer step only
+  (`learner.release_heap_each_step`);
+- `micro-batch`: also after each micro-batch (`learner.release_heap_each_micro_batch`; the
+  default, on this benchmark's figures);
 - `mmap`: the step's release, with glibc's mmap threshold fixed at 1 MiB
   (`learner.mmap_threshold_mib`), so every block of 1 MiB or more is mapped and unmapped instead
   of kept in an arena;
@@ -38,10 +39,10 @@ from learner_mesh import learner_mesh
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARMS = {
-    "step": {"release_heap_each_step": True},
+    "step": {"release_heap_each_step": True, "release_heap_each_micro_batch": False},
     "micro-batch": {"release_heap_each_step": True, "release_heap_each_micro_batch": True},
-    "mmap": {"release_heap_each_step": True, "mmap_threshold_mib": 1},
-    "off": {"release_heap_each_step": False},
+    "mmap": {"release_heap_each_step": True, "release_heap_each_micro_batch": False, "mmap_threshold_mib": 1},
+    "off": {"release_heap_each_step": False, "release_heap_each_micro_batch": False},
 }
 """arm -> its learner settings."""
 

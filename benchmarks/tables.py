@@ -231,15 +231,15 @@ def learner_scaling(d: dict) -> str:
 
 @renders("learner_memory", "python benchmarks/learner_memory.py", "The learner's memory per step, by when the free heap goes back")
 def learner_memory(d: dict) -> str:
-    what = {"step": "after each optimizer step (default)", "micro-batch": "also after each micro-batch",
+    what = {"step": "after each optimizer step", "micro-batch": "also after each micro-batch (default)",
             "mmap": "after each step, mmap threshold 1 MiB", "off": "never"}
     rows = [[a["arm"], what[a["arm"]], num(a["peak_gib_max"], 2, " GiB"), num(a["peak_vs_step"], 2, "x"),
              num(a["rss_after_gib_last"], 2, " GiB"), num(a["step_s_median"], 1, " s"), num(a["time_vs_step"], 2, "x")]
             for a in d["arms"]]
     return (f"{d['model']}, {d['sequences']} sequences per step ({d['tokens_per_step']:,} tokens, the longest "
             f"{d['longest']}) shaped like the last training step of `{d['run']}`, {d['steps']} steps per arm.\n\n"
-            + table(["arm", "free heap back", "step's peak RSS", "vs default", "RSS after the step",
-                     "median step", "vs default"], rows))
+            + table(["arm", "free heap back", "step's peak RSS", "vs step", "RSS after the step",
+                     "median step", "vs step"], rows))
 
 
 @renders("pipeline_simulated", "python benchmarks/pipeline.py simulated", "Step time, synchronous and asynchronous, simulated meshes")

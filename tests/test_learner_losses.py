@@ -339,7 +339,7 @@ def test_the_heap_can_go_back_after_every_micro_batch(model_path, monkeypatch):
     monkeypatch.setattr(policy, "release_free_heap", lambda: calls.append(1) or True)
     monkeypatch.setattr(policy, "set_mmap_threshold", lambda n: thresholds.append(n) or True)
     trainer = PolicyTrainer(model_path, LearnerConfig(torch_threads=1, micro_batch_size=2, autocast_bf16=False,
-                                                      mmap_threshold_mib=4))
+                                                      mmap_threshold_mib=4, release_heap_each_micro_batch=False))
     assert thresholds == [4 << 20]
     datums = _rl_datums()
     trainer.forward_backward(datums, "ppo")

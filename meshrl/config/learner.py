@@ -72,17 +72,19 @@ class LearnerConfig(Section):
     varied sequences until the host kills the process). Off: the next step reuses those pages
     without faulting them in again. No effect where the C library has no `malloc_trim`."""
 
-    release_heap_each_micro_batch: bool = False
+    release_heap_each_micro_batch: bool = True
     """Also hand the free heap back after each micro-batch's backward, so the pages one
     micro-batch freed (logits, activations) do not stay in an arena beside the next one's: bounds
     the step's own peak rather than what the learner holds between steps, at the cost of
-    faulting those pages in again."""
+    faulting those pages in again (measured on code-tier batches: 0.85x the step's peak at 1.01x
+    its time, benchmarks/learner_memory.py)."""
 
     mmap_threshold_mib: int = Field(0, ge=0, le=32)
     """Serve every heap block of this many MiB or more with a mapping of its own, handed back to
     the kernel when freed (glibc's `M_MMAP_THRESHOLD`), so big tensors never stay in malloc's
-    arenas; 0: glibc's default (a threshold that rises up to 32 MiB as big blocks are freed). No
-    effect where the C library has no `mallopt`."""
+    arenas; 0: glibc's default (a threshold that rises up to 32 MiB as big blocks are freed).
+    Measured at 1 MiB on code-tier batches: 0.71x the step's peak at 1.20x its time (every big
+    tensor is faulted in anew). No effect where the C library has no `mallopt`."""
 
     torch_threads: int = Field(2, ge=1)
     """torch intra-op threads in the learner process."""
