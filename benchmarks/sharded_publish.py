@@ -57,6 +57,7 @@ from weight_sync import memcpy_gbps  # noqa: E402
 
 from meshrl.config.weight_sync import WeightSyncConfig  # noqa: E402
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec  # noqa: E402
+from meshrl.training.memory import reset_peak, resident_gib  # noqa: E402
 from meshrl.transport.weight_store import WeightPublisher, WeightPuller, silence_tcp_fallback_warning  # noqa: E402
 
 STORE = "bench-sharded"
@@ -118,24 +119,18 @@ def expected_rows(index: int, start: int, rows: int, shape: tuple[int, ...]) -> 
 
 
 def rss() -> int:
-    return _status("VmRSS")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    return round(resident_gib()["rss_gib"] * 2**30)
 
 
 def measured(fn):
     """``fn()``'s result, its seconds, and the RSS high-water mark during it above the RSS before."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = rss()
+    reset_peak()
+    before = resident_gib()["rss_gib"]
     started = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - started
-    return out, seconds, _status("VmHWM") - before
+    return out, seconds, round((resident_gib()["peak_rss_gib"] - before) * 2**30)
 
 
 class Rank(Actor):
