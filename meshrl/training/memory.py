@@ -35,25 +35,22 @@ def reset_peak() -> bool:
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+def _libc_function(name: str, argtypes: tuple, restype):
+    """The C library's function ``name`` (glibc's ``malloc_trim``, ``mallopt``), or None where it
+    has none (musl, macOS)."""
+    lib = ctypes.util.find_library("c")
+    fn = getattr(ctypes.CDLL(lib), name, None) if lib else None
+    if fn is not None:
+        fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
     """Serve every heap block of ``nbytes`` or more with its own mapping, unmapped when freed
     (glibc ``mallopt(M_MMAP_THRESHOLD)``; it also stops glibc raising the threshold as big
     blocks are freed), so big tensors never stay in an arena. False where the C library cannot."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    if mallopt is None:
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
 
 
 _M_MMAP_THRESHOLD = -3
@@ -63,7 +60,7 @@ _M_MMAP_THRESHOLD = -3
 def release_free_heap() -> bool:
     """Return the free pages of every malloc arena to the kernel (glibc ``malloc_trim(0)``); the
     memory the process still uses is untouched. False where the C library cannot (nothing done)."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is None:
         return False
     trim(0)
