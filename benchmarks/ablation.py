@@ -1,6 +1,6 @@
 """Do the channels help? The ablation arms (baseline, +SDPO, +replay, full) with the same seeds,
 steps and held-out evals, on arithmetic and on the easy code tier, plus the contrast arms (replay
-with student-copy teachers; SDPO at other alphas).
+with student-copy teachers; SDPO at other alphas; replay at other betas).
 
     python benchmarks/ablation.py                        # the plan below, resuming what is done
     python benchmarks/ablation.py --arms baseline sdpo --tasks arithmetic --seeds 0
@@ -10,7 +10,8 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 4 steps) and on the easy code tier (`task.code.env.task_source=meshrl_easy`, 16 steps, evals of
 50 tasks every 4), seeds 0 1 2; then on arithmetic seed 0 the contrast arms `replay-student`
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
-and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1).
+and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.3`,
+`replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1).
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The replay arms'
 teachers are the oracle teacher server (meshrl.teachers.oracle: it knows each task's answer and
@@ -54,9 +55,18 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "replay-student": ("replay-student", []),
     "sdpo-a0.05": ("sdpo", ["sdpo.alpha=0.05"]),
     "sdpo-a0.3": ("sdpo", ["sdpo.alpha=0.3"]),
+    "replay-b0.3": ("replay", ["replay.beta=0.3"]),
+    "replay-b1.0": ("replay", ["replay.beta=1.0"]),
 }
 """arm -> (configs/ablation-<name>.yaml, extra overrides)."""
 TEACHERS = {"replay": "oracle", "full": "oracle", "replay-student": "student"}
+"""config -> the teachers its arms need."""
+
+
+def teacher_kind(arm: str) -> str | None:
+    """The teachers ``arm`` needs ("oracle", "student"), or None."""
+    return TEACHERS.get(ARMS[arm][0])
+
 
 TASK_OVERRIDES = {
     "arithmetic": [],
@@ -83,7 +93,7 @@ def command(arm: str, task: str, seed: int, s: dict) -> list[str]:
     config, extra = ARMS[arm]
     size = f"task.code.heldout_limit={s['eval_size']}" if task == "code" else f"trainer.eval.size={s['eval_size']}"
     overrides = [f"trainer.seed={seed}", f"generator.seed={seed}", *TASK_OVERRIDES[task], size, *extra]
-    if task == "code" and arm in TEACHERS:
+    if task == "code" and teacher_kind(arm):
         overrides.append("replay.teachers.canonicaliser=code")
     return [sys.executable, "-m", "meshrl.cli", "train", "-c", f"configs/ablation-{config}.yaml",
             f"trainer.steps={s['steps']}", f"trainer.eval.every={s['eval_every']}", f"output.dir={RUNS}",
@@ -246,7 +256,7 @@ def main() -> None:
         arm, task, seed = key
         s = settings(task, args)
         served: dict = {}
-        with teachers(TEACHERS.get(arm), task, args, served), LoadSampler() as load:
+        with teachers(teacher_kind(arm), task, args, served), LoadSampler() as load:
             started = time.perf_counter()
             cmd = command(arm, task, seed, s)
             print("$", " ".join(cmd), flush=True)

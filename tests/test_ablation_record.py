@@ -38,8 +38,8 @@ def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last(
     assert keys[:4] == [(arm, "arithmetic", 0) for arm in ablation.MAIN_ARMS]
     assert keys[4:8] == [(arm, "arithmetic", 1) for arm in ablation.MAIN_ARMS]
     assert keys[8:12] == [(arm, "code", 0) for arm in ablation.MAIN_ARMS]
-    assert keys[12:] == [("replay-student", "arithmetic", 0), ("sdpo-a0.05", "arithmetic", 0),
-                         ("sdpo-a0.3", "arithmetic", 0)]
+    assert keys[12:] == [(arm, "arithmetic", 0) for arm in ("replay-student", "sdpo-a0.05", "sdpo-a0.3",
+                                                            "replay-b0.3", "replay-b1.0")]
 
 
 def test_commands_select_the_arms_config_task_and_seed():
@@ -53,6 +53,14 @@ def test_commands_select_the_arms_config_task_and_seed():
     assert "configs/ablation-sdpo.yaml" in sweep and "sdpo.alpha=0.3" in sweep and "trainer.eval.size=200" in sweep
     for arm, (config, _) in ablation.ARMS.items():
         assert (ROOT / "configs" / f"ablation-{config}.yaml").exists(), arm
+
+
+def test_a_sweep_arm_gets_the_teachers_of_its_config():
+    assert ablation.teacher_kind("replay-b1.0") == ablation.teacher_kind("replay") == "oracle"
+    assert ablation.teacher_kind("replay-student") == "student"
+    assert ablation.teacher_kind("sdpo-a0.3") is None
+    cmd = ablation.command("replay-b1.0", "code", 0, ablation.settings("code", _args()))
+    assert "replay.beta=1.0" in cmd and "replay.teachers.canonicaliser=code" in cmd
 
 
 def test_a_run_file_counts_only_with_the_same_settings(tmp_path, monkeypatch):
