@@ -1,6 +1,6 @@
 """Do the channels help? The ablation arms (baseline, +SDPO, +replay, full) with the same seeds,
 steps and held-out evals, on arithmetic and on the easy code tier, plus the contrast arms (replay
-with student-copy teachers; SDPO at other alphas; replay at other betas).
+with student-copy teachers; SDPO at other alphas; replay at other betas and teacher error rates).
 
     python benchmarks/ablation.py                        # the plan below, resuming what is done
     python benchmarks/ablation.py --arms baseline sdpo --tasks arithmetic --seeds 0
@@ -11,7 +11,8 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 50 tasks every 4), seeds 0 1 2; then on arithmetic seed 0 the contrast arms `replay-student`
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
 and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.3`,
-`replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1).
+`replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1), `replay-e0`, `replay-e0.4`
+(the oracle teacher wrong never or 40 % of the time; `replay`'s is wrong 20 %, `--oracle-error-rate`).
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The replay arms'
 teachers are the oracle teacher server (meshrl.teachers.oracle: it knows each task's answer and
@@ -57,15 +58,29 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "sdpo-a0.3": ("sdpo", ["sdpo.alpha=0.3"]),
     "replay-b0.3": ("replay", ["replay.beta=0.3"]),
     "replay-b1.0": ("replay", ["replay.beta=1.0"]),
+    "replay-e0": ("replay", []),
+    "replay-e0.4": ("replay", []),
 }
 """arm -> (configs/ablation-<name>.yaml, extra overrides)."""
 TEACHERS = {"replay": "oracle", "full": "oracle", "replay-student": "student"}
 """config -> the teachers its arms need."""
 
 
+ORACLE_ARMS = {"replay-e0": {"error_rate": 0.0}, "replay-e0.4": {"error_rate": 0.4}}
+"""arm -> the oracle teacher's settings it sets over the command line's (the teacher sweep)."""
+
+
 def teacher_kind(arm: str) -> str | None:
     """The teachers ``arm`` needs ("oracle", "student"), or None."""
     return TEACHERS.get(ARMS[arm][0])
+
+
+def oracle_config(arm: str, task: str, args: argparse.Namespace):
+    """The oracle teacher's settings for ``arm`` on ``task``."""
+    from meshrl.teachers.oracle import OracleConfig
+
+    return OracleConfig(**{**ORACLE[task], "error_rate": args.oracle_error_rate, "latency_s": args.oracle_latency_s,
+                           "seed": 0, **ORACLE_ARMS.get(arm, {})})
 
 
 TASK_OVERRIDES = {
@@ -182,16 +197,17 @@ def commit(paths: list[Path], message: str) -> None:
 
 
 @contextlib.contextmanager
-def teachers(kind: str | None, task: str, args: argparse.Namespace, record: dict):
-    """The teacher server an arm needs on TEACHER_PORT (None: no teachers); the oracle's settings
-    and counters go into ``record["oracle"]`` when the arm is over."""
+def teachers(arm: str, task: str, args: argparse.Namespace, record: dict):
+    """The teacher server ``arm`` needs on TEACHER_PORT (if any); the oracle's settings and
+    counters go into ``record["oracle"]`` when the arm is over."""
+    kind = teacher_kind(arm)
     if kind is None or args.no_teacher_server:
         yield
         return
     if kind == "oracle":
-        from meshrl.teachers.oracle import OracleConfig, OracleTeacherServer
+        from meshrl.teachers.oracle import OracleTeacherServer
 
-        cfg = OracleConfig(**ORACLE[task], error_rate=args.oracle_error_rate, latency_s=args.oracle_latency_s, seed=0)
+        cfg = oracle_config(arm, task, args)
         with OracleTeacherServer(cfg, port=TEACHER_PORT) as server:
             yield
             record["oracle"] = {**cfg.model_dump(), "stats": server.stats()}
@@ -256,7 +272,7 @@ def main() -> None:
         arm, task, seed = key
         s = settings(task, args)
         served: dict = {}
-        with teachers(teacher_kind(arm), task, args, served), LoadSampler() as load:
+        with teachers(arm, task, args, served), LoadSampler() as load:
             started = time.perf_counter()
             cmd = command(arm, task, seed, s)
             print("$", " ".join(cmd), flush=True)

@@ -39,7 +39,8 @@ def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last(
     assert keys[4:8] == [(arm, "arithmetic", 1) for arm in ablation.MAIN_ARMS]
     assert keys[8:12] == [(arm, "code", 0) for arm in ablation.MAIN_ARMS]
     assert keys[12:] == [(arm, "arithmetic", 0) for arm in ("replay-student", "sdpo-a0.05", "sdpo-a0.3",
-                                                            "replay-b0.3", "replay-b1.0")]
+                                                            "replay-b0.3", "replay-b1.0", "replay-e0",
+                                                            "replay-e0.4")]
 
 
 def test_commands_select_the_arms_config_task_and_seed():
@@ -61,6 +62,14 @@ def test_a_sweep_arm_gets_the_teachers_of_its_config():
     assert ablation.teacher_kind("sdpo-a0.3") is None
     cmd = ablation.command("replay-b1.0", "code", 0, ablation.settings("code", _args()))
     assert "replay.beta=1.0" in cmd and "replay.teachers.canonicaliser=code" in cmd
+
+
+def test_the_teacher_sweep_arms_set_the_oracles_error_rate_over_the_command_line():
+    args = _args(oracle_error_rate=0.2, oracle_latency_s=0.5)
+    assert ablation.oracle_config("replay", "arithmetic", args).error_rate == 0.2
+    never = ablation.oracle_config("replay-e0", "code", args)
+    assert (never.error_rate, never.latency_s, never.task, never.code_source) == (0.0, 0.5, "code", "meshrl_easy")
+    assert ablation.oracle_config("replay-e0.4", "arithmetic", args).error_rate == 0.4
 
 
 def test_a_run_file_counts_only_with_the_same_settings(tmp_path, monkeypatch):
