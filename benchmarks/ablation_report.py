@@ -93,8 +93,8 @@ def summarise(runs: list[dict]) -> dict:
     return tasks
 
 
-ARM_ORDER = ("baseline", "sdpo", "replay", "full", "replay-student", "sdpo-a0.05", "sdpo-a0.3", "replay-b0.3",
-             "replay-b1.0", "replay-e0", "replay-e0.4")
+ARM_ORDER = ("baseline", "sdpo", "replay", "full", "replay-student", "sdpo-a0.05", "sdpo-a0.3", "replay-b0.03",
+             "replay-b0.3", "replay-b1.0", "replay-e0", "replay-e0.4")
 
 
 def plot(tasks: dict, out: Path, runs: list[dict]) -> None:
@@ -105,7 +105,7 @@ def plot(tasks: dict, out: Path, runs: list[dict]) -> None:
 
     fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
     colours = dict(zip(ARM_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                                    "tab:olive", "tab:cyan", "tab:pink", "tab:gray")))
+                                    "gold", "tab:olive", "tab:cyan", "tab:pink", "tab:gray")))
     for row, (task, t) in zip(axes, tasks.items()):
         by_step, by_time = row
         for arm, a in sorted(t["arms"].items(), key=lambda kv: ARM_ORDER.index(kv[0])):
