@@ -295,8 +295,9 @@ def main() -> None:
         if args.commit:
             commit([run_file(key), *written], f"Ablation run {run_name(*key)}: {len(run['evals'])} evals, "
                    f"last {100 * run['evals'][-1]['accuracy']:.1f}%, {run['mean_step_s']:.1f} s/step")
-    written = [*write_summary(RUN_FILES), *render_tables()]
-    print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in written))
+    if not todo:  # each run rebuilt (and with --commit committed) the summary as it ended
+        written = [*write_summary(RUN_FILES), *render_tables()]
+        print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in written))
 
 
 if __name__ == "__main__":
