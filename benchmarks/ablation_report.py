@@ -95,39 +95,72 @@ def summarise(runs: list[dict]) -> dict:
 
 ARM_ORDER = ("baseline", "sdpo", "replay", "full", "replay-student", "sdpo-a0.05", "sdpo-a0.3", "replay-b0.03",
              "replay-b0.3", "replay-b1.0", "replay-e0", "replay-e0.4")
+MAIN_ARMS = ARM_ORDER[:4]
+COLOURS = dict(zip(ARM_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                               "gold", "tab:olive", "tab:cyan", "tab:pink", "tab:gray")))
+
+
+def _runs_of(runs: list[dict], task: str, t: dict, arm: str, seed: int | None = None) -> list[dict]:
+    return [r for r in runs if r["arm"] == arm and r["task"] == task and (seed is None or r["seed"] == seed)
+            and all(r[k] == t["settings"][k] for k in SETTINGS)]
+
+
+def _main_row(row, task: str, t: dict, runs: list[dict]) -> None:
+    """The main arms over their seeds: by step (mean ± std, thin per seed) and by training time."""
+    by_step, by_time = row
+    for arm in (a for a in MAIN_ARMS if a in t["arms"]):
+        a, c = t["arms"][arm], COLOURS[arm]
+        steps = [p["step"] for p in a["curve"]]
+        mean = [100 * p["mean"] for p in a["curve"]]
+        std = [100 * p["std"] for p in a["curve"]]
+        for r in _runs_of(runs, task, t, arm):
+            by_step.plot([e["step"] for e in r["evals"]], [100 * e["accuracy"] for e in r["evals"]],
+                         color=c, alpha=0.25, linewidth=0.8)
+        label = f"{arm} ({len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''})"
+        by_step.plot(steps, mean, color=c, linewidth=2, label=label)
+        if len(a["seeds"]) > 1:
+            by_step.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                 color=c, alpha=0.12)
+        by_time.plot([p["train_s"] / 60 for p in a["curve"]], mean, color=c, linewidth=2, marker="o", markersize=3,
+                     label=label)
+    by_step.set(xlabel="step", ylabel="held-out greedy accuracy (%)",
+                title=f"{task}: mean ± std over seeds (thin: each seed)")
+    by_time.set(xlabel="training minutes (evals excluded), mean over seeds", ylabel="held-out greedy accuracy (%)",
+                title=f"{task}: accuracy at equal wall-clock")
+
+
+def _sweep_row(row, task: str, t: dict, runs: list[dict], seed: int) -> None:
+    """Seed ``seed``'s runs of every arm, the sweeps (dashed) beside the main arms of the same seed."""
+    by_step, by_time = row
+    for arm in (a for a in ARM_ORDER if a in t["arms"]):
+        for r in _runs_of(runs, task, t, arm, seed):
+            style = {"color": COLOURS[arm], "linestyle": "-" if arm in MAIN_ARMS else "--", "linewidth": 1.6,
+                     "label": arm}
+            acc = [100 * e["accuracy"] for e in r["evals"]]
+            by_step.plot([e["step"] for e in r["evals"]], acc, **style)
+            by_time.plot([e["train_s"] / 60 for e in r["evals"]], acc, marker="o", markersize=3, **style)
+    by_step.set(xlabel="step", ylabel="held-out greedy accuracy (%)",
+                title=f"{task}, seed {seed}: the sweeps (dashed) beside that seed's main arms")
+    by_time.set(xlabel="training minutes (evals excluded)", ylabel="held-out greedy accuracy (%)",
+                title=f"{task}, seed {seed}: the sweeps at equal wall-clock")
 
 
 def plot(tasks: dict, out: Path, runs: list[dict]) -> None:
+    """Per task a row of the main arms; per task with sweep arms a row of their seed's runs (a
+    one-seed sweep is compared with its own seed's baseline, not with a mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
-    colours = dict(zip(ARM_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                                    "gold", "tab:olive", "tab:cyan", "tab:pink", "tab:gray")))
-    for row, (task, t) in zip(axes, tasks.items()):
-        by_step, by_time = row
-        for arm, a in sorted(t["arms"].items(), key=lambda kv: ARM_ORDER.index(kv[0])):
-            c, dashed = colours[arm], arm not in ARM_ORDER[:4]
-            steps = [p["step"] for p in a["curve"]]
-            mean = [100 * p["mean"] for p in a["curve"]]
-            std = [100 * p["std"] for p in a["curve"]]
-            for r in runs:  # per-seed curves, thin
-                if r["arm"] == arm and r["task"] == task and all(r[k] == t["settings"][k] for k in SETTINGS):
-                    by_step.plot([e["step"] for e in r["evals"]], [100 * e["accuracy"] for e in r["evals"]],
-                                 color=c, alpha=0.25, linewidth=0.8)
-            label = f"{arm} ({len(a['seeds'])} seed{'s' if len(a['seeds']) > 1 else ''})"
-            by_step.plot(steps, mean, color=c, linewidth=2, linestyle="--" if dashed else "-", label=label)
-            if len(a["seeds"]) > 1:
-                by_step.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                                     color=c, alpha=0.12)
-            by_time.plot([p["train_s"] / 60 for p in a["curve"]], mean, color=c, linewidth=2,
-                         linestyle="--" if dashed else "-", marker="o", markersize=3, label=label)
-        by_step.set(xlabel="step", ylabel="held-out greedy accuracy (%)",
-                    title=f"{task}: mean ± std over seeds (thin: each seed)")
-        by_time.set(xlabel="training minutes (evals excluded), mean over seeds", ylabel="held-out greedy accuracy (%)",
-                    title=f"{task}: accuracy at equal wall-clock")
+    rows = []
+    for task, t in tasks.items():
+        rows.append((_main_row, task, t, ()))
+        sweep_seeds = sorted({r["seed"] for r in runs if r["task"] == task and r["arm"] not in MAIN_ARMS})
+        rows += [(_sweep_row, task, t, (seed,)) for seed in sweep_seeds]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 4.2 * len(rows)), squeeze=False)
+    for row, (draw, task, t, extra) in zip(axes, rows):
+        draw(row, task, t, runs, *extra)
         for ax in row:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
