@@ -11,8 +11,8 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 50 tasks every 4), seeds 0 1 2; then on arithmetic seed 0 the contrast arms `replay-student`
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
 and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.03`,
-`replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1), and
-`replay-e0`, `replay-e0.4` (the oracle teacher wrong never or 40 % of the time; `replay`'s is
+`replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1),
+`full-b0.03` (the full step with the best of those betas), and `replay-e0`, `replay-e0.4` (the oracle teacher wrong never or 40 % of the time; `replay`'s is
 wrong 20 %, `--oracle-error-rate`).
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The replay arms'
@@ -60,6 +60,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "replay-b0.03": ("replay", ["replay.beta=0.03"]),
     "replay-b0.3": ("replay", ["replay.beta=0.3"]),
     "replay-b1.0": ("replay", ["replay.beta=1.0"]),
+    "full-b0.03": ("full", ["replay.beta=0.03"]),
     "replay-e0": ("replay", []),
     "replay-e0.4": ("replay", []),
 }

@@ -94,10 +94,10 @@ def summarise(runs: list[dict]) -> dict:
 
 
 ARM_ORDER = ("baseline", "sdpo", "replay", "full", "replay-student", "sdpo-a0.05", "sdpo-a0.3", "replay-b0.03",
-             "replay-b0.3", "replay-b1.0", "replay-e0", "replay-e0.4")
+             "replay-b0.3", "replay-b1.0", "full-b0.03", "replay-e0", "replay-e0.4")
 MAIN_ARMS = ARM_ORDER[:4]
 COLOURS = dict(zip(ARM_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                               "gold", "tab:olive", "tab:cyan", "tab:pink", "tab:gray")))
+                               "gold", "tab:olive", "tab:cyan", "lime", "tab:pink", "tab:gray")))
 
 
 def _runs_of(runs: list[dict], task: str, t: dict, arm: str, seed: int | None = None) -> list[dict]:

@@ -40,7 +40,7 @@ def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last(
     assert keys[8:12] == [(arm, "code", 0) for arm in ablation.MAIN_ARMS]
     assert keys[12:] == [(arm, "arithmetic", 0) for arm in ("replay-student", "sdpo-a0.05", "sdpo-a0.3",
                                                             "replay-b0.03", "replay-b0.3", "replay-b1.0",
-                                                            "replay-e0", "replay-e0.4")]
+                                                            "full-b0.03", "replay-e0", "replay-e0.4")]
 
 
 def test_commands_select_the_arms_config_task_and_seed():
