@@ -12,8 +12,8 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
 and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.03`,
 `replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1),
-`full-b0.03` (the full step with the best of those betas), and `replay-e0`, `replay-e0.4` (the oracle teacher wrong never or 40 % of the time; `replay`'s is
-wrong 20 %, `--oracle-error-rate`).
+`full-b0.03` (the full step with the best of those betas), and `replay-e0`, `replay-e0.4` (the
+oracle teacher wrong never or 40 % of the time; `replay`'s is wrong 20 %, `--oracle-error-rate`).
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The replay arms'
 teachers are the oracle teacher server (meshrl.teachers.oracle: it knows each task's answer and

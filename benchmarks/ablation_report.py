@@ -14,6 +14,7 @@ accuracy, in steps and in training seconds, each as a fraction of the baseline r
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -23,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 SETTINGS = ("steps", "eval_every", "eval_size")
+
+from benchmarks.ablation import ARMS, MAIN_ARMS  # noqa: E402 (the repository root is on sys.path above)
 
 
 def spread(values: list[float]) -> dict:
@@ -93,11 +96,11 @@ def summarise(runs: list[dict]) -> dict:
     return tasks
 
 
-ARM_ORDER = ("baseline", "sdpo", "replay", "full", "replay-student", "sdpo-a0.05", "sdpo-a0.3", "replay-b0.03",
-             "replay-b0.3", "replay-b1.0", "full-b0.03", "replay-e0", "replay-e0.4")
-MAIN_ARMS = ARM_ORDER[:4]
-COLOURS = dict(zip(ARM_ORDER, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                               "gold", "tab:olive", "tab:cyan", "lime", "tab:pink", "tab:gray")))
+MAIN_COLOURS = ("black", "tab:blue", "tab:orange", "tab:green")
+SWEEP_COLOURS = ("tab:red", "tab:purple", "tab:brown", "gold", "tab:olive", "tab:cyan", "lime", "tab:pink", "tab:gray")
+COLOURS = {**dict(zip(MAIN_ARMS, MAIN_COLOURS)),
+           **dict(zip((a for a in ARMS if a not in MAIN_ARMS), itertools.cycle(SWEEP_COLOURS)))}
+"""Each arm of benchmarks/ablation.py's plan, in its order, and its colour in the plot."""
 
 
 def _runs_of(runs: list[dict], task: str, t: dict, arm: str, seed: int | None = None) -> list[dict]:
@@ -132,7 +135,7 @@ def _main_row(row, task: str, t: dict, runs: list[dict]) -> None:
 def _sweep_row(row, task: str, t: dict, runs: list[dict], seed: int) -> None:
     """Seed ``seed``'s runs of every arm, the sweeps (dashed) beside the main arms of the same seed."""
     by_step, by_time = row
-    for arm in (a for a in ARM_ORDER if a in t["arms"]):
+    for arm in (a for a in ARMS if a in t["arms"]):
         for r in _runs_of(runs, task, t, arm, seed):
             style = {"color": COLOURS[arm], "linestyle": "-" if arm in MAIN_ARMS else "--", "linewidth": 1.6,
                      "label": arm}
