@@ -12,8 +12,9 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
 and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.03`,
 `replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1),
-`full-b0.03` (the full step with the best of those betas), and `replay-e0`, `replay-e0.4` (the
-oracle teacher wrong never or 40 % of the time; `replay`'s is wrong 20 %, `--oracle-error-rate`).
+`full-b0.03` (the full step with the best of those betas), `replay-e0`, `replay-e0.4` (the
+oracle teacher wrong never or 40 % of the time; `replay`'s is wrong 20 %, `--oracle-error-rate`),
+and `sdpo-h-noanswer`, `sdpo-h-worked` (other hint templates: `HINTS`).
 
 A seed sets `trainer.seed` (the data order) and `generator.seed` (sampling). The replay arms'
 teachers are the oracle teacher server (meshrl.teachers.oracle: it knows each task's answer and
@@ -49,6 +50,15 @@ RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 
 MAIN_ARMS = ("baseline", "sdpo", "replay", "full")
+HINTS = {
+    "noanswer": {"math.wrong_answer": "Hint: {extracted} is not right.",
+                 "math.wrong_format": "Hint: finish with the final result as a plain number."},
+    "worked": {"math.wrong_answer": "Hint: {a} {op} {b} = {answer}, so {extracted} is wrong. Reply with {answer}.",
+               "math.wrong_format": "Hint: {a} {op} {b} = {answer}. End your reply with the number {answer}."},
+}
+"""The hint-template sweep on arithmetic (the `sdpo` arm's templates, meshrl.config.sdpo.DEFAULT_HINTS,
+say the answer is wrong and what the correct one is): `noanswer` withholds the correct answer,
+`worked` states the computation and asks for the answer outright."""
 ARMS: dict[str, tuple[str, list[str]]] = {
     "baseline": ("baseline", []),
     "sdpo": ("sdpo", []),
@@ -63,6 +73,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "full-b0.03": ("full", ["replay.beta=0.03"]),
     "replay-e0": ("replay", []),
     "replay-e0.4": ("replay", []),
+    "sdpo-h-noanswer": ("sdpo", [f"sdpo.hints={json.dumps(HINTS['noanswer'])}"]),
+    "sdpo-h-worked": ("sdpo", [f"sdpo.hints={json.dumps(HINTS['worked'])}"]),
 }
 """arm -> (configs/ablation-<name>.yaml, extra overrides)."""
 TEACHERS = {"replay": "oracle", "full": "oracle", "replay-student": "student"}

@@ -40,7 +40,8 @@ def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last(
     assert keys[8:12] == [(arm, "code", 0) for arm in ablation.MAIN_ARMS]
     assert keys[12:] == [(arm, "arithmetic", 0) for arm in ("replay-student", "sdpo-a0.05", "sdpo-a0.3",
                                                             "replay-b0.03", "replay-b0.3", "replay-b1.0",
-                                                            "full-b0.03", "replay-e0", "replay-e0.4")]
+                                                            "full-b0.03", "replay-e0", "replay-e0.4",
+                                                            "sdpo-h-noanswer", "sdpo-h-worked")]
 
 
 def test_commands_select_the_arms_config_task_and_seed():
@@ -70,6 +71,24 @@ def test_the_teacher_sweep_arms_set_the_oracles_error_rate_over_the_command_line
     never = ablation.oracle_config("replay-e0", "code", args)
     assert (never.error_rate, never.latency_s, never.task, never.code_source) == (0.0, 0.5, "code", "meshrl_easy")
     assert ablation.oracle_config("replay-e0.4", "arithmetic", args).error_rate == 0.4
+
+
+def test_the_hint_arms_load_their_templates_through_the_config():
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.sdpo.sites import render_hint
+
+    fields = {"a": 12, "op": "*", "b": 3, "answer": "36", "extracted": 35}
+    for arm, wrong, no_format in (
+            ("sdpo-h-noanswer", "Hint: 35 is not right.", "Hint: finish with the final result as a plain number."),
+            ("sdpo-h-worked", "Hint: 12 * 3 = 36, so 35 is wrong. Reply with 36.",
+             "Hint: 12 * 3 = 36. End your reply with the number 36.")):
+        config, extra = ablation.ARMS[arm]
+        hints = load_config(RunConfig, ROOT / "configs" / f"ablation-{config}.yaml", extra).sdpo.hints
+        assert render_hint(hints, "math.wrong_answer", fields) == wrong
+        assert render_hint(hints, "math.wrong_format", fields) == no_format
+    default = load_config(RunConfig, ROOT / "configs" / "ablation-sdpo.yaml").sdpo.hints
+    assert "36" in render_hint(default, "math.wrong_answer", fields)
 
 
 def test_a_run_file_counts_only_with_the_same_settings(tmp_path, monkeypatch):
