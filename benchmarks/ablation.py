@@ -11,7 +11,8 @@ The plan: arms baseline, sdpo, replay, full on arithmetic (32 steps, evals of 20
 50 tasks every 4), seeds 0 1 2; then on arithmetic seed 0 the contrast arms `replay-student`
 (three copies of the student behind a local vLLM server, the teachers the earlier ablation used)
 and `sdpo-a0.05`, `sdpo-a0.3` (the alpha sweep; `sdpo` itself is alpha 0.1), `replay-b0.03`,
-`replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1),
+`replay-b0.3`, `replay-b1.0` (the replay term's weight; `replay` itself is beta 0.1) and
+`replay-b0.03-d0.03`, `replay-b0.03-d0.3` (beta 0.03 with DPO's own beta at 0.03 and 0.3, not 0.1),
 `full-b0.03` (the full step with the best of those betas), `replay-e0`, `replay-e0.4` (the
 oracle teacher wrong never or 40 % of the time; `replay`'s is wrong 20 %, `--oracle-error-rate`),
 and `sdpo-h-noanswer`, `sdpo-h-worked` (other hint templates: `HINTS`).
@@ -73,6 +74,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "full-b0.03": ("full", ["replay.beta=0.03"]),
     "replay-e0": ("replay", []),
     "replay-e0.4": ("replay", []),
+    "replay-b0.03-d0.03": ("replay", ["replay.beta=0.03", "replay.dpo_beta=0.03"]),
+    "replay-b0.03-d0.3": ("replay", ["replay.beta=0.03", "replay.dpo_beta=0.3"]),
     "sdpo-h-noanswer": ("sdpo", [f"sdpo.hints={json.dumps(HINTS['noanswer'])}"]),
     "sdpo-h-worked": ("sdpo", [f"sdpo.hints={json.dumps(HINTS['worked'])}"]),
 }

@@ -41,6 +41,7 @@ def test_the_plan_runs_each_seeds_main_arms_together_and_the_contrast_arms_last(
     assert keys[12:] == [(arm, "arithmetic", 0) for arm in ("replay-student", "sdpo-a0.05", "sdpo-a0.3",
                                                             "replay-b0.03", "replay-b0.3", "replay-b1.0",
                                                             "full-b0.03", "replay-e0", "replay-e0.4",
+                                                            "replay-b0.03-d0.03", "replay-b0.03-d0.3",
                                                             "sdpo-h-noanswer", "sdpo-h-worked")]
 
 
@@ -61,6 +62,7 @@ def test_a_sweep_arm_gets_the_teachers_of_its_config():
     assert ablation.teacher_kind("replay-b1.0") == ablation.teacher_kind("replay") == "oracle"
     assert ablation.teacher_kind("replay-student") == "student"
     assert ablation.teacher_kind("sdpo-a0.3") is None
+    assert ablation.teacher_kind("replay-b0.03-d0.3") == "oracle"
     cmd = ablation.command("replay-b1.0", "code", 0, ablation.settings("code", _args()))
     assert "replay.beta=1.0" in cmd and "replay.teachers.canonicaliser=code" in cmd
 
