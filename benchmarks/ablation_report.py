@@ -97,7 +97,8 @@ def summarise(runs: list[dict]) -> dict:
 
 
 MAIN_COLOURS = ("black", "tab:blue", "tab:orange", "tab:green")
-SWEEP_COLOURS = ("tab:red", "tab:purple", "tab:brown", "gold", "tab:olive", "tab:cyan", "lime", "tab:pink", "tab:gray")
+SWEEP_COLOURS = ("tab:red", "tab:purple", "tab:brown", "gold", "tab:olive", "tab:cyan", "lime", "tab:pink", "tab:gray",
+                 "navy", "magenta", "maroon", "teal")
 COLOURS = {**dict(zip(MAIN_ARMS, MAIN_COLOURS)),
            **dict(zip((a for a in ARMS if a not in MAIN_ARMS), itertools.cycle(SWEEP_COLOURS)))}
 """Each arm of benchmarks/ablation.py's plan, in its order, and its colour in the plot."""
@@ -166,7 +167,7 @@ def plot(tasks: dict, out: Path, runs: list[dict]) -> None:
         draw(row, task, t, runs, *extra)
         for ax in row:
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, ncol=2 if len(ax.get_lines()) > 10 else 1)  # a seed's many sweeps
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
