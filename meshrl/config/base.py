@@ -8,6 +8,8 @@ generated reference can show what each field means.
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -133,7 +135,11 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(describe_fields(ann, key + "."))
-        else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((key, repr(default), (field.description or "").strip()))
+            continue
+        default = field.get_default(call_default_factory=True)
+        rows.append((key, repr(default), (field.description or "").strip()))
+        # an optional section (`X | None`): its own fields too
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            rows.extend(row for arg in typing.get_args(ann) if isinstance(arg, type) and issubclass(arg, BaseModel)
+                        for row in describe_fields(arg, key + "."))
     return rows

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
 from meshrl.config.env import EnvConfig
+from meshrl.config.env_task import EnvTaskConfig
 
 
 class ArithmeticConfig(Section):
@@ -63,11 +64,21 @@ class CodeTaskConfig(Section):
 class TaskConfig(Section):
     """Which task feeds the run."""
 
-    kind: Literal["arithmetic", "code"] = "arithmetic"
-    """Task family: single-turn `arithmetic`, or multi-turn `code` in a sandbox."""
+    kind: Literal["arithmetic", "code", "env"] = "arithmetic"
+    """Task family: single-turn `arithmetic`, multi-turn `code` in a sandbox, or `env`: an
+    environment of your own (`task.env`)."""
 
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Settings of the arithmetic task."""
 
     code: CodeTaskConfig = CodeTaskConfig()
     """Settings of the code task."""
+
+    env: EnvTaskConfig | None = None
+    """Your own environment (`kind: env`): a class, an OpenEnv server or a meshrl remote one."""
+
+    @model_validator(mode="after")
+    def _check_env(self) -> "TaskConfig":
+        if self.kind == "env" and self.env is None:
+            raise ValueError("kind env needs task.env (task.env.factory or task.env.url)")
+        return self

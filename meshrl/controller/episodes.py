@@ -64,30 +64,37 @@ class EpisodeRollout:
 
     @staticmethod
     def spawn(session, cfg) -> None:
-        """The env mesh (one sandbox per process) takes the rewarder's place in the layout."""
+        """The env mesh (the code task's sandbox, or `task.env`'s environments, per process) takes
+        the rewarder's place in the layout."""
         from meshrl.actors.env_actor import EnvActor
+        from meshrl.envs.task_sets import env_spec
 
         spec = cfg.meshes.rewarder
-        session.spawn(ENV, EnvActor, cfg.task.code.env, procs=spec.procs, colocate_with=spec.colocate_with)
+        session.spawn(ENV, EnvActor, env_spec(cfg.task), procs=spec.procs, colocate_with=spec.colocate_with)
 
     def collect(self, tasks: list, group_size: int, request: SampleRequest, tag: str) -> tuple[list[Trajectory], dict]:
         t0 = time.perf_counter()
         request = dataclasses.replace(request, n=1)
-        trajectories, records, served = self.client.supervised(
+        trajectories, records, extra = self.client.supervised(
             ENV, lambda: self._play(tasks, group_size, request, tag), f"{ENV} episodes")
         self.episode_records.extend(records)
         n = max(len(trajectories), 1)
         return trajectories, {"timing/generate_s": time.perf_counter() - t0,
                               "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
                               "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n,
-                              **served}
+                              **extra}
 
-    def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]]) -> list:
-        """``endpoint`` on each env rank with its episodes' arguments; results in episode order."""
+    def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]], counts: Counter | None = None) -> list:
+        """``endpoint`` on each env rank with its episodes' arguments; results in episode order. An
+        endpoint that also reports its process's counters (`finish`) adds them to ``counts``."""
         by_rank: dict[int, list] = {}
         for ep, arg in per_episode:
             by_rank.setdefault(ep.rank, []).append((ep, arg))
         replies = self.client.per_rank(ENV, endpoint, {r: [a for _, a in items] for r, items in by_rank.items()})
+        if counts is not None:
+            for reply in replies.values():
+                counts.update(reply["counts"])
+            replies = {r: reply["episodes"] for r, reply in replies.items()}
         out = {ep.id: value for r, items in by_rank.items() for (ep, _), value in zip(items, replies[r])}
         return [out[ep.id] for ep, _ in per_episode]
 
@@ -101,8 +108,11 @@ class EpisodeRollout:
         initial = self._env("reset", [(ep, (ep.id, ep.task)) for ep in episodes])
         limit = self.max_model_len - request.max_tokens
         active = []
-        for ep, messages in zip(episodes, initial):
-            ep.prompt = self.renderer.build_generation_prompt(messages)
+        for ep, opened in zip(episodes, initial):
+            if "error" in opened:
+                ep.termination = "env_error"
+                continue
+            ep.prompt = self.renderer.build_generation_prompt(opened["messages"])
             if len(ep.prompt) > limit:
                 self.counters.prompts_too_long += 1
                 ep.termination = "prompt_too_long"
@@ -142,16 +152,29 @@ class EpisodeRollout:
                 still.append(ep)
             active = still
             turn += 1
-        records = self._env("finish", [(ep, ep.id) for ep in episodes])
-        return ([_trajectory(ep) for ep in episodes if ep.prompt and ep.termination != "prompt_too_long"], records,
-                dict(served))
+        env_counts: Counter = Counter()
+        closed = self._env("finish", [(ep, ep.id) for ep in episodes], env_counts)
+        dropped = Counter()
+        kept = []
+        for ep, end in zip(episodes, closed):
+            if "delayed_reward" in end:  # a reward that arrived after the episode ended: its own group's
+                ep.reward += end["delayed_reward"]
+                ep.last = {**ep.last, "success": end["success"]}
+            if ep.termination in ("env_error", "prompt_too_long") or "reward_dropped" in end:
+                dropped["reward_dropped" if "reward_dropped" in end else ep.termination] += 1
+                continue
+            kept.append(_trajectory(ep))
+        extra = {**served, **{f"episodes/{k}": float(v) for k, v in dropped.items()},
+                 **{k: float(v) for k, v in env_counts.items()}}
+        return kept, [end["record"] for end in closed if end["record"]], extra
 
 
 def _turn_error(result: dict) -> dict | None:
-    """A turn's error as the env step reported it; None for the turn that solved the task."""
-    if result.get("success"):
+    """A turn's error as the env step reported it; None for a turn with no error (the turn that
+    solved the task, or a turn the environment named no error for)."""
+    if result.get("success") or not result.get("error_kind"):
         return None
-    return {"error_kind": result.get("error_kind") or "test_failure", "hint": result.get("hint"),
+    return {"error_kind": result["error_kind"], "hint": result.get("hint"),
             "hint_template_key": result.get("hint_template_key"), "error_text": result.get("error_text"),
             "tests_passed": result.get("tests_passed"), "tests_total": result.get("tests_total")}
 

@@ -86,6 +86,8 @@ class _TextTurns:
             field = strings[0] if len(strings) == 1 else None
         text = fields.get(field) if field else json.dumps(fields, default=str)
         meta["openenv_observation"] = fields
+        if isinstance(fields.get("hint"), str):  # an SDPO hint sent as a field (the wire drops metadata)
+            meta.setdefault("hint", fields["hint"])
         error_kind, hint_key = fields.get("error_kind"), fields.get("hint_template_key")
         return Observation(
             text=str(text),

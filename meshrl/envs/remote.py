@@ -379,6 +379,16 @@ class ServerProcess:
         self.close()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so a
+    server never outlives a killed env process."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def spawn_server(factory: str, kwargs: dict | None = None, host: str = "127.0.0.1", timeout_s: float = 120.0,
                  env: dict[str, str] | None = None, module: str = "meshrl.envs.remote",
                  args: list[str] | tuple[str, ...] = ()) -> ServerProcess:
@@ -386,7 +396,7 @@ def spawn_server(factory: str, kwargs: dict | None = None, host: str = "127.0.0.
     line, with ``args`` added) in a child process and wait until it listens."""
     cmd = [sys.executable, "-m", module, "--factory", factory, "--kwargs", json.dumps(kwargs or {}),
            "--host", host, "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout_s
     url = None
     box: list[str] = []

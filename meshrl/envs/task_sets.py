@@ -9,9 +9,14 @@ resumable stream (the cursor is part of a checkpoint) whose epochs are permutati
 from __future__ import annotations
 
 import functools
+import json
 import random
-from typing import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
 
+from meshrl.config.base import ConfigError
+from meshrl.config.env_task import EnvTaskConfig, EpisodeSetConfig
 from meshrl.config.task import CodeTaskConfig, TaskConfig
 
 
@@ -66,6 +71,84 @@ class CodeTaskSet:
         return self.held if n is None else self.held[:n]
 
 
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode of an environment of the user's own: the keyword arguments of its `reset`."""
+
+    id: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """What SDPO hint templates may use of the episode: its reset arguments."""
+        return self.kwargs
+
+
+def _episode_specs(cfg: EpisodeSetConfig, key: str) -> list[EpisodeSpec]:
+    """The episodes of a set: its seeds, or its file's lines (ConfigError naming the line)."""
+    if cfg.file is None:
+        first, stop = cfg.seeds
+        stop = stop if cfg.limit is None else min(stop, first + cfg.limit)
+        return [EpisodeSpec(f"seed{i}", {**cfg.kwargs, "seed": i}) for i in range(first, stop)]
+    path = Path(cfg.file)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"{key}.file: cannot read {path} ({type(e).__name__})") from None
+    specs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            spec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{key}.file: {path}:{n} is not JSON ({e.msg})") from None
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{key}.file: {path}:{n} is a {type(spec).__name__}, not an object of reset arguments")
+        specs.append(EpisodeSpec(f"{path.stem}:{n}", spec))
+        if cfg.limit is not None and len(specs) >= cfg.limit:
+            break
+    if not specs:
+        raise ConfigError(f"{key}.file: {path} holds no episode")
+    return specs
+
+
+class EnvTaskSet:
+    """Training stream and held-out set of an environment of the user's own (`task.kind: env`):
+    episode specs from seeds or a JSONL file, the two sets disjoint. Making it checks the
+    environment's source (the factory imports, the URL answers) before anything is spawned."""
+
+    multi_turn = True
+
+    def __init__(self, cfg: EnvTaskConfig, data_seed: int = 0):
+        from meshrl.envs.hosting import check_env_source
+
+        self.cfg = cfg
+        train = _episode_specs(cfg.train, "task.env.train")
+        self.held = _episode_specs(cfg.heldout, "task.env.heldout")
+        shared = {_key(s) for s in train} & {_key(s) for s in self.held}
+        if shared:
+            raise ConfigError(f"task.env.heldout shares {len(shared)} episode(s) with task.env.train "
+                              f"(e.g. {sorted(shared)[0]}): held-out episodes must never be trained on")
+        self.stream = SeededStream(train, data_seed)
+        check_env_source(cfg)
+
+    def train_batch(self, cursor: int, n: int) -> list:
+        return [spec for _, spec in self.stream.batch(cursor, n)]
+
+    def heldout(self, n: int | None = None) -> list:
+        return self.held if n is None else self.held[:n]
+
+
+def _key(spec: EpisodeSpec) -> str:
+    return json.dumps(spec.kwargs, sort_keys=True)
+
+
+def env_spec(cfg: TaskConfig):
+    """What the env mesh hosts for a multi-turn task: the code task's settings, or `task.env`."""
+    return cfg.env if cfg.kind == "env" else cfg.code.env
+
+
 def make_task(cfg: TaskConfig, data_seed: int = 0):
     """The task set named by `task.kind`; ``data_seed`` (`trainer.seed`) orders its training stream."""
     if cfg.kind == "arithmetic":
@@ -74,4 +157,6 @@ def make_task(cfg: TaskConfig, data_seed: int = 0):
         return ArithmeticTask(cfg.arithmetic, data_seed)
     if cfg.kind == "code":
         return CodeTaskSet(cfg.code, data_seed)
+    if cfg.kind == "env":
+        return EnvTaskSet(cfg.env, data_seed)
     raise ValueError(f"task.kind = {cfg.kind!r}: no such task")

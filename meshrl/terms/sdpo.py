@@ -64,6 +64,8 @@ class SDPOTerm(DatumTerm):
         super().__init__(ctx, ctx.cfg.sdpo.alpha if weight is None else weight, params)
         self.alpha = self.weight
         self.cfg = ctx.cfg.sdpo
+        env = ctx.cfg.task.env if ctx.cfg.task.kind == "env" else None
+        self.hints = {**self.cfg.hints, **(env.hints if env is not None else {})}  # the environment's own first
         self.on_learner = self.cfg.teacher == "learner"
         self.renderer = ctx.renderer
         self.counts: dict[str, int] = {}
@@ -132,7 +134,7 @@ class SDPOTerm(DatumTerm):
         """At most ``limit`` error sites of ``trajectories`` with their hints, and the channel's
         counters (cumulative over the run)."""
         c = self.cfg
-        sites, counts = select_error_sites(self.renderer, trajectories, c.hints, limit, c.max_sites_per_episode,
+        sites, counts = select_error_sites(self.renderer, trajectories, self.hints, limit, c.max_sites_per_episode,
                                            self.hint_source)
         if self.hint_source is not None:
             counts.update({f"llm_hint_{k}": v for k, v in self.hint_source.counts.items()})

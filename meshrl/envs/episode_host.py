@@ -1,0 +1,287 @@
+"""The env process's side of multi-turn episodes, whatever the environment: open one per episode
+from an `EnvSource` (meshrl.envs.hosting), step a batch of them concurrently, each call under a
+deadline, check every observation before it reaches the controller, and close them.
+
+An environment can fail an episode but never the step: a reset or step that raises or passes its
+deadline, an observation that does not validate (not an Observation, text over the limit, a reward
+that is not a finite number, a role the chat cannot take) ends that episode with termination
+`env_error` and one line naming the environment and the field; a served server found dead is
+restarted for the episodes that follow. Every record is plain data (picklable, JSON-able).
+
+What the controller gets per step (`step`): the observation's message, reward, done, termination,
+success, the error-site markers (`error_kind`, `hint_template_key`, `hint`, `error_text`) and the
+context the agent saw before the action (`state_at`, or the messages this host recorded when the
+environment keeps no history), for the SDPO and trace-replay channels. An episode that ends with
+reward None gets its reward later: `finish` polls the environment's `state.reward` until
+`reward_deadline_s`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from meshrl.envs.base import Environment, Observation, TextAction
+
+log = logging.getLogger(__name__)
+
+ROLES = ("user", "tool", "system")
+_KIND = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class EnvOutputError(ValueError):
+    """An environment's output that cannot be used; the message is one line naming the field."""
+
+
+@dataclass
+class _Live:
+    env: Environment
+    messages: list[dict]
+    seen: list[list[dict]] = field(default_factory=list)
+    episode_return: float = 0.0
+    reward_pending: bool = False
+    done: bool = False
+
+
+def _check_message(label: str, where: str, msg: Any, limit: int) -> dict:
+    if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in ROLES:
+        raise EnvOutputError(f"env {label}: {where} is not a {{role: user|tool|system, content: str}} message")
+    if len(msg["content"]) > limit:
+        raise EnvOutputError(f"env {label}: {where}.content has {len(msg['content'])} characters, over "
+                             f"task.env.max_observation_chars={limit}")
+    return {"role": msg["role"], "content": msg["content"]}
+
+
+def _number(label: str, where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EnvOutputError(f"env {label}: {where} is {value!r}, not a finite number")
+    return float(value)
+
+
+def check_observation(obs: Any, label: str, limit: int) -> Observation:
+    """``obs`` if it is usable, else EnvOutputError naming the field."""
+    if not isinstance(obs, Observation):
+        raise EnvOutputError(f"env {label}: the observation is a {type(obs).__name__}, not an Observation")
+    _check_message(label, "observation.text", obs.message, limit)
+    if obs.reward is not None:
+        _number(label, "observation.reward", obs.reward)
+    for name in ("error_kind", "hint_template_key"):
+        value = getattr(obs, name)
+        if value is not None and not _KIND.match(value):
+            raise EnvOutputError(f"env {label}: observation.{name} {value[:40]!r} is not a short identifier")
+    hint = obs.metadata.get("hint")
+    if hint is not None and (not isinstance(hint, str) or len(hint) > limit):
+        raise EnvOutputError(f"env {label}: observation.metadata.hint is not a string of at most {limit} characters")
+    return obs
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+class EpisodeHost:
+    """Live episodes by id over one `EnvSource`; `reset`, `step` and `finish` take batches."""
+
+    def __init__(self, source):
+        self.source, self.rules = source, source.rules
+        self.live: dict[str, _Live] = {}
+        self.pool = cf.ThreadPoolExecutor(max_workers=self.rules.max_parallel)
+        self.hung = 0
+        self.counts: dict[str, int] = {}
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def _run(self, calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, BaseException | None]]:
+        """Each call in the pool; (result, None) or (None, the exception; TimeoutError past the deadline)."""
+        futures = [self.pool.submit(c) for c in calls]
+        cf.wait(futures, timeout=timeout_s)
+        out = []
+        for f in futures:
+            if not f.done():
+                self.hung += 1
+                out.append((None, TimeoutError(f"no answer within {timeout_s:g}s")))
+            elif f.exception() is not None:
+                out.append((None, f.exception()))
+            else:
+                out.append((f.result(), None))
+        if self.hung >= max(1, self.rules.max_parallel // 2):  # stuck threads hold the pool: take a new one
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = cf.ThreadPoolExecutor(max_workers=self.rules.max_parallel)
+            self.hung = 0
+        return out
+
+    def _failed(self, what: str, episode_id: str, error: BaseException) -> str:
+        """Log and count an episode the environment failed; its one-line reason. A served server
+        found dead is restarted for the episodes that follow."""
+        if isinstance(error, EnvOutputError):
+            line = str(error)
+            self._count("env/invalid_output")
+        else:
+            line = f"env {self.rules.label}: {what} {_one_line(error)}"
+            self._count(f"env/{what}_timeouts" if isinstance(error, TimeoutError) else f"env/{what}_errors")
+        if self.source.recover():
+            self._count("env/server_restarts")
+        log.warning("episode %s failed: %s", episode_id, line)
+        return line
+
+    # ---- the endpoints' work ------------------------------------------------------------------
+    def reset(self, episodes: list[tuple[str, Any]]) -> list[dict]:
+        """Open one episode per (episode_id, spec): ``{"messages": [...]}`` (what the agent sees
+        first), or ``{"error": line}`` when the environment failed it."""
+        limit = self.rules.max_observation_chars
+
+        def one(episode_id, spec):
+            env, kwargs = self.source.open(spec)
+            try:
+                obs = check_observation(env.reset(episode_id=episode_id, **kwargs), self.rules.label, limit)
+                given = obs.metadata.get("messages")
+                messages = ([_check_message(self.rules.label, f"observation.metadata.messages[{i}]", m, limit)
+                             for i, m in enumerate(given)] if isinstance(given, list) and given else [obs.message])
+            except BaseException:
+                _close(env)
+                raise
+            return env, messages
+
+        out = []
+        done = self._run([lambda e=e, s=s: one(e, s) for e, s in episodes], self.rules.reset_timeout_s)
+        for (episode_id, _), (result, error) in zip(episodes, done):
+            if error is not None:
+                out.append({"error": self._failed("reset", episode_id, error)})
+                continue
+            env, messages = result
+            self.live[episode_id] = _Live(env, list(messages))
+            out.append({"messages": messages})
+        return out
+
+    def step(self, actions: list[tuple[str, str]]) -> list[dict]:
+        """Advance each (episode_id, reply text) by one turn, concurrently; one record per action."""
+        limit = self.rules.max_observation_chars
+
+        def one(episode_id, text):
+            ep = self.live[episode_id]
+            ep.seen.append([dict(m) for m in ep.messages])
+            obs = check_observation(ep.env.step(TextAction(text=text)), self.rules.label, limit)
+            return obs, self._context(ep)
+
+        out = []
+        done = self._run([lambda e=e, t=t: one(e, t) for e, t in actions], self.rules.step_timeout_s)
+        for (episode_id, text), (result, error) in zip(actions, done):
+            ep = self.live[episode_id]
+            if error is not None:
+                line = self._failed("step", episode_id, error)
+                ep.done = True
+                out.append({"message": None, "reward": 0.0, "done": True, "termination": "env_error",
+                            "env_error": line, "success": False, "error_kind": None, "hint_template_key": None,
+                            "hint": None, "error_text": None, "context": ep.seen[-1] if ep.seen else ep.messages})
+                continue
+            obs, context = result
+            out.append(self._record(ep, text, obs, context))
+        return out
+
+    def _context(self, ep: _Live) -> list[dict]:
+        """What the agent saw before its last action: the environment's own history (`state_at`),
+        or the messages recorded here when it keeps none."""
+        t = len(ep.seen) - 1
+        try:
+            return [dict(m) for m in ep.env.state_at(t)]
+        except NotImplementedError:
+            return ep.seen[t]
+
+    def _record(self, ep: _Live, text: str, obs: Observation, context: list[dict]) -> dict:
+        meta, rules = obs.metadata, self.rules
+        done = bool(obs.done)
+        termination = meta.get("termination") if isinstance(meta.get("termination"), str) else None
+        if not done and len(ep.seen) >= rules.max_turns:
+            done, termination = True, "max_turns"
+        pending = done and obs.reward is None
+        reward = 0.0 if obs.reward is None else float(obs.reward)
+        ep.episode_return += reward
+        ep.reward_pending, ep.done = pending, done
+        ep.messages += [{"role": "assistant", "content": text}, obs.message]
+        success = self._success(meta, ep.episode_return) if done and not pending else False
+        error_kind = obs.error_kind
+        if error_kind is None and not success and rules.default_error_kind and not meta.get("success"):
+            error_kind = rules.default_error_kind
+        if done and termination is None:
+            termination = "success" if success else "done"
+        return {"message": obs.message, "reward": reward, "done": done, "termination": termination,
+                "success": success, "reward_pending": pending, "error_kind": error_kind,
+                "hint_template_key": obs.hint_template_key, "hint": meta.get("hint"),
+                "error_text": meta.get("error_text") if isinstance(meta.get("error_text"), str) else None,
+                "tests_passed": meta.get("tests_passed"), "tests_total": meta.get("tests_total"), "context": context}
+
+    def _success(self, meta: dict, episode_return: float) -> bool:
+        if isinstance(meta.get("success"), bool):
+            return meta["success"]
+        threshold = self.rules.success_reward
+        return episode_return >= threshold if threshold is not None else episode_return > 0
+
+    def finish(self, episode_ids: list[str]) -> list[dict]:
+        """Close episodes: per id, the environment's own record (`trajectory()`) and, for an episode
+        whose reward comes late, that reward (`delayed_reward`, with its `success`) or why it was
+        dropped (`reward_dropped`)."""
+        eps = [(i, self.live.pop(i, None)) for i in episode_ids]
+        results = self._run([lambda ep=ep: self._close_episode(ep) for _, ep in eps],
+                            self.rules.reward_deadline_s + self.rules.step_timeout_s)
+        out = []
+        for (episode_id, ep), (result, error) in zip(eps, results):
+            if error is not None:
+                line = self._failed("finish", episode_id, error)
+                out.append({"record": {}, "reward_dropped": line} if ep is not None and ep.reward_pending
+                           else {"record": {}})
+            else:
+                out.append(result)
+        return out
+
+    def _close_episode(self, ep: _Live | None) -> dict:
+        if ep is None:
+            return {"record": {}}
+        out: dict[str, Any] = {}
+        try:
+            if ep.reward_pending:
+                late = self._poll_reward(ep.env)
+                if late is None:
+                    self._count("env/delayed_reward_dropped")
+                    out["reward_dropped"] = (f"env {self.rules.label}: no reward within "
+                                             f"task.env.reward_deadline_s={self.rules.reward_deadline_s:g}s")
+                else:
+                    ep.episode_return += late
+                    out.update(delayed_reward=late, success=self._success({}, ep.episode_return))
+            try:
+                out["record"] = ep.env.trajectory()
+            except Exception as e:  # noqa: BLE001 -- a record is optional; the episode's data is the controller's
+                out["record"] = {"trajectory_error": _one_line(e)}
+        finally:
+            _close(ep.env)
+        return out
+
+    def _poll_reward(self, env: Environment) -> float | None:
+        deadline, wait = time.monotonic() + self.rules.reward_deadline_s, 0.02
+        while True:
+            value = getattr(env.state, "reward", None)
+            if value is not None:
+                return _number(self.rules.label, "state.reward", value)
+            if time.monotonic() + wait > deadline:
+                return None
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
+
+    def close(self) -> None:
+        for ep in self.live.values():
+            _close(ep.env)
+        self.live.clear()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.source.close()
+
+
+def _close(env: Environment) -> None:
+    try:
+        env.close()
+    except Exception as e:  # noqa: BLE001 -- a dead server or a broken env: nothing left to release
+        log.debug("closing an environment failed: %s", _one_line(e))
