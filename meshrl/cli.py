@@ -43,6 +43,10 @@ def _plan(args: argparse.Namespace):
     from meshrl.terms import check_config
 
     check_config(cfg)  # the plugins, the loss and the terms a run names exist
+    if cfg.task.env is not None and cfg.task.kind == "env":
+        from meshrl.envs.hosting import check_env_source
+
+        check_env_source(cfg.task.env)  # the environment's class imports, its server answers
     remote = remote_host_gpus(cfg.launch)
     if args.host_gpus is not None:
         placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))
