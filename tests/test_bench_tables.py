@@ -49,6 +49,7 @@ VS_TRL = {**PROVENANCE, "settings": {"steps": 4}, "arms": {
     "learning": {"trl": [{"step": 4, "elapsed_s": 40.0, "accuracy": 0.1}],
                  "meshrl": [{"step": 4, "elapsed_s": 24.0, "accuracy": 0.15}]}}
 DOCS = "# Benchmarks\n\nprose before, 1.23 s typed by hand\n\n<!-- bench:begin -->\nstale 9.9%\n<!-- bench:end -->\n\nafter\n"
+ENV_DOCS = "# Environments\n\n<!-- env-examples:begin -->\nstale\n<!-- env-examples:end -->\n"
 README = ("# title\n\nintro\n\n<!-- headline:begin -->\nstale 1.0%\n<!-- headline:end -->\n\n"
           "## later\n\nmore prose\n")
 
@@ -64,11 +65,13 @@ def repo(tmp_path):
     docs.write_text(DOCS)
     readme = tmp_path / "README.md"
     readme.write_text(README)
+    (tmp_path / "environments.md").write_text(ENV_DOCS)
     return results, docs, readme
 
 
 def paths(results: Path, docs: Path, readme: Path) -> list[str]:
-    return ["--results", str(results), "--docs", str(docs), "--readme", str(readme)]
+    return ["--results", str(results), "--docs", str(docs), "--readme", str(readme),
+            "--env-docs", str(results.parent / "environments.md")]
 
 
 def section(path: Path, begin: str = tables.BEGIN, end: str = tables.END) -> str:
@@ -105,6 +108,25 @@ def test_the_docs_section_has_the_figures_of_the_json(repo):
     assert "| weight bytes sent between processes per step | — | 269 MB |" in out
     assert "Goal: meshrl's step time ≤ 0.7x TRL's: meshrl, separate meshes 0.60x (met)." in out
     assert "| 4 | 10.0% at 40 s | 15.0% at 24 s |" in out
+
+
+def test_the_environment_examples_curves_go_into_the_environments_page(repo):
+    results, docs, readme = repo
+    env_docs = results.parent / "environments.md"
+    assert tables.main(paths(*repo)) == 0
+    assert "not yet measured: run `python benchmarks/env_examples.py`" in env_docs.read_text()
+    run = {"env": "tutor", "eval_size": 100, "mean_step_s": 21.5,
+           "evals": [{"step": 0, "success": 0.14, "mean_return": 0.108}, {"step": 32, "success": 0.5, "mean_return": 0.41}]}
+    (results / "env_examples.json").write_text(json.dumps({**PROVENANCE, "runs": [
+        {**run, "arm": "grpo"}, {**run, "arm": "full", "mean_step_s": 30.0, "evals": run["evals"][:1]}]}))
+    assert tables.main(paths(*repo)) == 0
+    out = section(env_docs, tables.ENV_BEGIN, tables.ENV_END)
+    assert "`AdditionTutorEnv`, a class in the env mesh's processes" in out and "100 held-out episodes" in out
+    assert "| step | 0 | 32 |" in out
+    assert "| GRPO alone: success | 14.0% | 50.0% |" in out and "| GRPO alone: mean return | 0.108 | 0.410 |" in out
+    assert "| GRPO + SDPO + trace-replay DPO (oracle teacher): success | 14.0% | — |" in out
+    assert "Mean step: GRPO alone 21.5 s, GRPO + SDPO + trace-replay DPO (oracle teacher) 30.0 s." in out
+    assert "x86_64, Test CPU, 2 cores, 8 GiB, no GPU; 2030-01-02, commit abc1234." in out
 
 
 def test_the_readme_headline_has_the_default_jobs_figures(repo):
@@ -159,7 +181,7 @@ def test_check_detects_a_stale_file_and_changes_nothing(repo, capsys):
     assert tables.main([*args, "--check"]) == 1
     assert docs.read_text() == DOCS and readme.read_text() == README
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 2 and all("out of date" in line for line in out)  # one line per stale file
+    assert len(out) == 3 and all("out of date" in line for line in out)  # one line per stale file
     tables.main(args)
     assert tables.main([*args, "--check"]) == 0
     capsys.readouterr()

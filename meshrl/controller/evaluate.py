@@ -343,8 +343,11 @@ def _task_id(problem) -> str:
 
 def summary_line(result: dict, target: EvalTarget) -> str:
     """One line: what was evaluated, on how many tasks, with what result."""
-    what = "problems" if result["task"] == "arithmetic" else "tasks"
+    what = {"arithmetic": "problems", "env": "episodes"}.get(result["task"], "tasks")
     line = f"{target.describe()}: held-out {result['task']}, {result['size']} {what}"
+    if result["greedy"] and result["task"] == "env":  # an environment's own reward: its mean return too
+        return line + (f", greedy: success rate {result['eval/accuracy']:.1%}, "
+                       f"mean return {result['eval/reward_mean']:.3f}")
     if result["greedy"]:
         return line + f", greedy: accuracy {result['eval/accuracy']:.1%}"
     line += f", {result['samples']} samples each at temperature {result['temperature']:g}: "
