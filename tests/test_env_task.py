@@ -210,3 +210,55 @@ def test_the_example_configs_load():
         cfg = load_config(RunConfig, f"configs/{name}.yaml", [])
         assert cfg.task.kind == "env" and cfg.task.env.python_path == ["examples"]
     assert json.loads(json.dumps(cfg.task.env.model_dump()))["serve"] is True
+
+
+class _Client:
+    """The mesh client `EpisodeRollout` talks to, in this process: one env rank (a real `EpisodeHost`
+    over a real `EnvSource`) and a generator that replies with scripted text (token ids = characters)."""
+
+    version = 3
+
+    def __init__(self, cfg, replies):
+        self.host, self.replies, self.turn = EpisodeHost(env_source(cfg.task.env)), replies, 0
+
+    def procs(self, mesh):
+        return 1
+
+    def supervised(self, mesh, fn, what):
+        return fn()
+
+    def per_rank(self, mesh, endpoint, args_by_rank):
+        return {0: getattr(self.host, endpoint)(args_by_rank[0]) if endpoint != "finish"
+                else {"episodes": self.host.finish(args_by_rank[0]), "counts": dict(self.host.counts)}}
+
+    def generate(self, prompts, request, timings):
+        from meshrl.engines import Completion
+
+        text = self.replies[self.turn]
+        self.turn += 1
+        return [[Completion(tokens=[ord(c) for c in text], logprobs=[-1.0] * len(text), finish_reason="stop",
+                            text=text, meta={"version": self.version, "replica": 0})] for _ in prompts]
+
+
+def test_the_rollout_credits_late_rewards_and_leaves_failed_episodes_out(smollm_tokenizer):
+    """EpisodeRollout over a real env host: the episodes whose reward came late are trained with it;
+    those whose environment failed, or whose reward never came, are left out of their groups and
+    counted in the step's metrics, with the env processes' counters."""
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.controller.rollout import Counters
+    from meshrl.engines import SampleRequest
+    from meshrl.renderers import renderer_for_tokenizer
+
+    renderer = renderer_for_tokenizer(smollm_tokenizer)
+    specs = [EpisodeSpec(f"s{i}", {"seed": i}) for i in range(4)]
+    for mode, kept_rewards, metrics in (
+            ("late_reward", [0.5, 1.0, 0.5, 1.0], {}),
+            ("no_reward", [0.5, 0.5], {"episodes/reward_dropped": 2.0, "env/delayed_reward_dropped": 2.0}),
+            ("step_raises", [0.5, 0.5], {"episodes/env_error": 2.0, "env/step_errors": 2.0})):
+        cfg = _faulty(mode, "task.env.reward_deadline_s=1")
+        rollout = EpisodeRollout(_Client(cfg, ["hi"]), renderer, 512, Counters())
+        trajectories, step = rollout.collect(specs, 1, SampleRequest(max_tokens=8), "t")
+        assert [t.reward for t in trajectories] == kept_rewards, mode
+        assert {k: step[k] for k in metrics} == metrics
+        assert all(t.info["correct"] for t in trajectories)  # a late reward decides success too
+        assert [t.group for t in trajectories] == sorted(t.group for t in trajectories)
