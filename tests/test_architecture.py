@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "meshrl"
 
 LAYERS = {  # package (a folder, or a module of its own) -> layer
-    "meshrl.types": 0, "meshrl.config": 0, "meshrl.logprobs": 0, "meshrl.plugins": 0,
+    "meshrl.types": 0, "meshrl.jsonl": 0, "meshrl.config": 0, "meshrl.logprobs": 0, "meshrl.plugins": 0,
     "meshrl.losses": 1, "meshrl.advantages": 1, "meshrl.renderers": 1,
     "meshrl.training": 2, "meshrl.envs": 2, "meshrl.engines": 2, "meshrl.teachers": 2, "meshrl.transport": 2,
     "meshrl.models": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2, "meshrl.metrics": 2,

@@ -66,7 +66,8 @@ def test_episode_sets_from_seeds_and_files_and_held_out_disjoint(tmp_path):
     good.write_text('{"level": 1}\n\n{"level": 2, "name": "b"}\n')
     task = make_task(_cfg("task.env.factory=meshrl.testing.envs:VowelChatEnv", f"task.env.heldout.file={good}").task)
     assert [(s.id, s.kwargs) for s in task.heldout()] == [("held:1", {"level": 1}), ("held:3", {"level": 2, "name": "b"})]
-    for text, message in (('{"level": 1}\n[1, 2]\n', f"{good}:2 is a list"), ("{oops\n", f"{good}:1 is not JSON"),
+    for text, message in (('{"level": 1}\n[1, 2]\n', f"{good}:2: malformed line (a JSON list, not an object)"),
+                          ("{oops\n", f"{good}:1: malformed line (Expecting property name"),
                           ("\n", f"{good} holds no episode")):
         good.write_text(text)
         with pytest.raises(ConfigError, match=re.escape("task.env.heldout.file: " + message)):

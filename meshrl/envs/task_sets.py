@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from meshrl.config.base import ConfigError
 from meshrl.config.env_task import EnvTaskConfig, EpisodeSetConfig
 from meshrl.config.task import CodeTaskConfig, TaskConfig
+from meshrl.jsonl import read_objects
 
 
 class SeededStream:
@@ -92,22 +93,12 @@ def _episode_specs(cfg: EpisodeSetConfig, key: str) -> list[EpisodeSpec]:
         return [EpisodeSpec(f"seed{i}", {**cfg.kwargs, "seed": i}) for i in range(first, stop)]
     path = Path(cfg.file)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_objects(path, ConfigError)
     except OSError as e:
         raise ConfigError(f"{key}.file: cannot read {path} ({type(e).__name__})") from None
-    specs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            spec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}.file: {path}:{n} is not JSON ({e.msg})") from None
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{key}.file: {path}:{n} is a {type(spec).__name__}, not an object of reset arguments")
-        specs.append(EpisodeSpec(f"{path.stem}:{n}", spec))
-        if cfg.limit is not None and len(specs) >= cfg.limit:
-            break
+    except ConfigError as e:
+        raise ConfigError(f"{key}.file: {e}") from None
+    specs = [EpisodeSpec(f"{path.stem}:{n}", spec) for n, spec in lines][:cfg.limit]
     if not specs:
         raise ConfigError(f"{key}.file: {path} holds no episode")
     return specs

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import read_objects
+
 log = logging.getLogger(__name__)
 
 
@@ -72,17 +74,4 @@ class MetricsFileError(ValueError):
 def read_metrics(path: Path) -> list[dict]:
     """All records of a metrics.jsonl file (blank lines skipped); a line that is not a JSON object
     raises `MetricsFileError` naming ``path:line``."""
-    records = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsFileError(f"{path}:{lineno}: malformed line ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise MetricsFileError(f"{path}:{lineno}: malformed line (a JSON {type(record).__name__}, "
-                                       "not an object)")
-            records.append(record)
-    return records
+    return [record for _, record in read_objects(path, MetricsFileError)]
