@@ -236,6 +236,21 @@ def test_sdpo_jsd_reads_its_fields_and_equals_the_direct_formula(model_path):
     _assert_same_grads(via_registry, _grads(trainer))
 
 
+def test_sdpos_importance_cap_compares_the_learner_and_sampler_at_the_sampling_temperature(model_path):
+    """Sites whose sampler logprobs are the policy's own at temperature 0.7 are on policy: with
+    the learner at that temperature every importance weight min(p / q, cap) is 1, so the capped
+    JSD equals the uncapped one."""
+    datums = [_sdpo_datum(s, start=3 + s, length=4, k=5, weight=0.125)[0] for s in range(3)]
+    trainer = _trainer(model_path, micro_batch_size=2)
+    for d, own in zip(datums, trainer.forward(datums, temperature=0.7)):
+        d.loss_fn_inputs["logprobs"] = own
+    capped = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 2.0}, temperature=0.7)
+    plain = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 0.0}, temperature=0.7)
+    assert capped["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    at_one = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 2.0})  # weights p(T=1) / q(T=0.7)
+    assert at_one["loss"] != pytest.approx(plain["loss"], rel=1e-3)
+
+
 def _pair(seed, weight):
     prompt, chosen, rejected = _tokens(seed, 5), _tokens(seed + 50, 3), _tokens(seed + 90, 4)
     return [Datum.from_sequence(prompt + ans, per_sequence={"weight": weight},
