@@ -113,3 +113,18 @@ def test_canonicalise_dispatches_by_kind():
     assert canonicalise("text", "A  B") == "a b"
     with pytest.raises(KeyError):
         canonicalise("regex", "x")  # type: ignore[arg-type]
+
+
+def test_the_docs_name_the_canonicalisers_as_the_config_spells_them():
+    import re
+    import typing
+    from pathlib import Path
+
+    from meshrl.config.replay import CanonicaliserKind
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "channels.md").read_text()
+    listed = re.search(r"canonicalised \((?:`replay\.teachers\.canonicaliser`:)?\s*([^)]*)\)", doc)
+    assert listed, "docs/channels.md no longer lists the canonicalisers where channel 3 is described"
+    assert re.findall(r"`(\w+)`", listed.group(1)) == list(typing.get_args(CanonicaliserKind))
+    for kind in typing.get_args(CanonicaliserKind):
+        canonicalise(kind, "x = 1")  # every documented value is one the replay accepts

@@ -4,7 +4,9 @@ Unit tests cover the controller's token-balanced split; the integration test run
 learner meshes (1 process, 2 processes with FSDP2, 2 with DDP; gloo on CPU) on the tiny model in
 float32 and checks that one training step through the MeshClient leaves the same parameters
 (within 1e-5), that checkpoints written by N processes resume with another N, and that the shards
-the FSDP2 ranks publish assemble into the whole policy.
+the FSDP2 ranks publish assemble into the whole policy. A second test trains PolicyTrainers in
+plain processes (1, and 2 under DDP) and checks that an optimizer step with no gradient on any
+rank moves nothing and counts no AdamW step, as in one process.
 """
 
 import torch
@@ -152,3 +154,60 @@ def test_two_learner_processes_equal_one(tmp_path):
     finally:
         for group in groups.values():
             group.stop()
+
+
+def _train_then_step_without_data(rank: int, world: int, address: str, results) -> None:
+    """A step on `_datums(1)` (rank 0 trains them, rank 1 a padding datum, as the controller sends),
+    then an optimizer step with no gradient anywhere (a step where every group had advantage 0):
+    how far each parameter moved in that second step and the optimizer's step counts."""
+    from meshrl.config.learner import LearnerConfig
+    from meshrl.models.provision import resolve_model
+    from meshrl.training.data_parallel import DataParallelSpec
+    from meshrl.training.policy import PolicyTrainer
+
+    cfg = LearnerConfig(lr=1e-2, autocast_bf16=False, torch_threads=1, micro_batch_size=4, data_parallel="ddp")
+    trainer = PolicyTrainer(resolve_model("tiny"), cfg, parallel=DataParallelSpec(rank, world, "ddp", address, 120.0))
+    datums = _datums(1)
+    out = trainer.forward_backward(datums if rank == 0 else datums[:1], "ppo", padding=rank > 0)
+    trainer.scale_grads(1.0 / sum(float((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums))
+    trainer.optim_step(cfg.adam_params())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.optim_step(cfg.adam_params())
+    moved = max((p.detach() - b).abs().max().item() for p, b in zip(trainer.model.parameters(), before))
+    counts = sorted({int(s["step"]) for s in trainer.optimizer.state.values()})
+    results.put(((world, rank), {"moved": moved, "adam_steps": counts, "tokens": out["tokens"]}))
+    trainer.dp.close()
+
+
+@pytest.mark.slow
+def test_a_step_without_gradients_moves_nothing_on_one_process_or_two_ddp_ranks():
+    """N ranks equal one across a step where nothing trained: AdamW must not apply its stale
+    momentum (nor count a step) under DDP when no rank has a gradient."""
+    import multiprocessing
+    import queue
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = [ctx.Process(target=_train_then_step_without_data, args=(r, 2, address, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        _train_then_step_without_data(0, 1, "", results)
+        got = dict(results.get(timeout=300) for _ in range(3))
+    except queue.Empty:
+        pytest.fail(f"a DDP rank gave no result (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    single, ddp = got[1, 0], {rank: got[2, rank] for rank in (0, 1)}
+    assert single["moved"] == 0.0 and single["adam_steps"] == [1]
+    assert ddp[0]["tokens"] == single["tokens"] > 0
+    for rank in (0, 1):
+        assert ddp[rank]["moved"] == 0.0, f"DDP rank {rank} moved by {ddp[rank]['moved']:.2e} on a step without data"
+        assert ddp[rank]["adam_steps"] == [1]

@@ -242,11 +242,11 @@ def test_a_step_whose_learner_failed_midway_is_trained_again_from_the_start():
     clean.close()
 
     class DiesOnce(FakeLearner):
-        def forward_backward(self, datums, loss_fn, loss_config, padding=False):
+        def forward_backward(self, datums, loss_fn, loss_config, padding=False, temperature=1.0):
             if len(_calls(self, "fb")) == 1 and not getattr(self, "died", False):
                 self.died = True
                 raise ProcessDied("learner.forward_backward: process 123 of mesh 'learner' is gone")
-            return super().forward_backward(datums, loss_fn, loss_config, padding)
+            return super().forward_backward(datums, loss_fn, loss_config, padding, temperature)
 
     loop, _, learner = make_loop(learner=DiesOnce(), **config)
     state = loop.state_dict()

@@ -236,6 +236,21 @@ def test_sdpo_jsd_reads_its_fields_and_equals_the_direct_formula(model_path):
     _assert_same_grads(via_registry, _grads(trainer))
 
 
+def test_sdpos_importance_cap_compares_the_learner_and_sampler_at_the_sampling_temperature(model_path):
+    """Sites whose sampler logprobs are the policy's own at temperature 0.7 are on policy: with
+    the learner at that temperature every importance weight min(p / q, cap) is 1, so the capped
+    JSD equals the uncapped one."""
+    datums = [_sdpo_datum(s, start=3 + s, length=4, k=5, weight=0.125)[0] for s in range(3)]
+    trainer = _trainer(model_path, micro_batch_size=2)
+    for d, own in zip(datums, trainer.forward(datums, temperature=0.7)):
+        d.loss_fn_inputs["logprobs"] = own
+    capped = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 2.0}, temperature=0.7)
+    plain = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 0.0}, temperature=0.7)
+    assert capped["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    at_one = trainer.forward_backward(datums, "sdpo_jsd", {"is_weight_cap": 2.0})  # weights p(T=1) / q(T=0.7)
+    assert at_one["loss"] != pytest.approx(plain["loss"], rel=1e-3)
+
+
 def _pair(seed, weight):
     prompt, chosen, rejected = _tokens(seed, 5), _tokens(seed + 50, 3), _tokens(seed + 90, 4)
     return [Datum.from_sequence(prompt + ans, per_sequence={"weight": weight},
@@ -347,3 +362,31 @@ def test_the_heap_can_go_back_after_every_micro_batch(model_path, monkeypatch):
     trainer.cfg.release_heap_each_micro_batch = True
     trainer.forward_backward(datums, "ppo")
     assert len(calls) == -(-len(datums) // 2)
+
+
+def test_on_policy_ratios_are_one_at_the_sampling_temperature(model_path):
+    """Tokens sampled at temperature 0.7 (the HF engine records the logprobs of the distribution
+    it sampled from): the learner scoring them at that temperature gives ratios of 1, no PPO
+    clipping and no sampler/learner KL; at temperature 1 the same samples look off policy (the
+    tiny random model's distributions are nearly flat, so the gap is smaller than a real model's)."""
+    from meshrl.config.generation import GeneratorConfig
+    from meshrl.engines.base import SampleRequest
+    from meshrl.engines.hf_engine import HFEngine
+
+    engine = HFEngine(model_path, GeneratorConfig(torch_threads=1), "float32", 256, seed=0)
+    prompts = [[1, 5, 9, 13], [2, 7, 3]]
+    sampled = engine.generate(prompts, SampleRequest(n=4, max_tokens=12, temperature=0.7, seed=7))
+    datums = [Datum.from_sequence(prompt + c.tokens, per_sequence={"advantages": 1.0 - 2 * (i % 2)},
+                                  mask=[0] * len(prompt) + [1] * len(c.tokens),
+                                  logprobs=[0.0] * len(prompt) + list(c.logprobs))
+              for prompt, group in zip(prompts, sampled) for i, c in enumerate(group)]
+    trainer = _trainer(model_path)
+    at_sampling = trainer.forward_backward(datums, "ppo", temperature=0.7)
+    assert at_sampling["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert at_sampling["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert at_sampling["clip_fraction"] == 0.0 and abs(at_sampling["kl_sampler_learner_k1"]) < 1e-4
+    for d, logprobs in zip(datums, trainer.forward(datums, temperature=0.7)):
+        scored = d.loss_fn_inputs["mask"] != 0
+        torch.testing.assert_close(logprobs[scored], d.loss_fn_inputs["logprobs"][scored], rtol=0, atol=1e-4)
+    at_one = trainer.forward_backward(datums, "ppo")  # the model's own distribution: not what was sampled
+    assert at_one["ratio_max"] > 1.1 and at_one["kl_sampler_learner_k3"] > 1e-3  # (1.24 and 4e-3 measured)

@@ -168,7 +168,7 @@ def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_
     trained = []
 
     class Client:  # the learner call the term makes, recorded
-        def forward_backward(self, datums, loss_fn, config):
+        def forward_backward(self, datums, loss_fn, config, temperature=1.0):
             trained.append((datums, loss_fn, config))
             return {"loss": 0.5, "num_pairs": len(datums) / 2}
 

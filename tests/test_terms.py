@@ -104,3 +104,25 @@ def test_a_loss_and_a_term_of_your_own_train_from_the_config_alone(tiny_run_conf
     assert all(r["likelihood/reply_tokens"] > 0 and r["loss/reply_likelihood"] > 0 for r in train)
     for r in train:
         assert r["loss/total"] == pytest.approx(r["loss/grpo"] + 0.1 * r["loss/reply_likelihood"])
+
+
+@pytest.mark.parametrize("temperature, scored_at", [(0.7, 0.7), (0.0, 1.0)])
+def test_the_learner_scores_sampled_datums_at_the_sampling_temperature(temperature, scored_at):
+    """The policy-gradient term (its loss and KL shaping's reference logprobs) and a term of
+    sampled datums ask the learner for log-probabilities at the rollouts' temperature (greedy: 1,
+    as the engines record them), so on-policy ratios are 1."""
+    loop, _, learner = make_loop(**{
+        "trainer.prompts_per_step": 2, "trainer.group_size": 4, "generator.sampling.temperature": temperature,
+        "trainer.advantage.kl_coef": 0.1, "plugins": f"[{PLUGIN}]",
+        "trainer.terms": "[{name: reply_likelihood, weight: 0.1}]"})
+    loop.step()
+    loop.close()
+    assert learner.temperatures == [("forward", scored_at), ("fb", scored_at), ("fb", scored_at)]
+
+
+def test_training_refuses_nucleus_sampling_in_one_line_and_evaluation_allows_it():
+    cfg = load_config(RunConfig, None, ["generator.sampling.top_p=0.9"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert "generator.sampling.top_p = 0.9: training needs 1.0" in str(err.value) and "\n" not in str(err.value)
+    check_config(cfg, trains=False)

@@ -132,11 +132,12 @@ class Learner(MeshrlActor):
 
     @endpoint
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False, outputs: bool = False) -> dict:
+                         padding: bool = False, outputs: bool = False, temperature: float = 1.0) -> dict:
         """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over
-        ``datums``; with ``outputs`` also each datum's target-token logprobs."""
+        ``datums``, their log-probabilities at the sampling ``temperature``; with ``outputs`` also
+        each datum's target-token logprobs."""
         self.fault_point("forward_backward")
-        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs)
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs, temperature)
 
     @endpoint
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
@@ -145,10 +146,11 @@ class Learner(MeshrlActor):
         return self.trainer.forward_backward_custom(datums, fn, padding)
 
     @endpoint
-    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False) -> list[list[float]]:
+    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False,
+                temperature: float = 1.0) -> list[list[float]]:
         """Logprobs of each datum's target tokens under the current weights (or the frozen
-        reference policy), without grad."""
-        return [lp.tolist() for lp in self.trainer.forward(datums, reference, padding)]
+        reference policy) at the sampling ``temperature``, without grad."""
+        return [lp.tolist() for lp in self.trainer.forward(datums, reference, padding, temperature)]
 
     @endpoint
     def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False) -> list[tuple]:

@@ -343,6 +343,8 @@ def _tinker_metrics(loss_fn: str, out: dict, datums: int) -> dict[str, float]:
 class _GivenLogprobs:
     """A `meshrl.losses.ForwardPass` over target logprobs already computed ([B, T], padded)."""
 
+    temperature = 1.0  # Tinker's logprobs: the model's own distribution
+
     def __init__(self, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], valid: torch.Tensor):
         self._logprobs, self.inputs, self.valid = logprobs, inputs, valid
 

@@ -17,10 +17,19 @@ class SamplingConfig(Section):
 
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature for training rollouts (0 = greedy). Logprobs are those of the
-    distribution actually sampled from."""
+    distribution actually sampled from, and the learner scores the sampled tokens at the same
+    temperature (greedy: at 1, as the engines record them), so exactly on-policy ratios are 1."""
 
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass for training rollouts (1.0 = off)."""
+    """Nucleus sampling mass (1.0 = off). Only for `meshrl eval` sampling: training refuses
+    values below 1, since the learner cannot score a nucleus-truncated distribution (a sampled
+    token outside the current policy's nucleus would have probability 0)."""
+
+    @property
+    def learner_temperature(self) -> float:
+        """The temperature at which the learner scores sampled tokens: `temperature`, or 1 for
+        greedy sampling (the engines record a greedy token's log-probability at temperature 1)."""
+        return self.temperature or 1.0
 
 
 class GeneratorConfig(Section):

@@ -26,7 +26,8 @@ class ReplayPoolConfig(Section):
 
     max_version_lag: int = Field(4, ge=0)
     """Results for a policy version older than ``current_version - max_version_lag`` are dropped
-    (and counted) when drained."""
+    (and counted) when drained, and so are their buffered pairs once they grow that old before
+    their turn to be trained (`replay/pairs_stale`)."""
 
     rpc_timeout_s: float = Field(30.0, gt=0)
     """Deadline of each control call to the pool (subscribe, submit, ack, stats)."""
@@ -84,10 +85,15 @@ class ReplayConfig(Section):
     """Which trajectories are replayed: those the verifier failed, or all."""
 
     traces_per_step: int = Field(8, ge=1)
-    """Most traces submitted for replay per step."""
+    """Most traces submitted for replay per step, shared among the step's units as they arrive
+    (each an equal share of what is left, spread over its groups); the failures left out are
+    counted (`replay/skipped_budget`)."""
 
     max_pairs_per_step: int = Field(16, ge=1)
-    """Most DPO pairs trained on per step (the rest wait in the buffer)."""
+    """Most DPO pairs trained on per step, oldest first; the rest wait in a buffer of at most
+    ``max_pairs_per_step * (pool.max_version_lag + 1)`` pairs (the oldest beyond it are dropped,
+    `replay/pairs_overflow`). The term is `beta` times the mean DPO loss over the pairs a step
+    trains, however few."""
 
     max_outstanding: int = Field(64, ge=1)
     """Back-pressure: no new traces are submitted while this many are still being replayed."""

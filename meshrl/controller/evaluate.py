@@ -281,7 +281,7 @@ def run_eval(cfg, target: EvalTarget, size: int | None = None, k: int = 1, sampl
     samples = samples or k
     if k < 1 or samples < k:
         raise EvalError(f"--k {k} --samples {samples}: pass@k needs 1 <= k <= samples")
-    check_config(cfg)  # its plugins are imported (a reward function or loss of theirs)
+    check_config(cfg, trains=False)  # its plugins are imported (a reward function or loss of theirs)
     try:
         if cfg.rewarder.reward_fn:
             load_reward_fn(cfg.rewarder.reward_fn)

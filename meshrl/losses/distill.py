@@ -222,7 +222,7 @@ def sdpo_jsd_loss(fp: ForwardPass, beta: float = 0.5, temperature: float = 1.0,
     weights = i["mask"][valid]
     if is_weight_cap > 0:
         with torch.no_grad():
-            logp = selective_log_softmax(logits, i["target_tokens"][valid])
+            logp = selective_log_softmax(logits, i["target_tokens"][valid], temperature=fp.temperature)
             weights = weights * torch.exp(logp - i["logprobs"][valid]).clamp(max=is_weight_cap)
     teacher = i["teacher_topk_logprobs"][valid]
     if "teacher_topk_indices" not in i:

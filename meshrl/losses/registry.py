@@ -37,6 +37,11 @@ class ForwardPass(Protocol):
     valid: torch.Tensor
     """[B, T] bool: the positions the loss reads (its ``valid_key`` input is non-zero there)."""
 
+    temperature: float
+    """The sampling temperature the tokens were drawn at: `logprobs` and `reference_logprobs` are
+    those of softmax(logits / temperature), the distribution the sampler's recorded logprobs are
+    of (1 unless the caller says otherwise; `logits` are never scaled)."""
+
     def logits(self) -> torch.Tensor:
         """[N, V] logits at the N valid positions (row-major over batch, position), with grad."""
 

@@ -222,39 +222,44 @@ class MeshClient:
             replies = self.unsupervised(LEARNER, issue, what, timeout_s)[0]
         return reply_at(replies, 0)
 
-    def _split_learners(self, endpoint: str, datums: list[Datum], per_item: int, *args) -> list:
-        """``endpoint(share, *args, padding)`` on every learner rank with its share of ``datums``
+    def _split_learners(self, endpoint: str, datums: list[Datum], per_item: int, *args, **kwargs) -> list:
+        """``endpoint(share, *args, padding, **kwargs)`` on every learner rank with its share of ``datums``
         (balanced by tokens, items of ``per_item`` datums kept whole); replies of the ranks that got
         real datums, with their shares' datum indices."""
         shares = split_by_tokens(datums, self.procs(LEARNER), per_item)
 
         def issue(m):
             return [getattr(actor_at(m, r), endpoint).call_one(
-                [datums[i] for i in (idx or range(min(per_item, len(datums))))], *args, bool(datums) and not idx)
+                [datums[i] for i in (idx or range(min(per_item, len(datums))))], *args, bool(datums) and not idx,
+                **kwargs)
                 for r, idx in enumerate(shares)]
 
         replies = self.call(LEARNER, "train", issue, f"learner.{endpoint}")
         return [(idx, reply) for idx, reply in zip(shares, replies) if idx or not datums]
 
-    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> dict:
+    def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                         temperature: float = 1.0) -> dict:
+        """``loss_fn`` on the learner ranks' shares, the datums' log-probabilities taken at the
+        ``temperature`` their tokens were sampled at."""
         per_item = get_loss(loss_fn).datums_per_item
-        return _combine(self._split_learners("forward_backward", datums, per_item, loss_fn, loss_fn_config))
+        return _combine(self._split_learners("forward_backward", datums, per_item, loss_fn, loss_fn_config,
+                                             temperature=temperature))
 
     def forward_backward_custom(self, datums: list[Datum], fn) -> dict:
         """A picklable ``fn(datums, logprobs) -> (loss, metrics)`` on each rank's share: with more
         than one learner process it must be a sum over datums to equal the 1-process result."""
         return _combine(self._split_learners("forward_backward_custom", datums, 1, fn))
 
-    def _per_datum(self, endpoint: str, datums: list[Datum], *args) -> list:
+    def _per_datum(self, endpoint: str, datums: list[Datum], *args, **kwargs) -> list:
         """``endpoint`` (one reply item per datum) on the learner ranks' shares; items in datum order."""
         out: list = [None] * len(datums)
-        for idx, items in self._split_learners(endpoint, datums, 1, *args):
+        for idx, items in self._split_learners(endpoint, datums, 1, *args, **kwargs):
             for i, item in zip(idx, items):
                 out[i] = item
         return out
 
-    def forward(self, datums: list[Datum], reference: bool = False) -> list[list[float]]:
-        return self._per_datum("forward", datums, reference)
+    def forward(self, datums: list[Datum], reference: bool = False, temperature: float = 1.0) -> list[list[float]]:
+        return self._per_datum("forward", datums, reference, temperature=temperature)
 
     def topk_logprobs(self, datums: list[Datum], k: int) -> list[tuple]:
         """Per datum, the learner's top-``k`` (indices, log-probs) at its `mask` positions."""

@@ -15,6 +15,10 @@ class PreferenceItem:
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
+    version: int | None = None
+    """The policy version that sampled the replayed trace, by which the replay term drops a pair
+    grown too old before its turn (`replay.pool.max_version_lag`); None where it is not known
+    (pairs read from rollout shards, checkpoints that predate it)."""
 
 
 def dpo_datums(items: list[PreferenceItem], weight: float) -> list[Datum]:

@@ -76,6 +76,10 @@ class LossTerm:
     trains: bool = True
     """False for a term that only exports data (its `finish` returns None)."""
 
+    sampled: ClassVar[bool] = False
+    """Whether the term's datums are the generators' samples, with the sampler's `logprobs`: the
+    learner then scores their tokens at the sampling temperature (`logprob_temperature`)."""
+
     def __init__(self, ctx: TermContext, weight: float = 1.0, params: Section | None = None):
         self.ctx = ctx
         self.client = ctx.client
@@ -95,6 +99,12 @@ class LossTerm:
     def loss_config(self) -> dict:
         """The ``loss_fn_config`` of the term's learner calls."""
         return {}
+
+    def logprob_temperature(self) -> float:
+        """The temperature at which the learner scores the tokens of the term's datums: for a
+        `sampled` term the rollouts' (`generator.sampling.learner_temperature`), so that its
+        ratios to the sampler's logprobs are 1 on policy; else 1 (the model's own distribution)."""
+        return self.ctx.cfg.generator.sampling.learner_temperature if self.sampled else 1.0
 
     def start_step(self, step: int) -> None:
         """Learner side: step ``step`` begins; forget what a step that did not finish had gathered."""
@@ -125,7 +135,7 @@ class LossTerm:
         loss; its metrics under `<prefix>/`; returns the weighted loss (0 when there is nothing)."""
         if not datums:
             return 0.0
-        fb = self.client.forward_backward(datums, self.loss, self.loss_config())
+        fb = self.client.forward_backward(datums, self.loss, self.loss_config(), self.logprob_temperature())
         add_metrics(metrics, {f"{self.prefix}/{k}": v for k, v in fb.items() if k != "loss"})
         return fb["loss"]
 
@@ -153,6 +163,8 @@ class DatumTerm(LossTerm):
     """A term that turns each unit's samples into datums for its loss, in the producer thread
     (`make_datums`), and trains them at the next optimizer step with token-mean weights: its loss
     is ``weight`` times the per-token mean of the loss over their non-zero `mask` tokens."""
+
+    sampled = True
 
     def __init__(self, ctx: TermContext, weight: float = 1.0, params: Section | None = None):
         super().__init__(ctx, weight, params)

@@ -32,6 +32,7 @@ class _Substep:
 
 class PolicyGradientTerm(LossTerm):
     name, prefix = "grpo", "train"
+    sampled = True  # ratios, KL shaping's reference logprobs and the entropy at the sampling temperature
 
     def __init__(self, ctx: TermContext, weight: float = 1.0, params=None):
         super().__init__(ctx, weight, params)
@@ -42,6 +43,7 @@ class PolicyGradientTerm(LossTerm):
 
     def loss_config(self) -> dict:
         return dict(self._config)
+
 
     def start_step(self, step: int) -> None:
         self.sub = _Substep()  # a failed step's pieces are trained again after the recovery
@@ -59,9 +61,10 @@ class PolicyGradientTerm(LossTerm):
         if not datums:
             return
         if kl_coef > 0:
-            sub.kl.append(kl_shape_datums(datums, self.client.forward(datums, reference=True), kl_coef)
-                          ["kl/sampler_reference_k1"])
-        sub.passes.append(self.client.forward_backward(datums, self.loss, self.loss_config()))
+            reference = self.client.forward(datums, reference=True, temperature=self.logprob_temperature())
+            sub.kl.append(kl_shape_datums(datums, reference, kl_coef)["kl/sampler_reference_k1"])
+        sub.passes.append(self.client.forward_backward(datums, self.loss, self.loss_config(),
+                                                       self.logprob_temperature()))
         add_metrics(sub.stats, {"timing/train_s": time.perf_counter() - started})
 
     def finish(self, version: int, metrics: dict) -> float:

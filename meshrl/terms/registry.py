@@ -57,13 +57,19 @@ def _built_in(cfg) -> list[type[LossTerm]]:
     return out
 
 
-def check_config(cfg) -> None:
-    """Import `plugins`; check `trainer.loss` and `trainer.terms` against the registries
-    (ConfigError in one line naming the key)."""
+def check_config(cfg, trains: bool = True) -> None:
+    """Import `plugins`; check `trainer.loss` and `trainer.terms` against the registries and, for
+    a run that ``trains`` (not `meshrl eval`), that the learner can score the rollouts' sampling
+    distribution (ConfigError in one line naming the key)."""
     try:
         import_plugins(cfg.plugins)
     except PluginError as e:
         raise ConfigError(str(e)) from None
+    top_p = cfg.generator.sampling.top_p
+    if trains and top_p < 1:
+        raise ConfigError(f"config: generator.sampling.top_p = {top_p}: training needs 1.0; the learner scores "
+                          "sampled tokens under the whole distribution at generator.sampling.temperature and "
+                          "cannot reproduce a nucleus-truncated one (top-p is for `meshrl eval` sampling)")
     loss = cfg.trainer.loss
     if loss.name not in LOSSES or LOSSES[loss.name].kind != "policy_gradient":
         what = "not a registered loss" if loss.name not in LOSSES else f"a {LOSSES[loss.name].kind} loss"

@@ -6,7 +6,10 @@ shards (`learn`) trains on the pairs that arrive in the shards (`ShardPairsTerm`
 of its own.
 
 Training never waits on teachers: `submit` returns once the actors have queued the work and
-`drain` only takes what has already arrived. The pool is supervised like any mesh; a replaced pool
+`drain` only takes what has already arrived. A step submits at most `replay.traces_per_step`
+traces, shared fairly among its units as they arrive (`unit_quota`) and spread over each unit's
+groups (`spread_over_groups`); what the budget leaves out is counted (`replay/skipped_budget`).
+Pairs wait in a bounded buffer and are checked for age again when their turn comes. The pool is supervised like any mesh; a replaced pool
 is re-subscribed to the inbox and given back the work it had not delivered, and the inbox's dedupe
 makes sure each trace's result is used once.
 """
@@ -24,9 +27,26 @@ from meshrl.config.meshes import TEACHER_REPLAY as POOL
 from meshrl.meshes.ranks import actor_at
 from meshrl.replay.pairs import PreferenceItem, dpo_datums
 from meshrl.terms.base import LossTerm, StepOutput, TermContext
+from meshrl.training.trajectories import groups_of
 from meshrl.types import Datum
 
 log = logging.getLogger(__name__)
+
+
+def unit_quota(budget: int, sent: int, unit_index: int, units_per_step: int) -> int:
+    """Traces unit ``unit_index`` (0-based) of a step may submit: an equal share, rounded up, of
+    what the step's ``budget`` has left after ``sent`` among the units still to come (a unit
+    beyond the expected ``units_per_step``, e.g. a dynamic-sampling round, may take all of it)."""
+    left = max(0, budget - sent)
+    return -(-left // max(1, units_per_step - unit_index))
+
+
+def spread_over_groups(trajectories: list, n: int) -> list:
+    """Up to ``n`` of ``trajectories``, taken in turns across their groups (every group's first,
+    then every group's second, ...), so that a budget covers as many prompts as it can."""
+    groups = [[trajectories[i] for i in idx] for idx in groups_of(trajectories).values()]
+    turns = [g[rank] for rank in range(max(map(len, groups), default=0)) for g in groups if rank < len(g)]
+    return turns[:n]
 
 
 @dataclass
@@ -44,7 +64,8 @@ class PendingTrace:
 
 class PairsTerm(LossTerm):
     """DPO on buffered preference pairs: at most `replay.max_pairs_per_step` a step, oldest first,
-    each weighted weight / pairs, so the term is `replay.beta` times the mean over the step's pairs."""
+    each weighted weight / pairs, so the term is `replay.beta` times the mean over the pairs the
+    step trains (however few: a lone pair weighs as much as a full step's pairs together)."""
 
     name, prefix, loss = "replay_dpo", "dpo", "dpo"
 
@@ -82,6 +103,10 @@ class ReplayTerm(PairsTerm):
         self.counts: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.producers = [producer_name(POOL, r) for r in range(self.cfg.pool.procs)]
+        tc = ctx.cfg.trainer
+        self.units_per_step = tc.num_substeps * tc.num_minibatches
+        self.unit_index = 0  # the step's units received so far
+        self.sent_this_step = 0  # traces the step has submitted
         self._subscribe()
         self.client.sup.on_respawn(POOL, self._after_respawn)
 
@@ -120,10 +145,14 @@ class ReplayTerm(PairsTerm):
         return actor_at(pool, self.producers.index(producer))
 
     # ---- the term -----------------------------------------------------------------------------
+    def start_step(self, step: int) -> None:
+        self.unit_index = self.sent_this_step = 0
+
     def receive(self, unit) -> None:
-        """Queue the unit's samples for replay (never waits for the teachers)."""
-        if unit.sampled:
-            self.submit(unit.sampled, min(s.version for s in unit.sampled))
+        """Queue the unit's share of the step's traces for replay (never waits for the teachers)."""
+        quota = unit_quota(self.cfg.traces_per_step, self.sent_this_step, self.unit_index, self.units_per_step)
+        self.unit_index += 1
+        self.sent_this_step += self.submit(unit.sampled, quota)
 
     def finish(self, version: int, metrics: dict) -> float | None:
         """The pairs that arrived (at most `max_pairs_per_step`) as the step's DPO term."""
@@ -139,30 +168,29 @@ class ReplayTerm(PairsTerm):
             metrics.update(self.drain(output.published))
             output.pairs += self.take(len(self.buffer))
 
-    def submit(self, trajectories: list, version: int) -> None:
-        """Queue the step's selected trajectories for replay (never waits for the teachers)."""
+    def submit(self, trajectories: list, quota: int) -> int:
+        """Queue up to ``quota`` of the selected trajectories for replay, spread over their groups,
+        each under the version that sampled it (never waits for the teachers); those left out are
+        counted (`skipped_budget`, `skipped_backpressure`). Returns how many were submitted."""
         from meshrl.sdpo.sites import error_kind  # the same notion of a failed trajectory as SDPO
 
-        chosen = [t for t in trajectories if t.tokens and (self.cfg.select == "all" or error_kind(t.info))]
-        room = self.cfg.max_outstanding - len(self.inbox.outstanding())
-        if len(chosen) > room:
-            self.counts["skipped_backpressure"] += len(chosen) - max(room, 0)
-        chosen = chosen[: max(0, min(room, self.cfg.traces_per_step))]
-        for i, t in enumerate(chosen):
-            key = f"v{version}/{t.id}"
+        selected = [t for t in trajectories if t.tokens and (self.cfg.select == "all" or error_kind(t.info))]
+        self.counts["skipped_budget"] += max(0, len(selected) - quota)
+        room = max(0, self.cfg.max_outstanding - len(self.inbox.outstanding()))
+        self.counts["skipped_backpressure"] += max(0, min(len(selected), quota) - room)
+        chosen = spread_over_groups(selected, min(quota, room))
+        keys = [f"v{t.version}/{t.id}" for t in chosen]
+        for i, (key, t) in enumerate(zip(keys, chosen)):
             producer = self.producers[(self.counts["submitted"] + i) % len(self.producers)]
             trace, steps = self._frozen_trace(t)
-            self.in_flight[key] = PendingTrace(trace, version, producer, steps, time.monotonic())
+            self.in_flight[key] = PendingTrace(trace, t.version, producer, steps, time.monotonic())
             self.inbox.expect(key, producer)
         if not chosen:
-            return
-
-        def issue(pool):
-            return [self._actor(pool, self.in_flight[k].producer).submit.call_one(k, self.in_flight[k].trace, version)
-                    for k in (f"v{version}/{t.id}" for t in chosen)]
-
-        self._call("submit", issue)
+            return 0
+        self._call("submit", lambda pool: [self._actor(pool, self.in_flight[k].producer).submit.call_one(
+            k, self.in_flight[k].trace, self.in_flight[k].version) for k in keys])
         self.counts["submitted"] += len(chosen)
+        return len(chosen)
 
     def _frozen_trace(self, t):
         """The trace teachers replay (the exact contexts the student saw) and, per step, its tokens."""
@@ -194,8 +222,10 @@ class ReplayTerm(PairsTerm):
                 if chosen == rejected:
                     self.counts["pairs_identical"] += 1
                     continue
-                self.buffer.append(PreferenceItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected))
+                self.buffer.append(PreferenceItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected,
+                                                  pending.version))
                 self.counts["dpo_items"] += 1
+        self._prune_buffer(version)
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
         for key in [k for k in self.in_flight if k not in outstanding]:  # drained as stale or duplicate
@@ -212,6 +242,17 @@ class ReplayTerm(PairsTerm):
             "replay/outstanding": float(len(self.inbox.outstanding())),
             "replay/buffered_pairs": float(len(self.buffer)),
         }
+
+    def _prune_buffer(self, version: int) -> None:
+        """Drop the buffered pairs whose trace is now older than `replay.pool.max_version_lag`
+        (`pairs_stale`), then, oldest first, those beyond `max_pairs_per_step` x (lag + 1)
+        (`pairs_overflow`): no step could train those before they grew too old."""
+        lag = self.cfg.pool.max_version_lag
+        fresh = [i for i in self.buffer if i.version is None or i.version >= version - lag]
+        self.counts["pairs_stale"] += len(self.buffer) - len(fresh)
+        over = max(0, len(fresh) - self.cfg.max_pairs_per_step * (lag + 1))
+        self.counts["pairs_overflow"] += over
+        self.buffer = fresh[over:]
 
     def _retry_lost(self, outstanding: set[str]) -> None:
         """Results overdue by `result_timeout_s` were lost: submit again, or abandon after

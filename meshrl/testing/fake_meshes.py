@@ -75,12 +75,12 @@ class Endpoint:
     def __init__(self, actors, name):
         self.actors, self.name = actors, name
 
-    def call_one(self, *args):
+    def call_one(self, *args, **kwargs):
         assert len(self.actors) == 1
         actor = self.actors[0]
         if "_lane" not in actor.__dict__:  # the actor's own thread: one message at a time, in order
             actor._lane = ThreadPoolExecutor(1, thread_name_prefix=type(actor).__name__)
-        return Reply(actor._lane.submit(getattr(actor, self.name), *args))
+        return Reply(actor._lane.submit(getattr(actor, self.name), *args, **kwargs))
 
     def call(self, *args):
         return Gathered([Endpoint([a], self.name).call_one(*args) for a in self.actors])
@@ -148,9 +148,11 @@ class UniformForEvenOperand(FakeRewarder):
 class FakeLearner:
     def __init__(self, train_s=0.0):
         self.calls, self.train_s = [], train_s
+        self.temperatures = []  # (call, the temperature it scores the datums at)
 
-    def forward_backward(self, datums, loss_fn, loss_config, padding=False):
+    def forward_backward(self, datums, loss_fn, loss_config, padding=False, temperature=1.0):
         self.calls.append(("fb", datums, loss_fn, loss_config))
+        self.temperatures.append(("fb", temperature))
         time.sleep(self.train_s)
         return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums)),
                 "seconds": self.train_s}
@@ -158,9 +160,10 @@ class FakeLearner:
     def scale_grads(self, factor):
         self.calls.append(("scale", factor))
 
-    def forward(self, datums, reference, padding=False):
+    def forward(self, datums, reference, padding=False, temperature=1.0):
         """Reference logprobs: -1 at every position."""
         self.calls.append(("forward", datums, reference))
+        self.temperatures.append(("forward", temperature))
         return [[-1.0] * d.length for d in datums]
 
     def optim_step(self, adam):

@@ -119,15 +119,20 @@ class DataParallel:
     @torch.no_grad()
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """DDP: replace every gradient by its sum over ranks (a rank that saw no data contributes
-        zeros). Other modes: nothing to do (FSDP2 reduced them in backward)."""
-        if self.mode != "ddp":
+        zeros). A parameter no rank has a gradient for keeps None, as in one process, so the
+        optimizer leaves it (and its state) alone: a step that trained nothing moves nothing.
+        Other modes: nothing to do (FSDP2 reduced them in backward)."""
+        if self.mode != "ddp" or not params:
             return
-        for p in params:
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+        used = [p for p, anywhere in zip(params, has_grad.tolist()) if anywhere]
+        for p in used:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         bucket: list[torch.Tensor] = []
         size = 0
-        for p in params:
+        for p in used:
             bucket.append(p.grad)
             size += p.grad.numel() * p.grad.element_size()
             if size >= _BUCKET_BYTES:

@@ -52,8 +52,8 @@ def combine_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, fl
 class MicroBatchPass:
     """One padded micro-batch on the device; implements :class:`meshrl.losses.ForwardPass`."""
 
-    def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None):
-        self.trainer, self.mb = trainer, mb
+    def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None, temperature: float = 1.0):
+        self.trainer, self.mb, self.temperature = trainer, mb, temperature
         self.inputs = {k: v.to(trainer.device) for k, v in mb.inputs.items()}
         key = self.inputs.get(valid_key) if valid_key else None
         self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
@@ -72,8 +72,8 @@ class MicroBatchPass:
     def logprobs(self) -> torch.Tensor:
         if self._logprobs is None:
             targets = self.inputs["target_tokens"][self.valid]
-            rows, entropy = token_logprobs_and_entropy(self.logits(), targets,
-                                                       chunk_size=self.trainer.cfg.logprob_chunk_tokens)
+            rows, entropy = token_logprobs_and_entropy(self.logits(), targets, self.trainer.cfg.logprob_chunk_tokens,
+                                                       self.temperature)
             self._logprobs = self._scatter(rows)
             self.entropy = self._scatter(entropy.detach())
         return self._logprobs
@@ -83,7 +83,7 @@ class MicroBatchPass:
         with self.trainer.reference_model() as model:
             logits = self.trainer.valid_logits(self.mb, self.valid, model)
         targets = self.inputs["target_tokens"][self.valid]
-        rows, _ = token_logprobs_and_entropy(logits, targets, chunk_size=self.trainer.cfg.logprob_chunk_tokens)
+        rows, _ = token_logprobs_and_entropy(logits, targets, self.trainer.cfg.logprob_chunk_tokens, self.temperature)
         return self._scatter(rows)
 
 
@@ -183,8 +183,10 @@ class PolicyTrainer:
             self._frozen_copy = ValidLogits(ref)
         yield self._frozen_copy
 
-    def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1, padding: bool = False):
-        """``(group, pass, scale)`` per micro-batch; the caller multiplies the loss by ``scale`` and
+    def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1, padding: bool = False,
+                temperature: float = 1.0):
+        """``(group, pass, scale)`` per micro-batch (its log-probabilities at ``temperature``); the
+        caller multiplies the loss by ``scale`` and
         drops the outputs of passes whose scale is 0. Those are ``padding`` datums (sent to a
         data-parallel rank only to keep it in step) and, under FSDP2, repeats of a rank's last
         micro-batch until it has run as many passes as the busiest rank (the collectives match)."""
@@ -195,26 +197,29 @@ class PolicyTrainer:
             raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
         real = 0 if padding else len(groups)
         for i, group in enumerate(groups + [groups[-1]] * extra):
-            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key), float(i < real)
+            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key, temperature), float(i < real)
 
     # ---- Tinker-style API ----------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False, outputs: bool = False) -> dict:
+                         padding: bool = False, outputs: bool = False, temperature: float = 1.0) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
         (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
         each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
         nothing). ``tokens`` counts the positions that carry a training signal (the loss's
         ``signal``, else every position it reads): the policy entropy is their mean, and the
         micro-batches' metrics are weighted by them. ``padding`` datums add nothing (see
-        :meth:`_passes`). With `learner.release_heap_each_micro_batch` the free heap goes back to
-        the kernel after each micro-batch."""
+        :meth:`_passes`). ``temperature``: the log-probabilities (and the entropy) are those of
+        softmax(logits / temperature), the distribution the datums' tokens were sampled from (the
+        sampler's recorded `logprobs` are of that distribution). With
+        `learner.release_heap_each_micro_batch` the free heap goes back to the kernel after each
+        micro-batch."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         started = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
         tokens = 0
         per_datum: dict[int, list[float]] = {}
-        for group, fp, scale in self._passes(datums, spec.valid_key, spec.datums_per_item, padding):
+        for group, fp, scale in self._passes(datums, spec.valid_key, spec.datums_per_item, padding, temperature):
             out = spec.fn(fp, **config)
             (out.loss * scale).backward()
             if not scale:
@@ -258,11 +263,13 @@ class PolicyTrainer:
                 "seconds": time.perf_counter() - started}
 
     @torch.no_grad()
-    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False) -> list[torch.Tensor]:
+    def forward(self, datums: list[Datum], reference: bool = False, padding: bool = False,
+                temperature: float = 1.0) -> list[torch.Tensor]:
         """Log-probability of every datum's target tokens ([length] float32 each, in datum order)
-        under the current weights, or under the frozen reference policy (``padding``: zeros)."""
+        under the current weights, or under the frozen reference policy (``padding``: zeros), at
+        ``temperature``."""
         out: dict[int, torch.Tensor] = {}
-        for group, fp, scale in self._passes(datums, None, padding=padding):
+        for group, fp, scale in self._passes(datums, None, padding=padding, temperature=temperature):
             logp = fp.reference_logprobs() if reference else fp.logprobs()
             for row, d in enumerate(group):
                 out.setdefault(id(d), logp[row, : d.length].float().cpu() * scale)

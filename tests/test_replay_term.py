@@ -1,0 +1,145 @@
+"""The trace-replay term's step budget and pair buffer, over a scripted teacher pool.
+
+The pool is a stand-in that records submissions; results come back through a real delayed outbox
+(in this process) into the term's real inbox, so the term's own drain, buffer and datums run."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from meshrl.actors.teacher_replay import TraceReplayOutcome
+from meshrl.config.base import load_config
+from meshrl.config.run import RunConfig
+from meshrl.replay.agreement import PreferencePair
+from meshrl.replay.trace import ReplayPair
+from meshrl.terms.base import TermContext
+from meshrl.terms.replay import ReplayTerm, spread_over_groups, unit_quota
+from meshrl.training.trajectories import Trajectory
+from meshrl.transport.delayed import DelayedOutbox
+
+TEACHERS = "replay.teachers.teachers=[{name: a, base_url: 'http://127.0.0.1:9/v1', model: a}, " \
+           "{name: b, base_url: 'http://127.0.0.1:9/v1', model: b}]"
+
+
+class _Endpoint:
+    def __init__(self, calls: list, name: str, rank: int):
+        self.calls, self.name, self.rank = calls, name, rank
+
+    def call_one(self, *args):
+        self.calls.append((self.name, self.rank, args))
+
+    def call(self, *args):
+        self.calls.append((self.name, None, args))
+
+
+class ScriptedPool:
+    """Records what the term asks of the pool (submit, ack, subscribe)."""
+
+    def __init__(self, procs: int):
+        self.extent = SimpleNamespace(labels=["procs"], sizes=[procs])
+        self.calls: list = []
+        self.subscribe = _Endpoint(self.calls, "subscribe", -1)
+
+    def slice(self, procs: int):
+        return SimpleNamespace(submit=_Endpoint(self.calls, "submit", procs), ack=_Endpoint(self.calls, "ack", procs))
+
+    def submitted(self) -> list[str]:
+        return [args[0] for name, _, args in self.calls if name == "submit"]
+
+
+class ScriptedClient:
+    def __init__(self, pool: ScriptedPool):
+        self.pool = pool
+        self.sup = SimpleNamespace(on_respawn=lambda mesh, fn: None)
+
+    def call(self, mesh, what, issue, name, timeout_s):
+        return issue(self.pool)
+
+
+@dataclass
+class Unit:
+    sampled: list
+
+
+@pytest.fixture
+def make_term(smollm_tokenizer):
+    from meshrl.renderers import renderer_for_tokenizer
+
+    renderer = renderer_for_tokenizer(smollm_tokenizer)
+    terms = []
+
+    def make(*overrides):
+        cfg = load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, *overrides])
+        pool = ScriptedPool(cfg.replay.pool.procs)
+        term = ReplayTerm(TermContext(cfg, ScriptedClient(pool), renderer))
+        terms.append(term)
+        return term, pool
+
+    yield make
+    for term in terms:
+        term.close()
+
+
+def failing(unit: int, groups: int, per_group: int, version: int = 0) -> list[Trajectory]:
+    problem = SimpleNamespace(messages=[{"role": "user", "content": "What is 2 + 2?"}])
+    return [Trajectory(id=f"u{unit}-g{g}-{i}", group=g, problem=problem, prompt_tokens=[1, 2, 3],
+                       tokens=[5, 6, 2], logprobs=[-1.0] * 3, mask=[1] * 3, version=version,
+                       response_text="5", info={"correct": False})
+            for g in range(groups) for i in range(per_group)]
+
+
+def test_the_budget_is_per_step_shared_by_its_units_and_what_it_leaves_out_is_counted(make_term):
+    term, pool = make_term("replay.traces_per_step=8", "trainer.num_minibatches=2", "trainer.prompts_per_step=4")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=8)))  # 16 failures
+    term.receive(Unit(failing(1, groups=2, per_group=8)))  # 16 more
+    keys = pool.submitted()
+    assert len(keys) == 8
+    assert sum("/u0-" in k for k in keys) == 4 and sum("/u1-" in k for k in keys) == 4
+    assert sum("-g0-" in k for k in keys) == sum("-g1-" in k for k in keys) == 4  # spread over the groups
+    assert term.drain(1)["replay/skipped_budget"] == 24
+    term.start_step(2)  # a new step, a new budget
+    term.receive(Unit(failing(2, groups=1, per_group=3)))
+    term.receive(Unit(failing(3, groups=1, per_group=9)))
+    assert len(pool.submitted()) == 8 + 3 + 5  # the first unit's unused share goes to the next
+    assert term.counts["skipped_budget"] == 24 + 4
+
+
+def test_unit_quota_and_spread_over_groups():
+    assert [unit_quota(8, sent, i, 3) for sent, i in ((0, 0), (3, 1), (6, 2))] == [3, 3, 2]
+    assert unit_quota(8, 8, 3, 3) == 0 and unit_quota(8, 5, 4, 3) == 3  # an extra round takes what is left
+    trajectories = failing(0, groups=3, per_group=2)
+    trajectories.sort(key=lambda t: t.id)
+    assert [t.id for t in spread_over_groups(trajectories, 4)] == ["u0-g0-0", "u0-g1-0", "u0-g2-0", "u0-g0-1"]
+    assert spread_over_groups([], 3) == []
+
+
+def deliver(term: ReplayTerm, pool: ScriptedPool, version: int) -> None:
+    """Every submitted trace comes back with one pair (a chosen answer the student did not give)."""
+    outbox = DelayedOutbox("teacher_replay/0")
+    outbox.subscribe(term.inbox.port)
+    for key in pool.submitted():
+        pair = ReplayPair(key, 0, [], PreferencePair("4", "5", "4", "5", 2, 2, 2, ("a", "b")))
+        outbox.send(key, TraceReplayOutcome([pair]), episode_id=key, step=-1, policy_version=version)
+    deadline = time.monotonic() + 30
+    while term.inbox._queue.qsize() < len(pool.submitted()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_buffered_pairs_are_dropped_and_counted_once_too_old_and_the_buffer_is_bounded(make_term):
+    term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.pool.max_version_lag=1")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=4, per_group=2, version=3)))
+    deliver(term, pool, version=3)
+    datums, metrics = term.datums(3)
+    # 8 pairs arrived; the buffer keeps 2 x (1 + 1) = 4 of them, the newest; a step trains 2
+    assert metrics["replay/dpo_items"] == 8 and metrics["replay/pairs_overflow"] == 4
+    assert len(datums) == 2 * 2 and len(term.buffer) == 2
+    assert all(float(d.loss_fn_inputs["weight"]) == pytest.approx(0.1 / 2) for d in datums)
+    datums, metrics = term.datums(5)  # the remaining pairs' traces (version 3) are now 2 versions old
+    assert datums == [] and term.buffer == []
+    assert metrics["replay/pairs_stale"] == 2
