@@ -1,11 +1,14 @@
-"""The multi-turn rollout strategy, token-in/token-out: the generator samples a turn, the env mesh runs it in
-the sandbox, the feedback message is appended to the episode's token sequence with the renderer's
-bridge (history is never re-tokenised), and so on until the episode ends.
+"""The multi-turn rollout strategy, token-in/token-out: the generator samples a turn, the env mesh runs it
+(the code task's sandbox, or an environment of the user's own), the feedback message is appended to
+the episode's token sequence with the renderer's bridge (history is never re-tokenised), and so on
+until the episode ends.
 
 Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
 Its info carries what the other channels need: the turns (context, action, token span), per turn
-its error (kind, the environment's hint and error text; None for the turn that solved the task),
-and for a failed episode the error kind and hint of its last turn.
+its error (kind, the environment's hint and error text; None for a turn with no error), and for a
+failed episode the error kind and hint of its last turn. An episode the environment failed
+(`env_error`), or whose late reward never came, is left out of its group and counted; a late reward
+that came is added to its episode's return.
 """
 
 from __future__ import annotations
@@ -186,7 +189,8 @@ def _trajectory(ep: _Episode) -> Trajectory:
             "turn_errors": list(ep.turn_errors), "tests_passed": last.get("tests_passed"),
             "tests_total": last.get("tests_total")}
     if not success and ep.turns:
-        info.update(error_kind=last.get("error_kind") or "test_failure", hint=last.get("hint"),
+        # a failed episode whose last turn named no error is still a failure (trace replay selects it)
+        info.update(error_kind=last.get("error_kind") or "episode_failed", hint=last.get("hint"),
                     hint_template_key=last.get("hint_template_key"))
     return Trajectory(id=ep.id, group=ep.group, problem=ep.task, prompt_tokens=ep.prompt, tokens=ep.tokens,
                       logprobs=ep.logprobs, mask=ep.mask, version=ep.version, response_text=ep.text,
