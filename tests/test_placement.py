@@ -27,7 +27,7 @@ def test_automatic_order_is_learner_generator_rewarder_then_channels_around_expl
 def test_co_located_meshes_see_their_host_meshes_gpus_and_cpu_meshes_see_none():
     cfg = load_config(RunConfig, None, ["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1",
                                         "sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator",
-                                        "meshes.rewarder.colocate_with=learner"])
+                                        "meshes.rewarder.colocate_with=learner", "meshes.learner.gpus_per_proc=0"])
     placement = plan_run(cfg, EIGHT, host="h")
     assert placement.devices("sdpo_teacher") == placement.devices("generator") == [(0,), (1,)]
     assert [r.shares for r in placement.rows if r.mesh == "sdpo_teacher"] == ["generator", "generator"]
@@ -89,7 +89,8 @@ def test_impossible_placements_are_one_line_naming_the_key(overrides, gpu_ids, n
 @pytest.mark.parametrize("overrides, needle", [
     (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[0,1,2]"],
      "meshes.generator.devices = [0, 1, 2] (list): expected procs * gpus_per_proc = 2 * 1 = 2 GPU indices, got 3"),
-    (["meshes.generator.devices=[1]"], "meshes.generator.devices = [1] (list): expected procs * gpus_per_proc = 1 * 0"),
+    (["meshes.generator.gpus_per_proc=0", "meshes.generator.devices=[1]"],
+     "meshes.generator.devices = [1] (list): expected procs * gpus_per_proc = 1 * 0"),
     (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[4,4]"],
      "meshes.generator.devices = [4, 4] (list): expected distinct GPU indices, 4 appears more than once"),
     (["meshes.rewarder.colocate_with=learner", "meshes.rewarder.devices=[1]"],

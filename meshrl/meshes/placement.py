@@ -20,6 +20,7 @@ from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec,
                                   check_colocation)
 from meshrl.config.run import RunConfig
+from meshrl.meshes.auto_gpus import GpuChoice, resolve_gpus
 
 
 class PlacementError(ConfigError):
@@ -146,7 +147,7 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     if cfg.sdpo.alpha > 0 and cfg.sdpo.teacher == "mesh":
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
-        slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs)))
+        slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs, gpus_per_proc=0)))
     return slots
 
 
@@ -163,9 +164,12 @@ def remote_host_gpus(launch: LaunchConfig) -> int | None:
 def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str | None = None) -> Placement:
     """The placement of every mesh of ``cfg`` on GPUs ``gpu_ids`` per host (default:
     `gpus_for(cfg.launch)`). Launchers whose hosts are this machine (`local`, `process`) place every
-    mesh on its GPUs together; remote launchers place each host mesh's meshes on its own hosts."""
-    slots = run_slots(cfg)
+    mesh on its GPUs together; remote launchers place each host mesh's meshes on its own hosts.
+    A `gpus_per_proc: auto` left in ``cfg`` is decided here as `resolve_gpus` decides it (the
+    processes must be spawned from the same decision: `MeshSession` resolves its config too)."""
     ids = gpus_for(cfg.launch) if gpu_ids is None else gpu_ids
+    cfg = resolve_gpus(cfg, len(ids)).cfg
+    slots = run_slots(cfg)
     if cfg.launch.launcher == "local":
         return plan(slots, ids, host or socket.gethostname())
     by_name = {s.name: s for s in slots}
@@ -191,6 +195,12 @@ def _hosts_label(cfg: RunConfig, mesh: str) -> str:
 def _owner_name(slot: Slot) -> str:
     """The mesh whose processes ``slot`` uses (a co-located mesh lives where its host mesh does)."""
     return slot.spec.colocate_with or slot.name
+
+
+def resolve_run(cfg: RunConfig, colocate: bool = True) -> GpuChoice:
+    """``cfg`` with `gpus_per_proc: auto` decided for the GPUs its launcher's hosts offer
+    (`resolve_gpus`; ``colocate=False`` for front ends whose generators need processes of their own)."""
+    return resolve_gpus(cfg, len(gpus_for(cfg.launch)), colocate)
 
 
 def gpus_for(launch: LaunchConfig) -> tuple[str, ...]:
