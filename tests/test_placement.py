@@ -103,3 +103,30 @@ def test_bad_device_settings_fail_when_the_config_loads(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(RunConfig, None, overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_two_meshes_share_a_gpu_with_a_memory_share_each():
+    cfg = load_config(RunConfig, None, [
+        "meshes.learner.devices=[0]", "meshes.learner.gpu_memory_fraction=0.55",
+        "meshes.generator.devices=[0]", "meshes.generator.gpu_memory_fraction=0.4", "trainer.max_steps_off_policy=1"])
+    placement = plan_run(cfg, ("0",), host="h")
+    assert placement.devices("learner") == placement.devices("generator") == [(0,)]
+    learner, generator = placement.bootstrap("learner", 1), placement.bootstrap("generator", 1)
+    assert (learner.per_rank, learner.memory_fraction) == (("0",), 0.55)
+    assert (generator.per_rank, generator.memory_fraction) == (("0",), 0.4)
+    assert placement.bootstrap("rewarder", 1).memory_fraction is None
+    assert "generator  0     h     0 (40%)  -" in placement.table()
+
+
+@pytest.mark.parametrize("fractions, needle", [
+    ((None, "0.4"), "meshes.generator.devices = [0]: GPU 0 is already meshes.learner's (meshes share a GPU co-located "
+                    "or with a gpu_memory_fraction each; meshes.learner has none)"),
+    (("0.7", "0.4"), "meshes.generator.gpu_memory_fraction = 0.4: the meshes on GPU 0 (meshes.learner, "
+                     "meshes.generator) would take 1.10 of its memory"),
+])
+def test_a_shared_gpu_needs_a_memory_share_per_mesh_within_the_whole(fractions, needle):
+    overrides = ["meshes.learner.devices=[0]", "meshes.generator.devices=[0]"]
+    overrides += [f"meshes.{m}.gpu_memory_fraction={f}" for m, f in zip(("learner", "generator"), fractions) if f]
+    with pytest.raises(PlacementError) as err:
+        plan_run(load_config(RunConfig, None, overrides), ("0",), host="h")
+    assert str(err.value) == needle

@@ -40,6 +40,12 @@ class MeshSpec(Section):
     r-th slice of `gpus_per_proc`. None = the lowest free indices, assigned in the order learner,
     generator, rewarder, then channel meshes."""
 
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Share of each of its GPUs' memory this mesh's processes may allocate (PyTorch's per-process
+    cap; a vLLM generator's `gpu_memory_utilization` becomes it). None = the GPUs are this mesh's
+    alone. Two meshes may name the same GPU in `devices` (e.g. `[0]` on both, asynchronous training
+    overlapping generation and learning on one GPU) when each sets one and they sum to at most 1."""
+
     @field_validator("gpus_per_proc", "devices")
     @classmethod
     def _own_gpus(cls, value, info: ValidationInfo):

@@ -19,6 +19,7 @@ from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, PromptScoring, SampleRequest, Sampled
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.logprobs import topk_logprobs
+from meshrl.training.gpu_budget import claim_device
 
 
 class SampledLogprobs:
@@ -75,7 +76,7 @@ class HFEngine:
             self.model = module
             self.device = next(module.parameters()).device
         else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.device = claim_device()
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
             self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

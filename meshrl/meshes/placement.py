@@ -21,6 +21,7 @@ from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER,
                                   check_colocation)
 from meshrl.config.run import RunConfig
 from meshrl.meshes.auto_gpus import GpuChoice, resolve_gpus
+from meshrl.training.gpu_budget import MEMORY_FRACTION_ENV
 
 
 class PlacementError(ConfigError):
@@ -59,28 +60,33 @@ class Slot:
 
 @dataclass(frozen=True)
 class PlacementRow:
-    """One process: mesh, rank in its mesh, host, host GPU indices it sees, and the mesh whose
-    processes it shares (None = its own)."""
+    """One process: mesh, rank in its mesh, host, host GPU indices it sees, the mesh whose
+    processes it shares (None = its own) and its share of those GPUs' memory (None = all)."""
 
     mesh: str
     rank: int
     host: str
     devices: tuple[int, ...]
     shares: str | None = None
+    memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
 class VisibleDevices:
     """A proc mesh's bootstrap: sets CUDA_VISIBLE_DEVICES to ``per_rank[r]`` in process r (an empty
-    string hides every GPU) and the PCI bus device order `nvidia-smi` numbers by, unless set."""
+    string hides every GPU), the PCI bus device order `nvidia-smi` numbers by, unless set, and the
+    process's GPU memory share when the mesh has one (`claim_device` applies it)."""
 
     per_rank: tuple[str, ...]
+    memory_fraction: float | None = None
 
     def __call__(self) -> None:
         from monarch.actor import current_rank
 
         os.environ["CUDA_VISIBLE_DEVICES"] = self.per_rank[local_rank(current_rank())]
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if self.memory_fraction is not None:
+            os.environ[MEMORY_FRACTION_ENV] = str(self.memory_fraction)
 
 
 def local_rank(point) -> int:
@@ -112,7 +118,8 @@ class Placement:
         per_rank = self.devices(mesh)
         if len(per_rank) != procs:
             raise ValueError(f"mesh '{mesh}' spawns {procs} process(es) but its placement has {len(per_rank)}")
-        return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank))
+        fraction = next(row.memory_fraction for row in self.rows if row.mesh == mesh)
+        return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank), fraction)
 
     def with_mesh(self, name: str, spec: MeshSpec) -> "Placement":
         """This placement plus mesh ``name`` (declared after planning) on the lowest GPUs that no
@@ -131,10 +138,15 @@ class Placement:
     def table(self) -> str:
         """The plan as an aligned text table (mesh, process, host, devices, shared processes)."""
         head = ("mesh", "proc", "host", "devices", "shares")
-        body = [(r.mesh, str(r.rank), r.host, ",".join(map(str, r.devices)) or "cpu", r.shares or "-")
-                for r in self.rows]
+        body = [(r.mesh, str(r.rank), r.host, _devices_cell(r), r.shares or "-") for r in self.rows]
         widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]) + "\n"
+
+
+def _devices_cell(row: PlacementRow) -> str:
+    """A row's GPUs for the table, with its memory share when it has one (`0 (45%)`)."""
+    cell = ",".join(map(str, row.devices)) or "cpu"
+    return cell if row.memory_fraction is None or not row.devices else f"{cell} ({row.memory_fraction:.0%})"
 
 
 def run_slots(cfg: RunConfig) -> list[Slot]:
@@ -217,6 +229,7 @@ def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
     for s in slots:
         _check_colocation(s, by_name)
     taken: dict[int, str] = {}
+    shares: dict[int, list[Slot]] = {}
     assigned: dict[str, list[int]] = {}
     for s in owners:
         if s.spec.devices is not None:
@@ -224,9 +237,9 @@ def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
                 if d >= len(gpu_ids):
                     raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is not on the host "
                                          f"({_has(gpu_ids)})")
+                shares.setdefault(d, []).append(s)
                 if d in taken:
-                    raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is already {taken[d]}'s "
-                                         "(only co-located meshes share GPUs)")
+                    _check_shared_gpu(d, shares[d])
                 taken[d] = s.key
             assigned[s.name] = list(s.spec.devices)
     for s in owners:
@@ -243,9 +256,23 @@ def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
     for s in slots:
         owner = by_name[s.spec.colocate_with] if s.spec.colocate_with else s
         devs, per = assigned[owner.name], owner.spec.gpus_per_proc
-        rows += [PlacementRow(s.name, r, host, tuple(devs[r * per:(r + 1) * per]), s.spec.colocate_with)
-                 for r in range(owner.spec.procs)]
+        rows += [PlacementRow(s.name, r, host, tuple(devs[r * per:(r + 1) * per]), s.spec.colocate_with,
+                              owner.spec.gpu_memory_fraction) for r in range(owner.spec.procs)]
     return Placement(tuple(gpu_ids), tuple(rows))
+
+
+def _check_shared_gpu(gpu: int, slots: list[Slot]) -> None:
+    """Meshes that name the same GPU must each have a memory share, together at most all of it."""
+    s = slots[-1]
+    unbudgeted = [x.key for x in slots if x.spec.gpu_memory_fraction is None]
+    if unbudgeted:
+        raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {gpu} is already {slots[0].key}'s "
+                             f"(meshes share a GPU co-located or with a gpu_memory_fraction each; {unbudgeted[0]} "
+                             "has none)")
+    total = sum(x.spec.gpu_memory_fraction for x in slots)
+    if total > 1:
+        raise PlacementError(f"{s.key}.gpu_memory_fraction = {s.spec.gpu_memory_fraction}: the meshes on GPU {gpu} "
+                             f"({', '.join(x.key for x in slots)}) would take {total:.2f} of its memory")
 
 
 def _check_colocation(slot: Slot, by_name: dict[str, Slot]) -> None:
