@@ -317,14 +317,6 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU, {os.cpu_count()} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -353,7 +345,7 @@ def main() -> None:
     if args.no_learning:
         args.learning_steps = 0
 
-    from benchmarks.common import write_result
+    from benchmarks.common import device_name, write_result
 
     cfg = load_run_config([])
     tc = cfg.trainer
