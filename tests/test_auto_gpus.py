@@ -96,3 +96,16 @@ def test_plan_on_a_cpu_host_prints_the_cpu_table(monkeypatch, capsys):
     assert out[0] == "placement on this host (0 GPUs found)"
     assert "  why: meshes.learner: on the CPU (no GPU found)" in out
     assert [line.split()[3] for line in out if line.startswith(("learner", "generator", "rewarder"))] == ["cpu"] * 3
+
+
+def test_front_ends_resolve_auto_for_the_gpus_this_host_offers(monkeypatch):
+    from meshrl.meshes.placement import resolve_run
+
+    cfg = load_config(RunConfig, default_config_path())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    assert resolve_run(cfg).cfg.meshes.generator.colocate_with == "learner"  # what MeshSession and Runtime spawn
+    assert resolve_run(cfg, colocate=False).cfg.meshes.generator.gpus_per_proc == 0  # the API's generators
+    resolved = resolve_run(cfg).cfg
+    assert resolve_run(resolved).cfg == resolved  # a decided config (a run's config.yaml) stays as it is
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert resolve_run(cfg).cfg.meshes.learner.gpus_per_proc == 0
