@@ -55,8 +55,8 @@ def resolve_gpus(cfg: RunConfig, gpus: int, colocate: bool = True) -> GpuChoice:
                                      _host(cfg, GENERATOR) == _host(cfg, LEARNER), shared)
         reasons.append(line)
     meshes = m.model_copy(update={LEARNER: learner, GENERATOR: generator,
-                                  "rewarder": _cpu(m.rewarder)})
-    resolved = cfg.model_copy(update={"meshes": meshes, "sdpo": cfg.sdpo.model_copy(update={"mesh": _cpu(cfg.sdpo.mesh)})})
+                                  "rewarder": cpu_if_auto(m.rewarder)})
+    resolved = cfg.model_copy(update={"meshes": meshes, "sdpo": cfg.sdpo.model_copy(update={"mesh": cpu_if_auto(cfg.sdpo.mesh)})})
     others = [("meshes.rewarder", m.rewarder)]
     if cfg.sdpo.alpha > 0 and cfg.sdpo.teacher == "mesh":
         others.append(("sdpo.mesh", cfg.sdpo.mesh))
@@ -129,8 +129,9 @@ def _generator(spec: MeshSpec, learner: MeshSpec, free: int, gpus: int, colocate
     return spec.model_copy(update={"gpus_per_proc": 0}), f"{key}: on the CPU ({why})"
 
 
-def _cpu(spec: MeshSpec) -> MeshSpec:
-    """A mesh `auto` does not place on GPUs (rewarder, env, channel meshes): the CPU."""
+def cpu_if_auto(spec: MeshSpec) -> MeshSpec:
+    """A mesh `auto` does not place on GPUs (rewarder, env, channel meshes, meshes of no run): the
+    CPU, or its explicit `devices`."""
     if spec.gpus_per_proc != AUTO:
         return spec
     return spec.model_copy(update={"gpus_per_proc": _per_proc(spec) or 0})

@@ -20,7 +20,7 @@ from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec,
                                   check_colocation)
 from meshrl.config.run import RunConfig
-from meshrl.meshes.auto_gpus import GpuChoice, resolve_gpus
+from meshrl.meshes.auto_gpus import GpuChoice, cpu_if_auto, resolve_gpus
 from meshrl.training.gpu_budget import MEMORY_FRACTION_ENV
 
 
@@ -223,7 +223,9 @@ def gpus_for(launch: LaunchConfig) -> tuple[str, ...]:
 
 def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
     """Place ``slots`` (in order) on a host with ``gpu_ids``: explicit `devices` first, then each
-    mesh without them takes the lowest free indices; co-located meshes see their host mesh's."""
+    mesh without them takes the lowest free indices; co-located meshes see their host mesh's. A
+    slot still at `gpus_per_proc: auto` (a mesh outside a run's decision) is a CPU mesh."""
+    slots = [dataclasses.replace(s, spec=cpu_if_auto(s.spec)) for s in slots]
     by_name = {s.name: s for s in slots}
     owners = [s for s in slots if s.spec.colocate_with is None]
     for s in slots:
