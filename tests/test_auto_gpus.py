@@ -38,10 +38,30 @@ def test_one_gpu_puts_the_learner_on_it_and_the_generator_in_its_processes():
     assert any("co-located" in line for line in choice.reasons)
 
 
-def test_one_gpu_without_co_location_keeps_the_generator_on_the_cpu():
-    choice = resolve_gpus(load_config(RunConfig, default_config_path()), 1, colocate=False)
-    assert (choice.cfg.meshes.learner.gpus_per_proc, choice.cfg.meshes.generator.gpus_per_proc) == (1, 0)
-    assert choice.cfg.meshes.generator.colocate_with is None
+@pytest.mark.parametrize("overrides, colocate, why", [
+    ([], False, "this front end gives generators processes of their own"),
+    (["trainer.max_steps_off_policy=1"], True, "trainer.max_steps_off_policy = 1"),
+    (["trainer.num_substeps=2"], True, "trainer.num_substeps = 2"),
+])
+def test_one_gpu_without_co_location_is_shared_by_two_processes_with_a_memory_share_each(overrides, colocate, why):
+    choice = resolve_gpus(load_config(RunConfig, default_config_path(), overrides), 1, colocate=colocate)
+    learner, generator = choice.cfg.meshes.learner, choice.cfg.meshes.generator
+    assert generator.colocate_with is None
+    assert (learner.devices, learner.gpu_memory_fraction, generator.devices, generator.gpu_memory_fraction) == \
+        ([0], 0.5, [0], 0.4)
+    assert (f"meshes.generator: its own process on the learner's GPU 0, 40% of its memory against the learner's "
+            f"50% (not co-located: {why})") in choice.reasons
+    placement = plan_run(choice.cfg, gpus(1), host="h")
+    assert placement.bootstrap("generator", 1).memory_fraction == 0.4
+
+
+def test_an_explicit_learner_is_not_given_a_memory_share():
+    cfg = load_config(RunConfig, default_config_path(), ["trainer.max_steps_off_policy=1",
+                                                         "meshes.learner.gpus_per_proc=1"])
+    choice = resolve_gpus(cfg, 1)
+    assert choice.cfg.meshes.learner.gpu_memory_fraction is None
+    assert choice.cfg.meshes.generator.gpus_per_proc == 0  # no GPU left, and it may not co-locate
+    assert "meshes.generator: on the CPU (co-location is ruled out)" in choice.reasons
 
 
 def test_two_gpus_give_learner_and_generator_one_each():
@@ -104,7 +124,7 @@ def test_front_ends_resolve_auto_for_the_gpus_this_host_offers(monkeypatch):
     cfg = load_config(RunConfig, default_config_path())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     assert resolve_run(cfg).cfg.meshes.generator.colocate_with == "learner"  # what MeshSession and Runtime spawn
-    assert resolve_run(cfg, colocate=False).cfg.meshes.generator.gpus_per_proc == 0  # the API's generators
+    assert resolve_run(cfg, colocate=False).cfg.meshes.generator.devices == [0]  # the API's: a process of its own
     resolved = resolve_run(cfg).cfg
     assert resolve_run(resolved).cfg == resolved  # a decided config (a run's config.yaml) stays as it is
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

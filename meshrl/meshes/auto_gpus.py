@@ -7,8 +7,10 @@ kept: `auto` only decides for the meshes that left it open.
 
 - no GPUs: every mesh on the CPU (the plan of a CPU host is the one it always was);
 - one GPU: the learner on it and the generator in the learner's processes (co-located), the
-  layout measured fastest on one GPU; a front end that cannot co-locate (the API) keeps the
-  generator on the CPU;
+  layout measured fastest on one GPU; where co-location cannot be (asynchronous training, several
+  optimizer steps per step, a sharded learner, or a front end whose generators need processes of
+  their own: the API), learner and generator share the GPU as two processes with a memory share
+  each (`gpu_memory_fraction`: LEARNER_SHARE and GENERATOR_SHARE);
 - N GPUs: one per learner process from GPU 0 up, then one per generator replica on the rest
   (N - learner processes replicas unless `meshes.generator.procs` is set);
 - every other mesh (rewarder, env, channel meshes) stays on the CPU.
@@ -25,6 +27,8 @@ from meshrl.config.meshes import GENERATOR, LEARNER, SDPO_TEACHER, MeshSpec
 from meshrl.config.run import RunConfig
 
 AUTO = "auto"
+LEARNER_SHARE, GENERATOR_SHARE = 0.5, 0.4
+"""GPU memory shares of a learner and a generator process that `auto` puts on one GPU together."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,17 @@ def resolve_gpus(cfg: RunConfig, gpus: int, colocate: bool = True) -> GpuChoice:
         free[_host(cfg, LEARNER)] -= learner.procs * learner.gpus_per_proc
     if generator.gpus_per_proc == AUTO:
         shared = any(s.colocate_with == GENERATOR for s in (learner, m.rewarder, cfg.sdpo.mesh))
+        colocate, why_not = (False, "this front end gives generators processes of their own") if not colocate \
+            else _colocation_blocker(cfg)
         generator, line = _generator(generator, learner, free[_host(cfg, GENERATOR)], gpus, colocate,
                                      _host(cfg, GENERATOR) == _host(cfg, LEARNER), shared)
+        if generator.devices is None and generator.gpus_per_proc == 0 and generator.colocate_with is None \
+                and _can_share(generator, learner, gpus, m.learner.gpus_per_proc == AUTO):
+            learner = learner.model_copy(update={"devices": [0], "gpu_memory_fraction": LEARNER_SHARE})
+            generator = generator.model_copy(update={"devices": [0], "gpus_per_proc": 1,
+                                                     "gpu_memory_fraction": GENERATOR_SHARE})
+            line = (f"meshes.{GENERATOR}: its own process on the learner's GPU 0, {GENERATOR_SHARE:.0%} of its memory "
+                    f"against the learner's {LEARNER_SHARE:.0%} (not co-located: {why_not})")
         reasons.append(line)
     meshes = m.model_copy(update={LEARNER: learner, GENERATOR: generator,
                                   "rewarder": cpu_if_auto(m.rewarder)})
@@ -68,6 +81,26 @@ def resolve_gpus(cfg: RunConfig, gpus: int, colocate: bool = True) -> GpuChoice:
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, f"the automatic GPU layout ({'; '.join(reasons)})")) from None
     return GpuChoice(resolved, tuple(reasons))
+
+
+def _colocation_blocker(cfg: RunConfig) -> tuple[bool, str]:
+    """(whether the generator may share the learner's processes, why not): it samples with the
+    learner's parameters, which must not change under a generation and must all be in each process."""
+    tc = cfg.trainer
+    if tc.max_steps_off_policy:
+        return False, f"trainer.max_steps_off_policy = {tc.max_steps_off_policy}"
+    if tc.num_substeps > 1:
+        return False, f"trainer.num_substeps = {tc.num_substeps}"
+    if cfg.meshes.learner.procs > 1 and cfg.learner.data_parallel == "fsdp2":
+        return False, "learner.data_parallel = 'fsdp2' shards the weights"
+    return True, ""
+
+
+def _can_share(generator: MeshSpec, learner: MeshSpec, gpus: int, learner_auto: bool) -> bool:
+    """Whether `auto` may put one generator process beside the one learner process on a host's
+    only GPU (each with a memory share): the learner's layout is `auto`'s own to set."""
+    return (gpus == 1 and learner_auto and learner.gpus_per_proc == 1 and learner.devices is None
+            and learner.procs == 1 and generator.procs == 1)
 
 
 def _free_gpus(cfg: RunConfig, gpus: int) -> dict[str, int]:
@@ -124,7 +157,7 @@ def _generator(spec: MeshSpec, learner: MeshSpec, free: int, gpus: int, colocate
     if learner_on_gpu and same_host and colocate and spec.procs == learner.procs:
         return (spec.model_copy(update={"gpus_per_proc": 0, "colocate_with": LEARNER}),
                 f"{key}: co-located with the learner on its GPU (no GPU left for a replica of its own)")
-    why = "this front end gives generators processes of their own" if learner_on_gpu and not colocate else \
+    why = "co-location is ruled out" if learner_on_gpu and not colocate else \
         f"{spec.procs} replica(s) need a GPU each, {max(free, 0)} free"
     return spec.model_copy(update={"gpus_per_proc": 0}), f"{key}: on the CPU ({why})"
 
