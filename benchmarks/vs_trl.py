@@ -54,22 +54,21 @@ MESHRL_ARM_OVERRIDES = {
     "meshrl_colocated": ["meshes.generator.colocate_with=learner"],
     "meshrl_async": ["trainer.max_steps_off_policy=1"],
 }
-SHARED_GPU = ["meshes.learner.devices=[0]", "meshes.learner.gpu_memory_fraction=0.5",
-              "meshes.generator.devices=[0]", "meshes.generator.gpu_memory_fraction=0.4"]
-"""One GPU, separate meshes: learner and generator processes share GPU 0, each with a memory share."""
 
 
 def arm_overrides(arm: str, gpus: int) -> list[str]:
     """meshrl's settings for ``arm`` on a host of ``gpus`` GPUs: on a GPU host every arm's learner
     and generator compute on GPUs (the co-located arm in the learner's processes on GPU 0; the
     others with a GPU each, or sharing GPU 0 when there is one); on a CPU host, on the CPU."""
+    from meshrl.meshes.auto_gpus import shared_gpu_overrides
+
     overrides = list(MESHRL_ARM_OVERRIDES[arm])
     if gpus == 0:
         return overrides
     if arm == "meshrl_colocated":
         return overrides + ["meshes.learner.gpus_per_proc=1"]
     if gpus == 1:
-        return overrides + SHARED_GPU
+        return overrides + shared_gpu_overrides()
     return overrides + ["meshes.learner.gpus_per_proc=1", "meshes.generator.gpus_per_proc=1",
                         "meshes.generator.procs=1"]
 

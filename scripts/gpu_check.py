@@ -172,14 +172,13 @@ def gpu_on(mesh: str) -> list[str]:
     return [f"meshes.{mesh}.gpus_per_proc=1"]
 
 
-SHARED_GPU = ["meshes.learner.devices=[0]", "meshes.learner.gpu_memory_fraction=0.5",
-              "meshes.generator.devices=[0]", "meshes.generator.gpu_memory_fraction=0.4"]
-"""Learner and generator processes sharing GPU 0, each with a memory share."""
 
 
 def separate_gpus(n: int) -> list[str]:
     """Learner and generator in processes of their own, on GPUs 0 and 1 or both on a single GPU."""
-    return gpu_on("learner") + gpu_on("generator") + ["meshes.generator.procs=1"] if n >= 2 else SHARED_GPU
+    from meshrl.meshes.auto_gpus import shared_gpu_overrides
+
+    return gpu_on("learner") + gpu_on("generator") + ["meshes.generator.procs=1"] if n >= 2 else shared_gpu_overrides()
 
 
 def plan(device: Device, work: Path, quick: bool = False) -> list[Part]:

@@ -31,6 +31,13 @@ LEARNER_SHARE, GENERATOR_SHARE = 0.5, 0.4
 """GPU memory shares of a learner and a generator process that `auto` puts on one GPU together."""
 
 
+def shared_gpu_overrides(gpu: int = 0) -> list[str]:
+    """The dotted overrides that put the learner and the generator in processes of their own on
+    GPU ``gpu``, with the memory shares `auto` gives them there."""
+    return [f"meshes.{LEARNER}.devices=[{gpu}]", f"meshes.{LEARNER}.gpu_memory_fraction={LEARNER_SHARE}",
+            f"meshes.{GENERATOR}.devices=[{gpu}]", f"meshes.{GENERATOR}.gpu_memory_fraction={GENERATOR_SHARE}"]
+
+
 @dataclass(frozen=True)
 class GpuChoice:
     """A run's config with no `auto` left, and one line per decision `auto` made."""
