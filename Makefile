@@ -8,7 +8,8 @@
 #               tables from the JSON
 # and on a host with CUDA:
 #   make gpu-check  run every GPU path once (scripts/gpu_check.py; GPU_CHECK_ARGS=--parts ... picks
-#                   some) into benchmarks/results/gpu_check.json
+#                   some, GPU_CHECK_ARGS=--quick what one GPU runs in 8 minutes) into
+#                   benchmarks/results/gpu_check.json
 VENV ?= .venv
 PYTEST_ARGS ?=
 GPU_CHECK_ARGS ?=

@@ -75,6 +75,14 @@ def provenance() -> dict:
             "load_average_1m": os.getloadavg()[0]}
 
 
+def device_name() -> str:
+    """The first GPU (what a benchmark's engines and learners run on where there is one), or the
+    CPU's core count."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+
+
 def write_result(name: str, payload: dict, out: str | Path | None = None) -> Path:
     """Write ``{**provenance(), **payload}`` to ``out`` (default benchmarks/results/<name>.json)
     and return the path."""

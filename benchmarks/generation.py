@@ -1,8 +1,13 @@
-"""Generation tokens/s of the Generator's two engines, vLLM against HF `generate`, on one workload.
+"""Generation tokens/s of the Generator's engines, vLLM against HF `generate`, on one workload.
 
 Same model, prompts and sampling shapes, in one process, the engines taking turns round by round.
 
     python benchmarks/generation.py [--model smollm2-135m-instruct] [--rounds 4] [--quick]
+    python benchmarks/generation.py --engines hf-eager,hf-static --out elsewhere.json   # the HF paths
+
+Engines: `vllm`, `hf` (its default path: static on CUDA, eager on the CPU), `hf-eager` and
+`hf-static` (`generator.hf_decode`). On a host with CUDA every engine runs on the first GPU (the
+process sees the host's GPUs; the result names the device).
 
 Both engines are built by `meshrl.engines.make_engine` (the Generator actor's own path) from
 configs/default.yaml's generator section with only `backend` changed, and both may use every core
@@ -19,8 +24,9 @@ token as in training: tokens/s counts the tokens each engine actually returned (
 samplers differ, so their counts differ a little), and the result records the mean length and
 the share of completions that ran to the length limit.
 
-Writes benchmarks/results/generation.json: rows per backend (tokens, seconds, tokens/s) and
-`ratio_vllm_vs_hf` (vLLM tokens/s over HF tokens/s).
+Writes benchmarks/results/generation.json (`--out`): rows per engine (tokens, seconds, tokens/s),
+`ratio_vllm_vs_hf` (vLLM tokens/s over HF tokens/s) when both ran and `ratio_static_vs_eager`
+(the HF engine's static path over its eager one) when both of those ran.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
-from common import write_result
+from common import device_name, write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BACKENDS = ("vllm", "hf")
+ENGINES = {"vllm": {"backend": "vllm"}, "hf": {"backend": "hf"},
+           "hf-eager": {"backend": "hf", "hf_decode": "eager"}, "hf-static": {"backend": "hf", "hf_decode": "static"}}
+"""Engine name -> the generator settings it changes."""
 SEED = 1234
 
 
@@ -62,7 +71,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model.name_or_path")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds per engine (after a warm-up round)")
     parser.add_argument("--quick", action="store_true", help="2 timed rounds (for `make bench`)")
+    parser.add_argument("--engines", default="vllm,hf", help=f"comma-separated, of {', '.join(ENGINES)}")
+    parser.add_argument("--out", type=Path, default=None, help="the result JSON (default: benchmarks/results/)")
     args = parser.parse_args()
+    names = args.engines.split(",")
+    unknown = sorted(set(names) - set(ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {', '.join(unknown)} (engines: {', '.join(ENGINES)})")
     rounds = 2 if args.quick else args.rounds
 
     from meshrl.cli import default_config_path
@@ -92,35 +107,39 @@ def main() -> None:
 
     engines, build_s = {}, {}
     try:
-        for backend in BACKENDS:
+        for backend in names:
             started = time.perf_counter()
-            gen_cfg = cfg.generator.model_copy(update={"backend": backend, "torch_threads": cpu_share(1)})
+            gen_cfg = cfg.generator.model_copy(update={**ENGINES[backend], "torch_threads": cpu_share(1)})
             engines[backend] = make_engine(path, gen_cfg, cfg.model.dtype, cfg.model.max_model_len, cfg.generator.seed)
             build_s[backend] = time.perf_counter() - started
             _round(engines[backend], *round_inputs(0))  # warm-up
             print(f"{backend}: built in {build_s[backend]:.1f}s, warmed up", flush=True)
-        timed: dict[str, list[dict]] = {b: [] for b in BACKENDS}
+        timed: dict[str, list[dict]] = {b: [] for b in names}
         load = []
         for i in range(1, rounds + 1):
             inputs = round_inputs(i)
-            for backend in BACKENDS:
+            for backend in names:
                 timed[backend].append(_round(engines[backend], *inputs))
             load.append(os.getloadavg()[0])
     finally:
         for engine in engines.values():
             engine.close()
 
-    rows = [_row(b, timed[b], build_s[b]) for b in BACKENDS]
-    for r in rows:
-        print(f"{r['backend']:5s} {r['tokens_per_s']:8.1f} tokens/s  ({r['tokens']} tokens in {r['seconds']:.2f}s, "
+    rows = {b: _row(b, timed[b], build_s[b]) for b in names}
+    for r in rows.values():
+        print(f"{r['backend']:9s} {r['tokens_per_s']:8.1f} tokens/s  ({r['tokens']} tokens in {r['seconds']:.2f}s, "
               f"{r['mean_completion_tokens']:.1f} per completion, {r['share_at_length_limit']:.0%} at the limit)")
-    ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    print(f"vLLM / HF: {ratio:.2f}x")
+    ratios = {key: rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+              for key, a, b in (("ratio_vllm_vs_hf", "vllm", "hf"), ("ratio_static_vs_eager", "hf-static", "hf-eager"))
+              if a in rows and b in rows}
+    for key, ratio in ratios.items():
+        print(f"{key}: {ratio:.2f}x")
     prompts, request = round_inputs(0)
     write_result("generation", {
-        "kind": "generation", "model": cfg.model.name_or_path, "dtype": cfg.model.dtype, "prompts": len(prompts),
-        "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens, "temperature": request.temperature,
-        "rounds": rounds, "rows": rows, "ratio_vllm_vs_hf": ratio, "loadavg_1min_per_round": load})
+        "kind": "generation", "device": device_name(), "model": cfg.model.name_or_path, "dtype": cfg.model.dtype,
+        "prompts": len(prompts), "samples_per_prompt": request.n, "max_new_tokens": request.max_tokens,
+        "temperature": request.temperature, "rounds": rounds, "rows": list(rows.values()), **ratios,
+        "loadavg_1min_per_round": load}, args.out)
 
 
 if __name__ == "__main__":

@@ -211,9 +211,13 @@ def generation(d: dict) -> str:
              num(r.get("mean_completion_tokens"), 1), pct(r.get("share_at_length_limit"))] for r in d["rows"]]
     shape = (f"{d['prompts']} prompts x {d['samples_per_prompt']} samples, up to {d['max_new_tokens']} new tokens, "
              f"{d['rounds']} timed rounds each" if "prompts" in d else "")
-    return (f"{shape}\n\n" + table(["backend", "tokens/s", "tokens", "seconds", "tokens per completion",
-                                    "at length limit"], rows)
-            + f"\n\nvLLM / HF generate: {d['ratio_vllm_vs_hf']:.2f}x tokens/s.")
+    ratios = [f"{label}: {d[key]:.2f}x tokens/s." for key, label in (
+        ("ratio_vllm_vs_hf", "vLLM / HF generate"), ("ratio_static_vs_eager", "HF static path / HF eager path"))
+        if key in d]
+    device = f" on {d['device']}" if "device" in d else ""
+    return (f"{shape}{device}\n\n" + table(["backend", "tokens/s", "tokens", "seconds", "tokens per completion",
+                                              "at length limit"], rows)
+            + "".join(f"\n\n{r}" for r in ratios))
 
 
 @renders("generation_replicas", "python benchmarks/generation_replicas.py", "Generation with 1 and 2 generator replicas")
@@ -414,6 +418,40 @@ def _reach(arm: str, a: dict) -> str:
     met = all(r is not None and r["steps_frac"] <= target[0] and (target[1] is None or r["train_s_frac"] <= target[1])
               for r in reached)
     return f"{per_seed} ({'meets' if met else 'misses'} the target)"
+
+
+@renders("gpu_check", "python scripts/gpu_check.py", "The GPU battery (`make gpu-check`)")
+def gpu_check(d: dict) -> str:
+    rows = [[f"`{name}`", part["status"], gpu_part_figures(part.get("facts", {}))] for name, part in d["parts"].items()]
+    mode = "the quick battery (`--quick`)" if d.get("mode") == "quick" else "the full battery"
+    return (f"{d['device']} (torch CUDA {d.get('torch_cuda') or '—'}), {mode}: {d['summary']['passed']} passed, "
+            f"{d['summary']['failed']} failed, {d['summary']['skipped']} skipped. A part of the battery missing "
+            f"from this table has not run on a GPU yet: not yet measured.\n\n"
+            + table(["part", "status", "figures"], rows))
+
+
+def gpu_part_figures(facts: dict) -> str:
+    """A GPU battery part's figures in one cell: step time and transport, pulls against the device
+    memcpy per case, generation tokens/s, ratios to TRL."""
+    if "steps" in facts:
+        verified = {True: "verified", False: "unverified"}.get(facts.get("placement_verified"), "not checked")
+        return (f"{num(facts.get('step_s_median'), 2, ' s')} per step, sync over "
+                f"{'+'.join(facts.get('sync_transport') or []) or '—'}, placement {verified}")
+    if "tokens_per_s" in facts:
+        rates = ", ".join(f"{k} {num(v, 0)} tokens/s" for k, v in facts["tokens_per_s"].items())
+        ratio = facts.get("ratio_static_vs_eager")
+        return rates + (f"; static / eager {ratio:.2f}x" if ratio is not None else "")
+    if "ratios" in facts:
+        return ", ".join(f"{k} {v:.2f}x" for k, v in facts["ratios"].items()) or "—"
+    cases = {"smollm2": facts} if "nbytes" in facts else facts  # one case, or one per case
+    cells = []
+    for name, case in cases.items():
+        for transport in ("shm", "rdma"):
+            if transport in case:
+                row = case[transport]
+                cells.append(f"{name} ({case['nbytes'] / 1e6:,.0f} MB, {transport}): {num(row['pull_s'] * 1e3, 1, ' ms')}, "
+                             f"{num(row['pull_vs_memcpy'], 3)} of the device memcpy")
+    return "; ".join(cells) or "—"
 
 
 @renders("ablation", "python benchmarks/ablation.py", "Ablation: do the channels help?")

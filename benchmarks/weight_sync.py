@@ -12,6 +12,7 @@ the same bytes in the puller process. Results go to ``benchmarks/results/weight_
 
     python benchmarks/weight_sync.py                     # real weights, K = 1, 4, 8, 16, 32, 64
     python benchmarks/weight_sync.py --synthetic         # random bf16 weights, same shapes
+    python benchmarks/weight_sync.py --device cuda       # models and arenas on the GPU (a GPU host)
     MONARCH_RDMA_TCP_FALLBACK_PARALLELISM=4 python benchmarks/weight_sync.py   # Monarch knobs via env
 """
 
@@ -88,9 +89,9 @@ def fingerprint(state_dict: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 class Learner(Actor):
-    def __init__(self, source: str | None, config: WeightSyncConfig):
+    def __init__(self, source: str | None, config: WeightSyncConfig, device: str = "cpu"):
         silence_tcp_fallback_warning()
-        self.model = build_model(source)
+        self.model = build_model(source).to(device)
         self.config = config
         self.publishers: dict[int, WeightPublisher] = {}
 
@@ -108,9 +109,10 @@ class Learner(Actor):
 
 
 class Generator(Actor):
-    def __init__(self, source: str | None, config: WeightSyncConfig):
+    def __init__(self, source: str | None, config: WeightSyncConfig, device: str = "cpu"):
         silence_tcp_fallback_warning()
-        self.model = build_model(source)
+        self.device = device
+        self.model = build_model(source).to(device)
         self.config = config
         self.pullers: dict[int, WeightPuller] = {}
 
@@ -133,7 +135,7 @@ class Generator(Actor):
 
     @endpoint
     def memcpy_gbps(self, nbytes: int, repeats: int) -> dict:
-        return memcpy_gbps(nbytes, repeats)
+        return memcpy_gbps(nbytes, repeats, self.device)
 
 
 def resolve_source(synthetic: bool) -> tuple[str | None, str]:
@@ -154,6 +156,8 @@ def main() -> None:
     parser.add_argument("--chunks", default="1,4,8,16,32,64", help="comma-separated chunk counts K to sweep")
     parser.add_argument("--repeats", type=int, default=5, help="publish+pull rounds per K (the first is cold)")
     parser.add_argument("--synthetic", action="store_true", help="random weights instead of the checkpoint")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both models and the weight store's arenas live (cuda: the first GPU)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     chunk_counts = [int(k) for k in args.chunks.split(",")]
@@ -162,11 +166,11 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     source, weights = resolve_source(args.synthetic)
     print(f"weights: {weights}", flush=True)
-    config = WeightSyncConfig(transport="rdma")  # the chunk count only matters to RDMA
+    config = WeightSyncConfig(transport="rdma", arena_device=args.device)  # the chunk count only matters to RDMA
     learner_procs = this_host().spawn_procs(per_host={"procs": 1}, name="learner")
     generator_procs = this_host().spawn_procs(per_host={"procs": 1}, name="generator")
-    learner = learner_procs.spawn("learner", Learner, source, config)
-    generator = generator_procs.spawn("generator", Generator, source, config)
+    learner = learner_procs.spawn("learner", Learner, source, config, args.device)
+    generator = generator_procs.spawn("generator", Generator, source, config, args.device)
     try:
         rows, version, nbytes = [], 0, 0
         for chunks in chunk_counts:
@@ -205,6 +209,7 @@ def main() -> None:
     best = max(rows, key=lambda r: r["pull_gbps"])
     report = {
         "weights": weights,
+        "device": args.device,
         "nbytes": nbytes,
         "generator_weights_match_learner": same,
         "memcpy_gbps": memcpy,

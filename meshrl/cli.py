@@ -30,10 +30,11 @@ def _fail(message: str) -> int:
 
 
 def _plan(args: argparse.Namespace):
-    """(config path, resolved config, its placement, a header describing the host) for the
-    arguments of `train`, `launch` and `plan`; raises ConfigError."""
+    """(config path, resolved config, its placement, a header describing the host and why the GPUs
+    went where they did) for the arguments of `train`, `launch` and `plan`; raises ConfigError."""
     from meshrl.config.run import RunConfig
-    from meshrl.meshes.placement import plan_run, remote_host_gpus
+    from meshrl.meshes.auto_gpus import resolve_gpus
+    from meshrl.meshes.placement import gpus_for, plan_run, remote_host_gpus
 
     path = args.config or default_config_path()
     overrides = list(args.overrides)
@@ -49,15 +50,15 @@ def _plan(args: argparse.Namespace):
         check_env_source(cfg.task.env)  # the environment's class imports, its server answers
     remote = remote_host_gpus(cfg.launch)
     if args.host_gpus is not None:
-        placement = plan_run(cfg, tuple(str(i) for i in range(args.host_gpus)))
+        ids = tuple(str(i) for i in range(args.host_gpus))
         host = f"a host with {args.host_gpus} GPUs (--host-gpus)"
-    elif remote is not None:
-        placement = plan_run(cfg)
-        host = f"{cfg.launch.launcher} hosts with {remote} GPUs each"
     else:
-        placement = plan_run(cfg)
-        host = f"this host ({len(placement.gpu_ids)} GPUs found)"
-    return path, cfg, placement, f"placement on {host}"
+        ids = gpus_for(cfg.launch)
+        host = f"{cfg.launch.launcher} hosts with {remote} GPUs each" if remote is not None else \
+            f"this host ({len(ids)} GPUs found)"
+    choice = resolve_gpus(cfg, len(ids))
+    why = "".join(f"\n  why: {line}" for line in choice.reasons)
+    return path, choice.cfg, plan_run(choice.cfg, ids), f"placement on {host}{why}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:

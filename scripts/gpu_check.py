@@ -3,22 +3,33 @@ benchmarks/results/gpu_check.json naming the device; a part this host cannot run
 `skipped: <why>`. On a host without CUDA it says that nothing was run, writes nothing and exits 0.
 
     python scripts/gpu_check.py                          # every part, the result in benchmarks/results/
+    python scripts/gpu_check.py --quick                  # what one GPU can run, in at most 8 minutes
     python scripts/gpu_check.py --parts colocated,fsdp2_nccl --out /tmp/gpu_check.json
 
 Parts (each a subprocess with a deadline; run directories under --work-dir):
-  train_cuda        `meshrl train` with the HF generator, learner on GPU 0 and generator on GPU 1 (on
-                    the CPU with one GPU); every mesh process must run on the GPUs its placement
-                    plans (nvidia-smi's compute processes against the run's mesh pids)
+  auto_placement    `meshrl train` of the default job with the HF generator and no placement setting
+                    (`gpus_per_proc: auto`): the GPUs it chose, checked process by process
+  train_cuda        `meshrl train` with the HF generator, learner on GPU 0 and generator on GPU 1 (with
+                    one GPU both on GPU 0, separate processes with a memory share each); every mesh
+                    process must run on the GPUs its placement plans (nvidia-smi's compute processes
+                    against the run's mesh pids)
   placement         learner on GPU 0 and one HF generator replica on each other GPU (2+ GPUs)
   train_cuda_arena  train_cuda with the weight store's arenas in GPU memory; records the transport
   weight_pull_ipc   benchmarks/weight_transports.py with CUDA arenas, the local copy (CUDA IPC),
-                    against a same-run device-to-device memcpy; bitwise identical
+                    against a same-run device-to-device memcpy, SmolLM2-135M and a synthetic 1 GB
+                    state dict; bitwise identical
   weight_pull_rdma  the same over RDMA (GPUDirect with ibverbs, else Monarch's TCP fallback)
   colocated         the HF generator in the learner's process on its GPU: zero bytes moved per sync
-  vs_trl_hf         benchmarks/vs_trl.py --backend hf --quick (needs TRL: `make bench-deps`)
+  hf_generation     benchmarks/generation.py: the HF engine's static path (CUDA graphs) against its
+                    eager one, tokens/s on the GPU
+  vs_trl_hf         benchmarks/vs_trl.py --backend hf --quick (needs TRL: `make bench-deps`); in the
+                    quick battery without its learning run
   fsdp2_nccl        a 2-process FSDP2 learner, one GPU each (NCCL) (2+ GPUs)
   vllm_cuda         the vLLM generator on a GPU (needs vLLM's CUDA build)
   vllm_colocated    the co-located vLLM generator (dummy load, weights from the learner, sleep mode)
+
+`--quick` runs the parts one GPU can run that the 8 minutes hold (QUICK_PARTS, in that order),
+each under what is left of QUICK_BUDGET_S; a part that no longer fits is recorded as skipped.
 
 Exit status: 0 when every part that ran passed (or nothing ran), 1 when a part failed.
 """
@@ -51,6 +62,14 @@ TRAIN = ["generator.backend=hf", f"trainer.steps={TRAIN_STEPS}", "trainer.eval.e
 READY = re.compile(r"meshes ready in [\d.]+s: (\{.*\})")
 RUN = "run"
 """A training part's run directory, inside its work directory."""
+QUICK_PARTS = ("auto_placement", "train_cuda", "colocated", "weight_pull_ipc", "hf_generation", "vs_trl_hf")
+"""The quick battery's parts, in the order they run."""
+QUICK_BUDGET_S = 480.0
+"""The quick battery's whole deadline."""
+MIN_PART_S = 45.0
+"""A part is not started with less than this left of the quick battery's deadline."""
+SYNTHETIC_PARAMS = "5e8"
+"""The synthetic weight-pull case: 0.5B bf16 parameters, 1 GB."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +172,26 @@ def gpu_on(mesh: str) -> list[str]:
     return [f"meshes.{mesh}.gpus_per_proc=1"]
 
 
-def plan(device: Device, work: Path) -> list[Part]:
-    """Every part, in order, for ``device``: what each runs, or why it cannot run here."""
+
+
+def separate_gpus(n: int) -> list[str]:
+    """Learner and generator in processes of their own, on GPUs 0 and 1 or both on a single GPU."""
+    from meshrl.meshes.auto_gpus import shared_gpu_overrides
+
+    return gpu_on("learner") + gpu_on("generator") + ["meshes.generator.procs=1"] if n >= 2 else shared_gpu_overrides()
+
+
+def plan(device: Device, work: Path, quick: bool = False) -> list[Part]:
+    """Every part, in order, for ``device``: what each runs, or why it cannot run here; ``quick``:
+    the quick battery's parts only (QUICK_PARTS)."""
     n = len(device.gpus)
     two = None if n >= 2 else f"needs at least 2 GPUs, this host has {n}"
     vllm = device.no_vllm_cuda
     parts = [
-        _train_part("train_cuda", "learner and HF generator on CUDA, each mesh on its planned GPU",
-                    gpu_on("learner") + (gpu_on("generator") if n >= 2 else []), device, work),
+        _train_part("auto_placement", "the default job with no placement setting: the GPUs `auto` chose", [],
+                    device, work),
+        _train_part("train_cuda", "learner and HF generator on CUDA in separate processes, each on its planned GPU",
+                    separate_gpus(n), device, work),
         _train_part("placement", f"learner on GPU 0, one HF generator replica on each of the other {n - 1} GPU(s)",
                     gpu_on("learner") + gpu_on("generator") + [f"meshes.generator.procs={n - 1}"], device, work)
         if not two else Part("placement", "one generator replica per GPU", skip=f"{two} (train_cuda checks the learner's)"),
@@ -171,16 +202,22 @@ def plan(device: Device, work: Path) -> list[Part]:
     for transport, name in (("shm", "weight_pull_ipc"), ("rdma", "weight_pull_rdma")):
         parts.append(Part(name, f"weight pull from CUDA arenas ({transport}) against a same-run device memcpy",
                           [sys.executable, str(ROOT / "benchmarks" / "weight_transports.py"), "--arena-device", "cuda",
-                           "--cases", "smollm2", "--transports", transport, "--repeats", "4",
+                           "--cases", "smollm2,synthetic", "--synthetic-params", SYNTHETIC_PARAMS,
+                           "--transports", transport, "--repeats", "4",
                            "--out", str(work / name / "weight_transports.json")],
                           env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, check=check_weight_pull))
     parts.append(_train_part("colocated", "the HF generator in the learner's process on its GPU (zero-copy sync)",
                              gpu_on("learner") + ["meshes.generator.colocate_with=learner"], device, work,
                              check=check_colocated))
-    parts.append(Part("vs_trl_hf", "benchmarks/vs_trl.py --backend hf --quick", skip=device.no_trl)
+    parts.append(Part("hf_generation", "the HF engine's static path against its eager one on the GPU",
+                      [sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--engines", "hf-eager,hf-static",
+                       "--quick", "--out", str(work / "hf_generation" / "generation.json")],
+                      timeout_s=600.0, check=check_generation))
+    trl_flags = ["--backend", "hf", "--quick"] + (["--no-learning"] if quick else [])
+    parts.append(Part("vs_trl_hf", f"benchmarks/vs_trl.py {' '.join(trl_flags)}", skip=device.no_trl)
                  if device.no_trl else
-                 Part("vs_trl_hf", "benchmarks/vs_trl.py --backend hf --quick",
-                      [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--backend", "hf", "--quick",
+                 Part("vs_trl_hf", f"benchmarks/vs_trl.py {' '.join(trl_flags)}",
+                      [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), *trl_flags,
                        "--runs-dir", str(work / "vs_trl_hf" / "runs"), "--out", str(work / "vs_trl_hf" / "vs_trl.json")],
                       timeout_s=3600.0, check=check_vs_trl))
     parts.append(_train_part("fsdp2_nccl", "a 2-process FSDP2 learner, one GPU each (NCCL)",
@@ -198,6 +235,9 @@ def plan(device: Device, work: Path) -> list[Part]:
                     device, work, check=check_colocated, env=vllm_env)
         if not vllm else Part("vllm_colocated", "the co-located vLLM generator", skip=vllm),
     ]
+    if quick:
+        by_name = {p.name: p for p in parts}
+        return [by_name[name] for name in QUICK_PARTS]
     return parts
 
 
@@ -232,12 +272,22 @@ def check_colocated(work: Path, output: str) -> tuple[dict, str | None]:
 
 def check_weight_pull(work: Path, output: str) -> tuple[dict, str | None]:
     result = json.loads((work / "weight_transports.json").read_text())
-    case = result["cases"][0]
-    facts = {"nbytes": case["nbytes"], "memcpy_gbps": case["memcpy_gbps"], "arena_device": case["arena_device"]}
-    for transport, row in case["transports"].items():
-        facts[transport] = {k: row[k] for k in ("pull_s", "pull_gbps", "pull_vs_memcpy", "cold_pull_s", "bitwise_identical")}
-    wrong = [t for t, row in case["transports"].items() if not row["bitwise_identical"]]
-    return facts, f"pulled weights differ from the published ones ({wrong})" if wrong else None
+    facts, wrong = {}, []
+    for case in result["cases"]:
+        row = {"nbytes": case["nbytes"], "memcpy_gbps": case["memcpy_gbps"], "arena_device": case["arena_device"]}
+        for transport, t in case["transports"].items():
+            row[transport] = {k: t[k] for k in ("pull_s", "pull_gbps", "pull_vs_memcpy", "cold_pull_s", "bitwise_identical")}
+            if not t["bitwise_identical"]:
+                wrong.append(f"{case['name']}: {transport}")
+        facts[case["name"]] = row
+    return facts, f"pulled weights differ from the published ones ({', '.join(wrong)})" if wrong else None
+
+
+def check_generation(work: Path, output: str) -> tuple[dict, str | None]:
+    result = json.loads((work / "generation.json").read_text())
+    facts = {"device": result["device"], "tokens_per_s": {r["backend"]: r["tokens_per_s"] for r in result["rows"]},
+             "ratio_static_vs_eager": result.get("ratio_static_vs_eager")}
+    return facts, None
 
 
 def check_vs_trl(work: Path, output: str) -> tuple[dict, str | None]:
@@ -355,13 +405,15 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT, help=f"the result JSON (default: {OUT.relative_to(ROOT)})")
     parser.add_argument("--work-dir", type=Path, help="run directories and logs (default: a new temporary directory)")
     parser.add_argument("--timeout-s", type=float, help="deadline of each part (default: its own, 15-60 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the parts one GPU can run ({', '.join(QUICK_PARTS)}) within {QUICK_BUDGET_S / 60:.0f} minutes")
     args = parser.parse_args(argv)
     device = device or probe()
     if not device.gpus:
         print("gpu-check: no CUDA device on this host (torch sees none): nothing was run and nothing written.")
         return 0
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="meshrl-gpu-check-"))
-    parts = plan(device, work)
+    parts = plan(device, work, quick=args.quick)
     if args.parts:
         wanted = args.parts.split(",")
         unknown = sorted(set(wanted) - {p.name for p in parts})
@@ -370,13 +422,21 @@ def main(argv: list[str] | None = None, device: Device | None = None) -> int:
         parts = [p for p in parts if p.name in wanted]
     print(f"gpu-check on {device.name}; work directory {work}", flush=True)
     records = {}
+    started = time.perf_counter()
     for part in parts:
+        timeout_s = args.timeout_s
+        if args.quick:
+            left = QUICK_BUDGET_S - (time.perf_counter() - started)
+            if left < MIN_PART_S and not part.skip:
+                part = Part(part.name, part.what, part.command,
+                            skip=f"the quick battery's {QUICK_BUDGET_S / 60:.0f} minutes ran out ({left:.0f} s left)")
+            timeout_s = min(timeout_s or part.timeout_s, left)
         print(f"  {part.name}: {part.what} ...", flush=True)
-        records[part.name] = run_part(part, work, args.timeout_s)
+        records[part.name] = run_part(part, work, timeout_s)
         print(f"  {part.name}: {records[part.name]['status']}", flush=True)
     from benchmarks.common import write_result
 
-    result = report(device, records)
+    result = {**report(device, records), "mode": "quick" if args.quick else "full"}
     write_result("gpu_check", result, args.out)
     print(f"gpu-check: {result['summary']['passed']} passed, {result['summary']['failed']} failed, "
           f"{result['summary']['skipped']} skipped")

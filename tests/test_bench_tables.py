@@ -216,3 +216,31 @@ def test_the_committed_pages_match_the_committed_results():
     """Fails when a result JSON changed without `python benchmarks/tables.py`, or someone edited a
     figure in a generated section (docs/benchmarks.md or the README's headline) by hand."""
     assert tables.main(["--check"]) == 0, "run python benchmarks/tables.py and commit docs/benchmarks.md and README.md"
+
+
+def test_the_gpu_battery_renders_each_parts_figures_with_the_device_named():
+    result = {**PROVENANCE, "device": "1 x NVIDIA H200", "torch_cuda": "13.0", "mode": "quick",
+              "summary": {"passed": 3, "failed": 0, "skipped": 1}, "parts": {
+                  "auto_placement": {"status": "passed", "facts": {"steps": 4, "step_s_median": 0.61,
+                                                                   "sync_transport": ["shared"], "placement_verified": True}},
+                  "weight_pull_ipc": {"status": "passed", "facts": {"synthetic-0.50B-bf16": {
+                      "nbytes": 1e9, "memcpy_gbps": 1500.0, "arena_device": "cuda",
+                      "shm": {"pull_s": 0.0012, "pull_vs_memcpy": 0.55}}}},
+                  "hf_generation": {"status": "passed", "facts": {"tokens_per_s": {"hf-eager": 1700.0, "hf-static": 6000.0},
+                                                                  "ratio_static_vs_eager": 3.53}},
+                  "vs_trl_hf": {"status": "skipped: TRL does not import"}}}
+    text = tables.gpu_check(result)
+    assert text.startswith("1 x NVIDIA H200 (torch CUDA 13.0), the quick battery (`--quick`): 3 passed")
+    assert "| `auto_placement` | passed | 0.61 s per step, sync over shared, placement verified |" in text
+    assert "synthetic-0.50B-bf16 (1,000 MB, shm): 1.2 ms, 0.550 of the device memcpy" in text
+    assert "hf-eager 1,700 tokens/s, hf-static 6,000 tokens/s; static / eager 3.53x" in text
+    assert "| `vs_trl_hf` | skipped: TRL does not import | — |" in text
+
+
+def test_a_generation_result_of_the_hf_paths_only_renders_their_ratio():
+    rows = [{"backend": "hf-eager", "tokens_per_s": 100.0, "tokens": 1000, "seconds": 10.0},
+            {"backend": "hf-static", "tokens_per_s": 350.0, "tokens": 1000, "seconds": 2.9}]
+    result = {k: v for k, v in GENERATION.items() if k != "ratio_vllm_vs_hf"}
+    text = tables.generation({**result, "device": "NVIDIA H200", "rows": rows, "ratio_static_vs_eager": 3.5})
+    assert "on NVIDIA H200" in text and "HF static path / HF eager path: 3.50x tokens/s." in text
+    assert "vLLM / HF" not in text

@@ -38,15 +38,20 @@ def test_a_cpu_host_runs_nothing_and_writes_nothing(tmp_path, capsys):
 
 def test_one_gpu_runs_what_fits_and_says_why_the_rest_cannot(tmp_path):
     parts = by_name(gpu_check.plan(h100s(1), tmp_path))
-    assert list(parts) == ["train_cuda", "placement", "train_cuda_arena", "weight_pull_ipc", "weight_pull_rdma", "colocated", "vs_trl_hf",
-                           "fsdp2_nccl", "vllm_cuda", "vllm_colocated"]
+    assert list(parts) == ["auto_placement", "train_cuda", "placement", "train_cuda_arena", "weight_pull_ipc",
+                           "weight_pull_rdma", "colocated", "hf_generation", "vs_trl_hf", "fsdp2_nccl", "vllm_cuda",
+                           "vllm_colocated"]
     assert {n for n, p in parts.items() if p.skip} == {"placement", "fsdp2_nccl", "vllm_cuda", "vllm_colocated"}
     assert parts["fsdp2_nccl"].skip == "needs at least 2 GPUs, this host has 1"
     assert parts["placement"].skip.startswith("needs at least 2 GPUs")
     assert parts["vllm_cuda"].skip == parts["vllm_colocated"].skip == NO_VLLM
-    # the only GPU is the learner's; the generator runs on the CPU beside it, or in its process
-    assert parts["train_cuda"].placement == {"learner": [("0",)], "generator": [()], "rewarder": [()]}
+    # one GPU: learner and generator share it, in processes of their own with a memory share each,
+    # or the generator in the learner's process (explicitly, and as `auto` chooses)
+    assert parts["train_cuda"].placement == {"learner": [("0",)], "generator": [("0",)], "rewarder": [()]}
+    assert "meshes.generator.gpu_memory_fraction=0.4" in parts["train_cuda"].command
     assert parts["colocated"].placement == {"learner": [("0",)], "generator": [("0",)], "rewarder": [()]}
+    assert parts["auto_placement"].placement == parts["colocated"].placement
+    assert not [a for a in parts["auto_placement"].command if a.startswith("meshes.")]  # no placement setting
     assert "meshes.generator.colocate_with=learner" in parts["colocated"].command
     assert parts["weight_pull_ipc"].env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert by_name(gpu_check.plan(h100s(1, trl="TRL does not import"), tmp_path))["vs_trl_hf"].skip == "TRL does not import"
@@ -56,6 +61,7 @@ def test_three_gpus_with_vllm_run_every_part_on_its_own_gpus(tmp_path):
     parts = by_name(gpu_check.plan(h100s(3, vllm=None), tmp_path))
     assert not [p.name for p in parts.values() if p.skip]
     assert parts["train_cuda"].placement["generator"] == [("1",)]
+    assert parts["auto_placement"].placement["generator"] == [("1",), ("2",)]  # `auto`: a replica per GPU left
     assert parts["placement"].placement["generator"] == [("1",), ("2",)]  # a replica per GPU after the learner's
     assert parts["fsdp2_nccl"].placement == {"learner": [("0",), ("1",)], "generator": [("2",)], "rewarder": [()]}
     assert parts["vllm_cuda"].placement == {"learner": [("0",)], "generator": [("1",)], "rewarder": [()]}
@@ -87,6 +93,48 @@ def test_the_json_names_the_device_and_why_each_part_was_skipped(tmp_path):
     assert {"machine", "date", "commit"} <= set(result)  # benchmarks/common.py's provenance
     with pytest.raises(SystemExit):
         gpu_check.main(["--out", str(out), "--parts", "nccl"], device=h100s(1))
+
+
+def test_the_quick_battery_runs_what_one_gpu_can_within_its_deadline(tmp_path, monkeypatch):
+    parts = gpu_check.plan(h100s(1), tmp_path, quick=True)
+    assert [p.name for p in parts] == list(gpu_check.QUICK_PARTS) and not [p for p in parts if p.skip]
+    assert "--no-learning" in by_name(parts)["vs_trl_hf"].command
+    assert "--no-learning" not in by_name(gpu_check.plan(h100s(1), tmp_path))["vs_trl_hf"].command
+    ran = []
+
+    def run_part(part, work, timeout_s=None):  # the clock moves 200 s per part
+        ran.append((part.name, timeout_s, part.skip))
+        clock[0] += 200.0
+        return {"status": f"skipped: {part.skip}" if part.skip else "passed"}
+
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+    out = tmp_path / "quick.json"
+    assert gpu_check.main(["--quick", "--out", str(out), "--work-dir", str(tmp_path / "w")], device=h100s(1)) == 0
+    assert [(n, t) for n, t, skip in ran if not skip] == [("auto_placement", 480.0), ("train_cuda", 280.0),
+                                                          ("colocated", 80.0)]
+    assert [skip for _, _, skip in ran if skip][0] == "the quick battery's 8 minutes ran out (-120 s left)"
+    result = json.loads(out.read_text())
+    assert result["mode"] == "quick" and result["device"] == "1 x NVIDIA H100 80GB HBM3"
+    assert result["summary"] == {"passed": 3, "failed": 0, "skipped": 3}
+
+
+def test_the_weight_pull_and_generation_parts_record_every_case(tmp_path):
+    row = {"pull_s": 0.01, "pull_gbps": 100.0, "pull_vs_memcpy": 0.6, "cold_pull_s": 0.05, "bitwise_identical": True}
+    cases = [{"name": n, "nbytes": b, "memcpy_gbps": 160.0, "arena_device": "cuda", "transports": {"shm": dict(row)}}
+             for n, b in (("smollm2", 269_000_000), ("synthetic-0.50B-bf16", 1_000_000_000))]
+    cases[1]["transports"]["shm"]["bitwise_identical"] = False
+    (tmp_path / "weight_transports.json").write_text(json.dumps({"cases": cases}))
+    facts, problem = gpu_check.check_weight_pull(tmp_path, "")
+    assert facts["synthetic-0.50B-bf16"]["nbytes"] == 1_000_000_000 and facts["smollm2"]["shm"]["pull_vs_memcpy"] == 0.6
+    assert problem == "pulled weights differ from the published ones (synthetic-0.50B-bf16: shm)"
+    rows = [{"backend": "hf-eager", "tokens_per_s": 1000.0}, {"backend": "hf-static", "tokens_per_s": 3500.0}]
+    (tmp_path / "generation.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": rows,
+                                                          "ratio_static_vs_eager": 3.5}))
+    facts, problem = gpu_check.check_generation(tmp_path, "")
+    assert problem is None and facts == {"device": "NVIDIA H200", "ratio_static_vs_eager": 3.5,
+                                         "tokens_per_s": {"hf-eager": 1000.0, "hf-static": 3500.0}}
 
 
 def _metrics(run: Path, losses: list[float], transport: str = "shm", nbytes: int = 269_000_000) -> Path:

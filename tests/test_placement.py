@@ -27,7 +27,7 @@ def test_automatic_order_is_learner_generator_rewarder_then_channels_around_expl
 def test_co_located_meshes_see_their_host_meshes_gpus_and_cpu_meshes_see_none():
     cfg = load_config(RunConfig, None, ["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1",
                                         "sdpo.alpha=0.1", "sdpo.teacher=mesh", "sdpo.mesh.procs=2", "sdpo.mesh.colocate_with=generator",
-                                        "meshes.rewarder.colocate_with=learner"])
+                                        "meshes.rewarder.colocate_with=learner", "meshes.learner.gpus_per_proc=0"])
     placement = plan_run(cfg, EIGHT, host="h")
     assert placement.devices("sdpo_teacher") == placement.devices("generator") == [(0,), (1,)]
     assert [r.shares for r in placement.rows if r.mesh == "sdpo_teacher"] == ["generator", "generator"]
@@ -89,7 +89,8 @@ def test_impossible_placements_are_one_line_naming_the_key(overrides, gpu_ids, n
 @pytest.mark.parametrize("overrides, needle", [
     (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[0,1,2]"],
      "meshes.generator.devices = [0, 1, 2] (list): expected procs * gpus_per_proc = 2 * 1 = 2 GPU indices, got 3"),
-    (["meshes.generator.devices=[1]"], "meshes.generator.devices = [1] (list): expected procs * gpus_per_proc = 1 * 0"),
+    (["meshes.generator.gpus_per_proc=0", "meshes.generator.devices=[1]"],
+     "meshes.generator.devices = [1] (list): expected procs * gpus_per_proc = 1 * 0"),
     (["meshes.generator.procs=2", "meshes.generator.gpus_per_proc=1", "meshes.generator.devices=[4,4]"],
      "meshes.generator.devices = [4, 4] (list): expected distinct GPU indices, 4 appears more than once"),
     (["meshes.rewarder.colocate_with=learner", "meshes.rewarder.devices=[1]"],
@@ -102,3 +103,30 @@ def test_bad_device_settings_fail_when_the_config_loads(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(RunConfig, None, overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_two_meshes_share_a_gpu_with_a_memory_share_each():
+    cfg = load_config(RunConfig, None, [
+        "meshes.learner.devices=[0]", "meshes.learner.gpu_memory_fraction=0.55",
+        "meshes.generator.devices=[0]", "meshes.generator.gpu_memory_fraction=0.4", "trainer.max_steps_off_policy=1"])
+    placement = plan_run(cfg, ("0",), host="h")
+    assert placement.devices("learner") == placement.devices("generator") == [(0,)]
+    learner, generator = placement.bootstrap("learner", 1), placement.bootstrap("generator", 1)
+    assert (learner.per_rank, learner.memory_fraction) == (("0",), 0.55)
+    assert (generator.per_rank, generator.memory_fraction) == (("0",), 0.4)
+    assert placement.bootstrap("rewarder", 1).memory_fraction is None
+    assert "generator  0     h     0 (40%)  -" in placement.table()
+
+
+@pytest.mark.parametrize("fractions, needle", [
+    ((None, "0.4"), "meshes.generator.devices = [0]: GPU 0 is already meshes.learner's (meshes share a GPU co-located "
+                    "or with a gpu_memory_fraction each; meshes.learner has none)"),
+    (("0.7", "0.4"), "meshes.generator.gpu_memory_fraction = 0.4: the meshes on GPU 0 (meshes.learner, "
+                     "meshes.generator) would take 1.10 of its memory"),
+])
+def test_a_shared_gpu_needs_a_memory_share_per_mesh_within_the_whole(fractions, needle):
+    overrides = ["meshes.learner.devices=[0]", "meshes.generator.devices=[0]"]
+    overrides += [f"meshes.{m}.gpu_memory_fraction={f}" for m, f in zip(("learner", "generator"), fractions) if f]
+    with pytest.raises(PlacementError) as err:
+        plan_run(load_config(RunConfig, None, overrides), ("0",), host="h")
+    assert str(err.value) == needle

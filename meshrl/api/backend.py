@@ -39,7 +39,10 @@ class MeshBackend:
     machine), with what runs on them serialised; `close()` stops them."""
 
     def __init__(self, cfg: RunConfig, hosts=None):
+        from meshrl.meshes.placement import resolve_run
         from meshrl.meshes.session import MeshSession
+
+        cfg = resolve_run(cfg, colocate=False).cfg
 
         if cfg.meshes.learner.procs != 1:
             raise ConfigError("meshes.learner.procs: the API trains its clients' adapters in one learner process")

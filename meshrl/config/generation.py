@@ -64,6 +64,13 @@ class GeneratorConfig(Section):
     """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all`, a core list like `0-1`, or with
     `tensor_parallel_size` > 1 one list per worker joined by `|` (`0|1`)."""
 
+    hf_decode: Literal["auto", "eager", "static"] = "auto"
+    """How the HF backend decodes: `static` = a static KV cache with batches padded to power-of-two
+    buckets (on CUDA transformers compiles the decoding step into CUDA graphs) and the seeded sampler
+    on the device (a row's draws depend on its seed only); `eager` = transformers' own sampler on a
+    dynamic cache (a request's seed seeds the process's generator); `auto` = static on CUDA, eager on
+    the CPU."""
+
     torch_threads: int = Field(2, ge=1)
     """torch intra-op threads in a generator process (HF backend and weight loading); at most the
     replica's share of its host's cores."""

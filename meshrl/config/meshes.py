@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -25,9 +25,14 @@ class MeshSpec(Section):
     colocate_with: str | None = None
     """Name of another mesh whose processes this mesh's actors share (None = own processes)."""
 
-    gpus_per_proc: int = Field(0, ge=0)
+    gpus_per_proc: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     """GPUs each process of this mesh sees (0 = CPU-only: on a host with GPUs its processes see
-    none). A co-located mesh uses the GPUs of the processes it shares and sets none itself."""
+    none). `auto` lets the run choose from the host's GPUs (`meshrl plan` prints the choice and
+    why): none on a CPU host; on a GPU host the learner gets one GPU per process and the generator
+    one per replica on the GPUs left (as many replicas as there are such GPUs unless `procs` is
+    set), or with one GPU shares the learner's processes and GPU (co-located); every other mesh
+    stays on the CPU. With `devices` set, `auto` means `len(devices) / procs`. A co-located mesh
+    uses the GPUs of the processes it shares and sets none itself."""
 
     devices: list[Annotated[int, Field(ge=0)]] | None = None
     """Host GPU indices for this mesh (`nvidia-smi` numbering, or positions in the controller's
@@ -35,11 +40,17 @@ class MeshSpec(Section):
     r-th slice of `gpus_per_proc`. None = the lowest free indices, assigned in the order learner,
     generator, rewarder, then channel meshes."""
 
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Share of each of its GPUs' memory this mesh's processes may allocate (PyTorch's per-process
+    cap; a vLLM generator's `gpu_memory_utilization` becomes it). None = the GPUs are this mesh's
+    alone. Two meshes may name the same GPU in `devices` (e.g. `[0]` on both, asynchronous training
+    overlapping generation and learning on one GPU) when each sets one and they sum to at most 1."""
+
     @field_validator("gpus_per_proc", "devices")
     @classmethod
     def _own_gpus(cls, value, info: ValidationInfo):
         shared = info.data.get("colocate_with")
-        if shared is not None and value:
+        if shared is not None and value and value != "auto":
             raise ValueError(f"no GPUs of its own: it shares {shared}'s processes and their GPUs")
         return value
 
@@ -49,6 +60,8 @@ class MeshSpec(Section):
         if value is None or "gpus_per_proc" not in info.data:
             return value
         procs, per_proc = info.data.get("procs", 1), info.data["gpus_per_proc"]
+        if per_proc == "auto":
+            per_proc = len(value) // procs or 1
         if len(value) != procs * per_proc:
             raise ValueError(f"procs * gpus_per_proc = {procs} * {per_proc} = {procs * per_proc} "
                              f"GPU indices, got {len(value)}")

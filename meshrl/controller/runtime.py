@@ -42,9 +42,11 @@ class Runtime:
         from meshrl.actors.rewarder import load_reward_fn
         from meshrl.controller.rollout import Counters, strategy_for
         from meshrl.envs.task_sets import make_task
+        from meshrl.meshes.placement import resolve_run
         from meshrl.meshes.session import host_run
         from meshrl.terms import check_config, term_classes
 
+        cfg = resolve_run(cfg).cfg  # the loop sees the layout the session spawns (e.g. co-location)
         check_config(cfg)  # the plugins, the loss and the terms, before anything is spawned
         if cfg.rewarder.reward_fn:
             load_reward_fn(cfg.rewarder.reward_fn)  # fail here, in one line, not inside an actor

@@ -17,8 +17,11 @@ import torch
 
 from meshrl.config.generation import GeneratorConfig
 from meshrl.engines.base import Completion, PromptScoring, SampleRequest, Sampled
+from meshrl.engines.device_sampler import sample_step
+from meshrl.engines.hf_static import Decoded, row_seeds, static_generate
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.logprobs import topk_logprobs
+from meshrl.training.gpu_budget import claim_device
 
 
 class SampledLogprobs:
@@ -75,45 +78,31 @@ class HFEngine:
             self.model = module
             self.device = next(module.parameters()).device
         else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self.device = claim_device()
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
             self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.max_model_len = max_model_len
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.static = cfg.hf_decode == "static" or (cfg.hf_decode == "auto" and self.device.type == "cuda")
+        """Decode on the static-cache path (`hf_static`: buckets, CUDA graphs on CUDA, the seeded device
+        sampler) rather than transformers' sampler on a dynamic cache."""
+        self._sample = torch.compile(sample_step) if self.static and self.device.type == "cuda" else sample_step
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
         if not prompts:
             return []
-        if request.seed is not None:
-            torch.manual_seed(request.seed)
         expanded = [p for p in prompts for _ in range(request.n)]
-        width = max(len(p) for p in expanded)
-        input_ids = torch.full((len(expanded), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, p in enumerate(expanded):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention[i, width - len(p):] = 1
         eos = list(request.stop_token_ids) or [self.tokenizer.eos_token_id]
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-        # the warpers are ours (generate's own would run after any processor we pass), so that
-        # the recorder sees the scores sampled from; generate then adds none (temperature 1, top-p 1)
-        recorder = SampledLogprobs(request.topk)
-        warpers = [] if request.greedy else \
-            ([TemperatureLogitsWarper(request.temperature)] if request.temperature != 1.0 else []) + \
-            ([TopPLogitsWarper(request.top_p)] if request.top_p < 1.0 else [])
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-            max_new_tokens=request.max_tokens, eos_token_id=eos, pad_token_id=self.pad_id,
-            do_sample=not request.greedy, temperature=1.0, top_p=1.0, top_k=0,
-            logits_processor=LogitsProcessorList([*warpers, recorder]),
-        )
-        new_tokens = out[:, width:].cpu()
-        logprobs = recorder.finish(out).cpu()
-        top_ids, top_values = recorder.topk() if request.topk and logprobs.shape[1] else (None, None)
+        if self.static:
+            seeds = row_seeds(len(prompts), request.n, request.seed, self.generator)
+            decoded = static_generate(self.model, self.device, self.pad_id, expanded, seeds, request.max_tokens,
+                                      request.temperature, request.top_p, request.topk, eos, self._sample)
+        else:
+            decoded = self._eager_generate(expanded, request, eos)
+        new_tokens, logprobs, top_ids, top_values = decoded.tokens, decoded.logprobs, decoded.top_ids, decoded.top_values
         result: list[list[Completion]] = []
         for i in range(len(expanded)):
             toks, lps, reason = [], [], "length"
@@ -129,6 +118,35 @@ class HFEngine:
             topk = None if top_ids is None else (top_ids[i, :len(toks)].tolist(), top_values[i, :len(toks)].tolist())
             result[-1].append(Completion(toks, lps, reason, text, topk=topk))
         return result
+
+    def _eager_generate(self, expanded: list[list[int]], request: SampleRequest, eos: list[int]) -> Decoded:
+        """transformers' own sampler on a dynamic cache, left-padded to the longest row; the
+        request's seed seeds the process-wide generator."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
+        width = max(len(p) for p in expanded)
+        input_ids = torch.full((len(expanded), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, p in enumerate(expanded):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention[i, width - len(p):] = 1
+        # the warpers are ours (generate's own would run after any processor we pass), so that
+        # the recorder sees the scores sampled from; generate then adds none (temperature 1, top-p 1)
+        recorder = SampledLogprobs(request.topk)
+        warpers = [] if request.greedy else \
+            ([TemperatureLogitsWarper(request.temperature)] if request.temperature != 1.0 else []) + \
+            ([TopPLogitsWarper(request.top_p)] if request.top_p < 1.0 else [])
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+            max_new_tokens=request.max_tokens, eos_token_id=eos, pad_token_id=self.pad_id,
+            do_sample=not request.greedy, temperature=1.0, top_p=1.0, top_k=0,
+            logits_processor=LogitsProcessorList([*warpers, recorder]),
+        )
+        logprobs = recorder.finish(out).cpu()
+        top_ids, top_values = recorder.topk() if request.topk and logprobs.shape[1] else (None, None)
+        return Decoded(out[:, width:].cpu(), logprobs, top_ids, top_values)
 
     def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
         """Samples one prompt before returning (the HF engine batches per call, not per step)."""

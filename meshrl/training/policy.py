@@ -23,6 +23,7 @@ from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
+from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
@@ -101,7 +102,7 @@ class PolicyTrainer:
             set_mmap_threshold(cfg.mmap_threshold_mib << 20)
         self.cfg = cfg
         self.model_path = Path(model_path)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = claim_device()
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if cfg.lora.enabled:
             from peft import LoraConfig as PeftLoraConfig

@@ -8,8 +8,10 @@ on a CPU host moves ~1 GB/s, against ~10 GB/s for a memcpy).
   (the publisher's pool reuses arenas, so the same few segments come back) until the publisher
   unlinks it, and memcpys into its own arena.
 * **CUDA arenas** are exported once with CUDA IPC (``torch.multiprocessing.reductions.reduce_tensor``);
-  a reader rebuilds the handle and copies device to device. Written against the torch API, not run:
-  the development hosts have no GPU.
+  a reader opens each handle once and keeps it open (`CudaHandles`: the publisher's pool reuses its
+  arenas, so the same few handles come back), copies device to device without waiting, and
+  synchronises once when a fill is complete. Opening a handle and synchronising are fixed costs that
+  dominated a pull when paid per copy.
 
 The weight store (``weight_store.py``) decides when to use these (same host identity, transport
 config) and keeps RDMA buffers registered over the same memory for readers elsewhere.
@@ -29,6 +31,7 @@ import os
 import socket
 import uuid
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -209,13 +212,54 @@ class SharedArena:
             self._finalizer()
 
 
+class CudaHandles:
+    """The CUDA IPC arenas this process has opened, kept open for the next pulls: at most
+    ``capacity`` (the publisher's arena pool), the least recently used closed first (its tensor
+    released, so CUDA closes the handle and the publisher may free the memory). Copies out of them
+    are queued without waiting; `synchronize` waits once for every device copied on."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._open: OrderedDict[CudaIpcRef, torch.Tensor] = OrderedDict()
+        self._pending: set[torch.device] = set()
+        self.opened = 0
+        """Handles opened so far (a pull from an arena already open opens none)."""
+
+    def source(self, ref: CudaIpcRef) -> torch.Tensor:
+        """The arena behind ``ref``, opened at its first use; raises ``SameHostUnavailable``."""
+        src = self._open.pop(ref, None)
+        if src is None:
+            try:
+                src = ref.rebuild(*ref.args)
+            except RuntimeError as e:
+                raise SameHostUnavailable(f"CUDA IPC handle could not be opened: {e}") from e
+            self.opened += 1
+        self._open[ref] = src
+        while len(self._open) > self.capacity:
+            self._open.popitem(last=False)
+        self._pending.add(src.device)
+        return src
+
+    def synchronize(self) -> None:
+        """Wait for the copies queued since the last call (one wait per device)."""
+        for device in self._pending:
+            torch.cuda.synchronize(device)
+        self._pending.clear()
+
+
 class SameHostReader:
     """Copies arenas published on this host into a reader's own arena. Segment mappings are cached
     by name until ``drop_unlinked`` finds their file unlinked (the weight puller calls it at every
-    pull), so the pages of an arena its publisher dropped are freed by the reader's next pull."""
+    pull), so the pages of an arena its publisher dropped are freed by the reader's next pull; CUDA
+    arenas stay open in `CudaHandles` (``cuda_handles`` of them), and `synchronize` ends a fill."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_handles: int = 3) -> None:
         self._segments: dict[str, torch.Tensor] = {}
+        self.cuda = CudaHandles(cuda_handles)
+
+    def synchronize(self) -> None:
+        """Wait for the CUDA copies made since the last call (before the publisher may reuse the arena)."""
+        self.cuda.synchronize()
 
     def drop_unlinked(self) -> None:
         """Unmap cached segments whose file the publisher has unlinked, freeing their pages."""
@@ -224,17 +268,8 @@ class SameHostReader:
     def copy_moves(self, ref: LocalRef, dst: torch.Tensor, moves: Iterable[Move]) -> None:
         """Apply ``moves`` (their ``src`` offsets in the arena behind ``ref``) into ``dst``. Raises
         ``SameHostUnavailable`` when the arena cannot be opened and ``OwnerGone`` when its publisher
-        died (both before any byte is written)."""
-        if isinstance(ref, CudaIpcRef):
-            try:
-                src = ref.rebuild(*ref.args)
-            except RuntimeError as e:
-                raise SameHostUnavailable(f"CUDA IPC handle could not be opened: {e}") from e
-            for m in moves:
-                apply_move(src, dst, m)
-            torch.cuda.synchronize(src.device)  # done before the mapping is released with `src`
-            return
-        src = self._segment(ref)
+        died (both before any byte is written). CUDA copies are only queued: `synchronize` waits."""
+        src = self.cuda.source(ref) if isinstance(ref, CudaIpcRef) else self._segment(ref)
         for m in moves:
             apply_move(src, dst, m)
 
@@ -286,6 +321,7 @@ class HostFiller:
             self.buffer = allocate_arena(plan.nbytes, device)
         for ref, part_moves in plan.parts:
             self.reader.copy_moves(ref, self.buffer, part_moves)
+        self.reader.synchronize()
         return views(self.buffer, plan.layout)
 
 

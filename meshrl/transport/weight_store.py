@@ -413,7 +413,7 @@ class WeightPuller:
         self._staging: torch.Tensor | None = None
         self._stranded: list[torch.Tensor] = []  # buffers a read may still write into: never reused
         self._index: Any = None
-        self._same_host = SameHostReader()
+        self._same_host = SameHostReader(cuda_handles=self.config.max_arenas)
         self._transport: str | None = None  # of the last transfer, to log changes
 
     def pull(self, min_version: int = 0, timeout_s: float | None = None, exact: bool = False) -> PullResult:
@@ -555,6 +555,8 @@ class WeightPuller:
                     raise WeightSyncError(f"{what} failed: {e}") from None
                 fallback = e
             remote.append((part, part_moves))
+        if "cuda_ipc" in transports:
+            yield _Run(self._same_host.synchronize)  # once per fill, before the publisher may reuse its arena
         if remote:
             read += yield from self._rdma_steps(remote, dst, staging_bytes, read_timeout, what)
             transports.add("rdma")
