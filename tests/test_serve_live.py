@@ -299,12 +299,15 @@ def test_keys_keep_tenants_apart_on_real_meshes(service, server):
     assert all(key not in text for key in (KEY, OTHER_KEY, "tml-unknown-77"))
 
 
-def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(service, server):
+def test_a_generator_killed_mid_sample_is_recovered_and_only_that_call_fails(service, server):
     sampler = service.create_sampling_client(base_model=ALIAS)
     [pid] = server.pids["generator"]
+    prompt, params = T.ModelInput.from_ints([5, 6, 7]), T.SamplingParams(max_tokens=240, seed=3)
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-    resp = sampler.sample(T.ModelInput.from_ints([5, 6, 7]), 8, T.SamplingParams(max_tokens=240, seed=3)).result(300)
-    assert len(resp.sequences) == 8
+    with pytest.raises(tinker.RequestFailedError, match="not issued again") as err:  # it may be what killed it
+        sampler.sample(prompt, 8, params).result(300)
+    assert err.value.category == T.RequestErrorCategory.Server
+    assert len(sampler.sample(prompt, 8, params).result(300).sequences) == 8  # the replacement serves
     assert "recovering mesh 'generator'" in server.log.read_text()
 
 
