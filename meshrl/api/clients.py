@@ -32,7 +32,10 @@ log = logging.getLogger("meshrl")
 SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
 """Tinker's `SamplingClientKind`: fixed weights, or a training client's newest inflight save."""
 
-PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9_.-]+)$")
+CHECKPOINT_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+"""What a checkpoint may be named: letters, digits, ``_ . -``, not starting with a dot (no ``.``
+or ``..``), at most 128 characters."""
+PATH = re.compile(rf"^tinker://(?P<run>[^/.][^/]*)/(?P<kind>weights|sampler_weights)/(?P<name>{CHECKPOINT_NAME})$")
 
 
 class ServiceClient:
@@ -118,7 +121,8 @@ class ServiceClient:
         """The directory behind a ``tinker://run/kind/name`` path; UserError when it is malformed."""
         match = PATH.match(path)
         if not match:
-            raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name>")
+            raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name> "
+                            "(a name of letters, digits and _ . -, not starting with a dot, at most 128 characters)")
         return self.root / _safe(match["run"]) / match["kind"] / match["name"]
 
     def delete_checkpoint(self, path: str) -> None:
