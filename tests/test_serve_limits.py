@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 import zstandard
 from tinker import types as T
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -23,6 +24,7 @@ from meshrl.config.serve import ServeConfig, ServeLimits
 from meshrl.serve.app import build_app
 from meshrl.testing.app_server import serve_in_thread
 from meshrl.testing.fake_api import FakeService
+from tests.conftest import sdk_user_error
 
 KEY_A, KEY_B = "tml-hostile-1a2b", "tml-neighbour-3c4d"
 os.environ["TINKER_TELEMETRY"] = "0"
@@ -200,12 +202,15 @@ def test_what_a_tenant_creates_and_keeps_is_bounded(served):
     _refused(served.post("create_session", KEY_A, json={"tags": [], "sdk_version": "x",
                                                          "user_metadata": {"blob": "x" * 5000}}),
              400, "serve.limits.max_metadata_bytes")
-    for seq in (1, 2):
-        served.post("create_model", KEY_A, json={"session_id": served.session, "model_seq_id": seq,
+    extra = served.post("create_session", KEY_A, json={"tags": [], "user_metadata": None, "sdk_version": "x"}).json()[
+        "session_id"]
+    for seq in (0, 1):  # with the first session's model: 3
+        served.post("create_model", KEY_A, json={"session_id": extra, "model_seq_id": seq,
                                                  "base_model": "fake-model", "lora_config": {"rank": 2}})
-    _refused(served.post("create_model", KEY_A, json={"session_id": served.session, "model_seq_id": 3,
+    _refused(served.post("create_model", KEY_A, json={"session_id": extra, "model_seq_id": 2,
                                                       "base_model": "fake-model", "lora_config": {"rank": 2}}),
              400, "over the limit of 3 (serve.limits.max_models_per_tenant)")
+    served.post(f"sessions/{extra}/finish", KEY_A)  # its models no longer count
     opened = [served.post("create_session", KEY_A, json={"tags": [], "user_metadata": None, "sdk_version": "x"}) for _ in range(6)]
     assert [r.status_code for r in opened] == [200] * 5 + [400]  # 6 open sessions with the first
     assert "serve.limits.max_sessions_per_tenant" in opened[-1].json()["error"]
@@ -229,13 +234,11 @@ def test_checkpoint_names_are_a_whitelist(served):
 
 
 def test_a_tenant_flooding_training_is_held_to_its_quota(served):
-    served.fake.delay_s = 0.5
     headers = {"Content-Type": "application/x-protobuf"}
+    bodies = [_forward_backward(served, [ce_datum([1, 2, 3])]) for _ in range(6)]
+    served.fake.delay_s = 2.0  # each call: the first of them still runs while the sixth arrives
     try:
-        replies = [served.post("forward_backward", KEY_A, content=_forward_backward(served, [ce_datum([1, 2, 3])]),
-                               headers=headers) for _ in range(4)]
-        replies += [served.post("forward_backward", KEY_A, content=_forward_backward_proto(
-            served, [ce_datum([1, 2, 3])]).SerializeToString(), headers=headers) for _ in range(2)]
+        replies = [served.post("forward_backward", KEY_A, content=body, headers=headers) for body in bodies]
         assert [r.status_code for r in replies] == [200] * 4 + [429] * 2
         assert "serve.limits.max_pending_training" in replies[-1].json()["error"]
         served.tc.forward_backward([ce_datum([1, 2, 3])], "cross_entropy").result(timeout=30)  # B is not held
@@ -268,4 +271,34 @@ def test_server_errors_carry_no_traceback_or_path(served, monkeypatch, caplog):
 def test_the_sdk_sees_a_refusal_as_a_bad_request(served):
     with pytest.raises(tinker.BadRequestError, match="sampling_params.seed = 18446744073709551616"):
         served.sampler.sample(T.ModelInput.from_ints([1, 2]), 1, T.SamplingParams(max_tokens=2, seed=2**64)).result(30)
+    served.neighbour_works()
+
+
+def outer_power(logprobs, weights):
+    """Grows as tokens to the fourth power: [T, T, T, T] from two [T] tensors."""
+    big = torch.einsum("i,j,k,l->ijkl", logprobs, weights, logprobs, weights)
+    return big.sum(), {}
+
+
+def weighted(logprobs, weights):
+    loss = -(logprobs * weights).sum()
+    return loss, {}
+
+
+def test_a_custom_loss_is_sized_from_its_datums_shapes_before_it_runs(served):
+    hostile = tinker.ServiceClient(base_url=served.url, api_key=KEY_A)
+    try:
+        tc = hostile.create_lora_training_client("fake-model", rank=2).result(timeout=30)
+        power = hostile.create_custom_loss(outer_power, {"logprobs": 1, "weights": 1}).result(timeout=30)
+        small = hostile.create_custom_loss(weighted, {"logprobs": 1, "weights": 1}).result(timeout=30)
+        started = time.perf_counter()
+        message = sdk_user_error(tc.forward_backward_custom([ce_datum(list(range(12)))], power), timeout=30)
+        assert time.perf_counter() - started < 10
+        assert "data[0]: the largest tensor custom loss 'outer_power' builds (elements) = 14641: over the limit " \
+               "of 10000 (serve.limits.max_custom_loss_elements)" in message  # 11 targets: 11**4 elements
+        assert served.fake.calls_of(tc.model_id) == []  # nothing reached the learner
+        tc.forward_backward_custom([ce_datum(list(range(8)))], power).result(timeout=30)  # 7**4 fits
+        tc.forward_backward_custom([ce_datum(list(range(400)))], small).result(timeout=30)
+    finally:
+        hostile.close("success").result(timeout=30)
     served.neighbour_works()
