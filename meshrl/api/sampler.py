@@ -18,6 +18,7 @@ the engine's batch-size-dependent float rounding, which can flip a near-tie).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ MAX_IN_FLIGHT = 256
 """Most requests sent to the generators at once (each waits on a thread of its own)."""
 CLOSED = "the sampler is closed"
 """What a request fails with once :meth:`Sampler.close` was called, unless it was already in flight."""
+SEED_LIMIT = 2**63
+"""Seeds are int64 in the engines: sample j of a request draws with ``seed + j``, below this."""
 MAX_TOPK = 64
 """Most top-k entries asked per position (`topk_prompt_logprobs`, `topk_sample_logprobs`) and
 most draws (`prompt_alt_tokens_k`)."""
@@ -199,13 +202,19 @@ def _check(request: _Request, backend) -> None:
     p, o = request.params, request.options
     if not request.prompt:
         raise UserError("prompt: empty")
+    vocab = len(backend.tokenizer)
+    if any(not 0 <= t < vocab for t in request.prompt):
+        raise UserError(f"prompt: token ids must lie in [0, {vocab})")
     if request.num_samples < 1:
         raise UserError(f"num_samples = {request.num_samples}: at least 1")
+    if p.seed is not None and not 0 <= p.seed <= SEED_LIMIT - request.num_samples:
+        raise UserError(f"sampling_params.seed = {p.seed}: between 0 and 2**63 - num_samples (sample j draws with "
+                        "seed + j; the engines' seeds are int64)")
     limit = backend.cfg.model.max_model_len
     if request.max_tokens(limit) < 1:
         raise UserError(f"sampling_params.max_tokens = {p.max_tokens}: at least 1 (and a prompt shorter than the "
                         f"context of {limit})")
-    if p.temperature < 0 or not 0 < p.top_p <= 1:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0) or not 0 < p.top_p <= 1:
         raise UserError(f"sampling_params: temperature {p.temperature} / top_p {p.top_p} out of range")
     if p.top_k not in (-1, 0):
         raise UserError(f"sampling_params.top_k = {p.top_k}: top-k sampling is not supported (use -1)")
@@ -216,7 +225,6 @@ def _check(request: _Request, backend) -> None:
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if not 0 <= getattr(o, name) <= MAX_TOPK:
             raise UserError(f"{name} = {getattr(o, name)}: between 0 and {MAX_TOPK}")
-    vocab = len(backend.tokenizer)
     rows = len(request.prompt) - 1
     if o.target_prompt_logprobs is not None:
         shape = (len(o.target_prompt_logprobs), {len(row) for row in o.target_prompt_logprobs})

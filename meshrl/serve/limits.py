@@ -27,11 +27,9 @@ from tinker import types as sdk
 
 from meshrl.api.clients import CHECKPOINT_NAME
 from meshrl.api.errors import UserError
-from meshrl.api.sampler import MAX_TOPK
+from meshrl.api.sampler import MAX_TOPK, SEED_LIMIT
 from meshrl.config.serve import ServeLimits
 
-SEED_LIMIT = 2**63
-"""Seeds are int64: sample j of a request draws with ``seed + j``, which must stay below this."""
 TOKEN_LIMIT = 2**31
 """Token ids are int32 on the wire and in the engines."""
 MAX_TEMPERATURE = 100.0
