@@ -546,8 +546,12 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
         return _error(one_line(str(exc)), "user", exc.status)
 
     @app.exception_handler(UserError)
-    async def user_error(_: Request, exc: UserError) -> JSONResponse:
-        return _error(one_line(str(exc)), "user", getattr(exc, "status", 400))
+    async def user_error(request: Request, exc: UserError) -> JSONResponse:
+        status = getattr(exc, "status", 400)
+        if status != 400:  # a refusal for size or quota: the operator sees who hits the limits
+            log.warning("%s refused (%d) for tenant %r: %s", request.url.path, status,
+                        getattr(request.state, "tenant", None), exc)
+        return _error(one_line(str(exc)), "user", status)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
