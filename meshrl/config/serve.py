@@ -81,6 +81,11 @@ class ServeLimits(Section):
     """Most `asample` requests of one tenant in flight at once; the tenant's next one is refused
     (429) until one finishes, so no tenant's backlog can fill the generators' queue."""
 
+    max_running_samples: int = Field(8, ge=1)
+    """Most sample requests of one tenant running in the generators at once; its others wait in
+    the sampler's queue and start as its running ones finish, behind no other tenant's. Another
+    tenant's request, on the same weight version or another, waits for at most this many of them."""
+
     max_pending_training: int = Field(64, ge=1)
     """Most training requests (`forward_backward`, `optim_step`, saves and loads) of one tenant
     queued or running at once; the next one is refused (429) until one finishes."""

@@ -404,7 +404,7 @@ class TinkerServer:
 
     def asample(self, tenant: str, req: sdk.SampleRequest) -> dict:
         limits.sample(req, self.limits)
-        request_id, sequence_ids = self.samplers.sample(req, self.sampling_quota.take(tenant))
+        request_id, sequence_ids = self.samplers.sample(req, tenant, self.sampling_quota.take(tenant))
         return _future(request_id, sample_sequence_ids=sequence_ids)
 
     # ---- RestClient: listings, deletion, expiry ------------------------------------------------

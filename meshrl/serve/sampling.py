@@ -97,10 +97,10 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}")
         return sampler
 
-    def sample(self, request: sdk.SampleRequest, release: Callable[[], None]) -> tuple[str, list[str]]:
-        """Start one sampling request (its sizes already checked: `limits.sample`); (request id,
-        one sequence id per sample). A bad request fails through its future with a user error.
-        ``release`` is called once the request is done with."""
+    def sample(self, request: sdk.SampleRequest, tenant: str, release: Callable[[], None]) -> tuple[str, list[str]]:
+        """Start one sampling request of ``tenant`` (its sizes already checked: `limits.sample`);
+        (request id, one sequence id per sample). A bad request fails through its future with a
+        user error. ``release`` is called once the request is done with."""
         request_id = self._futures.create()
         sequence_ids = [f"{request_id}:{i}" for i in range(max(request.num_samples, 0))]
         try:
@@ -116,7 +116,7 @@ class Samplers:
             prompt, request.num_samples, params, include_prompt_logprobs=bool(request.prompt_logprobs),
             topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
             target_prompt_logprobs=None if targets is None else targets.rows,
-            prompt_alt_tokens_k=request.prompt_alt_tokens_k))
+            prompt_alt_tokens_k=request.prompt_alt_tokens_k, owner=tenant))
         future.add_done_callback(lambda _: release())
         def encode(response: Any) -> ProtoResult:
             if len(response.sequences) != request.num_samples:  # the SDK pairs them with sequence_ids
