@@ -25,6 +25,7 @@ from meshrl.serve.app import build_app
 from meshrl.testing.app_server import serve_in_thread
 from meshrl.testing.fake_api import FakeService
 from tests.conftest import sdk_user_error
+from tests.test_serve_tenants import ce_datum
 
 KEY_A, KEY_B = "tml-hostile-1a2b", "tml-neighbour-3c4d"
 os.environ["TINKER_TELEMETRY"] = "0"
@@ -33,12 +34,6 @@ LIMITS = ServeLimits(max_body_bytes=1 << 20, max_decompressed_bytes=2 << 20, max
                      max_tensor_elements=4096, max_num_samples=16, max_sample_tokens=64, max_prompt_tokens=256,
                      max_metadata_bytes=1024, max_sessions_per_tenant=6, max_models_per_tenant=3,
                      max_custom_loss_nodes=50, max_custom_loss_elements=10_000, max_pending_training=4)
-
-
-def ce_datum(tokens: list[int]) -> T.Datum:
-    return T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]),
-                   loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
-                                   "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
 
 
 class Served:
