@@ -227,11 +227,11 @@ def abusive_neighbour(url: str, model: str, prompt, args) -> dict:
             client.close("success").result(timeout=60)
     p50, p99 = statistics.median(alone), percentile(alone, 0.99)
     lp50, lp99 = statistics.median(loaded), percentile(loaded, 0.99)
-    return {"quiet_requests": args.quiet, "flood_requests": args.flood, "flood_max_tokens": args.flood_tokens,
+    return {"quiet": args.quiet, "flood": args.flood, "flood_tokens": args.flood_tokens,
             "alone_latencies_s": alone, "flooded_latencies_s": loaded,
             "alone_p50_s": p50, "alone_p99_s": p99, "flooded_p50_s": lp50, "flooded_p99_s": lp99,
             "p50_ratio": lp50 / p50, "p99_ratio": lp99 / p99, "goal_ratio": 2.0,
-            "quiet_phase_s": quiet_done, "flood_s": flood_s, "flood_tokens": flooded_tokens,
+            "quiet_phase_s": quiet_done, "flood_s": flood_s, "flood_generated_tokens": flooded_tokens,
             "flood_requests_given_up": gave_up}
 
 

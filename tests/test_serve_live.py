@@ -268,6 +268,43 @@ def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, serv
     assert server.proc.poll() is None
 
 
+def test_a_hostile_tenant_restarts_nothing_and_the_other_keeps_working(service, server):
+    """The other tenant sends what took the server down before: a seed past int64 (a vLLM step
+    raised on it, and the generator was replaced until the restart budget ran out), a LoRA rank of a
+    million (the learner was OOM-killed, and killed again by the request issued once more), token
+    ids outside the vocabulary, a target-logprob shape of 20 M elements. Each is refused in one
+    line, as the caller's error; this tenant samples and trains between them; no mesh restarts."""
+    recoveries = server.log.read_text().count("recovering mesh")
+    mine = service.create_sampling_client(base_model=ALIAS)
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=13)
+    prompt = T.ModelInput.from_ints([5, 17, 42])
+    hostile = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+
+    def still_served():
+        assert len(mine.sample(prompt, 2, T.SamplingParams(max_tokens=4, seed=1)).result(timeout=300).sequences) == 2
+        assert tc.forward_backward(sl_data(5), "cross_entropy").result(timeout=300).metrics["loss:sum"] > 0
+
+    try:
+        theirs = hostile.create_sampling_client(base_model=ALIAS).result(timeout=300)
+        for params in (T.SamplingParams(max_tokens=4, seed=2**64), T.SamplingParams(max_tokens=4, stop=[2**40])):
+            with pytest.raises(tinker.BadRequestError, match="sampling_params"):
+                theirs.sample(prompt, 1, params).result(timeout=300)
+            still_served()
+        with pytest.raises(tinker.BadRequestError, match="serve.limits.max_lora_rank"):
+            hostile.create_lora_training_client(base_model=ALIAS, rank=1_000_000).result(timeout=300)
+        message = sdk_user_error(theirs.sample(T.ModelInput.from_ints([5, 10**7]), 1, T.SamplingParams(max_tokens=4)))
+        assert "prompt: token ids must lie in [0, " in message
+        targets = T.TensorData(data=[1], dtype="int64", shape=[2, 20_000_000])
+        message = sdk_user_error(theirs.sample(prompt, 1, T.SamplingParams(max_tokens=4),
+                                               target_prompt_logprobs=targets))
+        assert "serve.limits.max_tensor_elements" in message
+        still_served()
+    finally:
+        hostile.close("success").result(timeout=120)
+    assert server.log.read_text().count("recovering mesh") == recoveries  # no restart
+    assert server.proc.poll() is None
+
+
 def test_keys_keep_tenants_apart_on_real_meshes(service, server):
     """Another tenant can neither load, sample nor delete this tenant's checkpoints; the owner's
     delete removes the files; an unknown key gets 401; the server's log holds no key."""
