@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -294,10 +295,19 @@ def test_a_hostile_tenant_restarts_nothing_and_the_other_keeps_working(service, 
             hostile.create_lora_training_client(base_model=ALIAS, rank=1_000_000).result(timeout=300)
         message = sdk_user_error(theirs.sample(T.ModelInput.from_ints([5, 10**7]), 1, T.SamplingParams(max_tokens=4)))
         assert "prompt: token ids must lie in [0, " in message
-        targets = T.TensorData(data=[1], dtype="int64", shape=[2, 20_000_000])
-        message = sdk_user_error(theirs.sample(prompt, 1, T.SamplingParams(max_tokens=4),
-                                               target_prompt_logprobs=targets))
-        assert "serve.limits.max_tensor_elements" in message
+        # a few hundred bytes declaring [2, 20 M] target ids (the SDK itself would send all 40 M)
+        request = {"sampling_session_id": theirs._sampling_session_id, "seq_id": 99, "num_samples": 1,
+                   "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]},
+                   "sampling_params": {"max_tokens": 4},
+                   "target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [2, 20_000_000]}}
+        headers = {"X-API-Key": OTHER_KEY}
+        sent = httpx.post(f"{server.url}/api/v1/asample", json=request, headers=headers, timeout=60)
+        assert sent.status_code == 200, sent.text
+        while (outcome := httpx.post(f"{server.url}/api/v1/retrieve_future", headers=headers, timeout=60,
+                                     json={"request_id": sent.json()["request_id"]})).status_code == 408:
+            pass
+        assert outcome.json()["category"] == "user"
+        assert "serve.limits.max_tensor_elements" in outcome.json()["error"]
         still_served()
     finally:
         hostile.close("success").result(timeout=120)
