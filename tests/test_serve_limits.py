@@ -297,3 +297,13 @@ def test_a_custom_loss_is_sized_from_its_datums_shapes_before_it_runs(served):
     finally:
         hostile.close("success").result(timeout=30)
     served.neighbour_works()
+
+
+def test_optimizer_hyperparameters_must_be_finite(served):
+    reply = served.post("optim_step", KEY_A, content=json.dumps({
+        "model_id": served.model, "seq_id": served.next_seq(),
+        "adam_params": {"learning_rate": float("inf"), "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}}),
+        headers={"Content-Type": "application/json"})
+    outcome = served.result(reply)
+    assert outcome["category"] == "user" and "adam_params.learning_rate = inf: must be finite" in outcome["error"]
+    served.neighbour_works()

@@ -70,7 +70,10 @@ def optimizer_type(where: str, config: sdk.OptimizerConfig | None) -> str:
 
 def optim_params(params: sdk.OptimParams) -> AdamParams | DimuonParams:
     """An `optim_step`'s hyperparameters as meshrl's (a nonpositive Dimuon clip norm: no clipping);
-    UserError naming a bad or unknown one."""
+    UserError naming a bad or unknown one (every value must be finite)."""
+    for name, value in params.model_dump().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"optim_step: {getattr(params, 'type', 'adam')}_params.{name} = {value}: must be finite")
     try:
         if isinstance(params, sdk.AdamParams):
             return AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
