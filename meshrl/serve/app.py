@@ -18,10 +18,16 @@ reaches only its own tenant's sessions, models, samplers, checkpoints and reques
 route is registered through `route`, which checks each id the request names before its handler
 runs. Without a keys file the server says at start that it runs open.
 
+Limits (`limits`, `serve.limits`): every body is read up to its size limit (and inflated up to
+its own), and every request is checked against the limits before any work is done for it; a
+tenant's sampling and training work in flight is held to its quotas.
+
 Errors: a request the SDK polls for fails through its future as ``{"error", "category"}``
-(`user` for a bad request, `server` otherwise); a direct call answers 400 (user) or 500 (server)
-with the same body; a body that does not parse answers 400 naming the field. None of these stop
-the server.
+(`user` for a bad request, `server` otherwise); a direct call answers 400 (user; 413 for a body
+too large, 429 over a quota) or 500 (server) with the same body; a body that does not parse (not
+JSON, not UTF-8, nested too deep) answers 400 naming the field. Messages are one line without
+tracebacks or absolute paths; a server error names an id under which the log keeps the details.
+None of these stop the server.
 """
 
 from __future__ import annotations
