@@ -513,8 +513,11 @@ Parser = Callable[[Request], Awaitable[Any]]
 
 def _forward_backward_body(cfg: ServeConfig) -> Parser:
     async def parse(request: Request) -> Any:
-        return wire.forward_backward_request(await _raw_body(request, cfg), request.headers.get("content-encoding"),
-                                             cfg.limits.max_decompressed_bytes)
+        """The protobuf body, inflated and parsed on a worker thread (up to the limits' sizes: a
+        large one keeps the event loop, and the other tenants' requests, waiting for nothing)."""
+        body = await _raw_body(request, cfg)
+        return await asyncio.to_thread(wire.forward_backward_request, body, request.headers.get("content-encoding"),
+                                       cfg.limits.max_decompressed_bytes)
     return parse
 
 
