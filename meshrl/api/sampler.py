@@ -10,8 +10,8 @@ request's version and every waiting request of that version starts, in arrival o
 thus never change under a running request, and no version waits forever behind a stream of
 requests for another.
 
-Owners (the tenants of `meshrl serve`) share the generators: at most ``per_owner`` requests of one
-owner run at once (the rest wait their turn, in arrival order, behind nobody else's), and when the
+Owners (the tenants of `meshrl serve` with a keys file; a request without one shares nothing)
+share the generators: at most ``per_owner`` requests of one owner run at once (the rest wait their turn, in arrival order, behind nobody else's), and when the
 generators switch versions the owners take turns choosing the version: the next load serves the
 first waiting request of another owner than the last one's. So one owner's backlog, on its own
 weight version or on everyone's, delays another's request by at most ``per_owner`` of its running
@@ -118,9 +118,10 @@ class Sampler:
         return request.future
 
     def _may_start(self, request: _Request) -> bool:
-        """Whether ``request`` may run now: of the version held, its owner under its share (the lock is held)."""
+        """Whether ``request`` may run now: of the version held, its owner (if any) under its share
+        (the lock is held)."""
         return (request.version == self._held and not self._switching
-                and self._running[request.owner] < self.per_owner)
+                and (request.owner is None or self._running[request.owner] < self.per_owner))
 
     def _switch_pending(self) -> bool:
         """Whether a waiting request needs another version (then nothing new starts; the lock is held)."""

@@ -79,7 +79,8 @@ class ServeLimits(Section):
 
     max_pending_samples: int = Field(32, ge=1)
     """Most `asample` requests of one tenant in flight at once; the tenant's next one is refused
-    (429) until one finishes, so no tenant's backlog can fill the generators' queue."""
+    (429) until one finishes, so no tenant's backlog can fill the generators' queue. The quotas and
+    the share of the generators apply with `serve.keys_file` (an open server has one tenant)."""
 
     max_running_samples: int = Field(8, ge=1)
     """Most sample requests of one tenant running in the generators at once; its others wait in

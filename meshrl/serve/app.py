@@ -277,9 +277,11 @@ class TinkerServer:
 
     def _submit(self, model_id: str, seq_id: int | None, operation: Any, encode: Any) -> str:
         """`TrainingModels.submit`, counted against the model's tenant's quota of training work in
-        flight (`serve.limits.max_pending_training`) until the backend call is done."""
+        flight (`serve.limits.max_pending_training`) until the backend call is done (with keys:
+        an open server has one tenant)."""
         session = self.sessions.get(session_of(model_id))
-        release = self.training_quota.take(session.tenant) if session is not None else None
+        shared = session is not None and not self.keys.open  # an open server has one tenant: nothing to share
+        release = self.training_quota.take(session.tenant) if shared else None
         return self.training.submit(model_id, seq_id, operation, encode, release)
 
     def _room_for_a_model(self, tenant: str, session_id: str, model_seq_id: int) -> None:
@@ -410,7 +412,10 @@ class TinkerServer:
 
     def asample(self, tenant: str, req: sdk.SampleRequest) -> dict:
         limits.sample(req, self.limits)
-        request_id, sequence_ids = self.samplers.sample(req, tenant, self.sampling_quota.take(tenant))
+        if self.keys.open:  # one tenant: no quota, no share of the generators to keep
+            request_id, sequence_ids = self.samplers.sample(req, None, lambda: None)
+        else:
+            request_id, sequence_ids = self.samplers.sample(req, tenant, self.sampling_quota.take(tenant))
         return _future(request_id, sample_sequence_ids=sequence_ids)
 
     # ---- RestClient: listings, deletion, expiry ------------------------------------------------

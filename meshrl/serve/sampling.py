@@ -97,10 +97,12 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}")
         return sampler
 
-    def sample(self, request: sdk.SampleRequest, tenant: str, release: Callable[[], None]) -> tuple[str, list[str]]:
-        """Start one sampling request of ``tenant`` (its sizes already checked: `limits.sample`);
-        (request id, one sequence id per sample). A bad request fails through its future with a
-        user error. ``release`` is called once the request is done with."""
+    def sample(self, request: sdk.SampleRequest, tenant: str | None,
+               release: Callable[[], None]) -> tuple[str, list[str]]:
+        """Start one sampling request of ``tenant`` (None: an open server's one tenant, which shares
+        the generators with nobody; its sizes already checked: `limits.sample`); (request id, one
+        sequence id per sample). A bad request fails through its future with a user error.
+        ``release`` is called once the request is done with."""
         request_id = self._futures.create()
         sequence_ids = [f"{request_id}:{i}" for i in range(max(request.num_samples, 0))]
         try:
