@@ -14,6 +14,17 @@ the clients' generated tokens per second over the one batch's; the level reports
 keeps the tenants' training, which takes most of the 2 cores in bursts of seconds, from falling on
 one phase only. Writes benchmarks/results/serve_load.json; goal: at 16 clients, at least 0.8x of
 the one-batch figure.
+
+    python benchmarks/serve_load.py --abusive-neighbour [--flood 100] [--flood-tokens 128] [--quiet 12]
+
+The abusive-neighbour arm instead: two tenants on a keys file, no training tenants. The quiet one
+sends `--quiet` requests of one 8-token sample from the base model, one after the other, first
+alone (the baseline), then while the other floods the server with `--flood` requests of
+`--flood-tokens` tokens at once from a sampler of its own saved weights (another weight version,
+so every quiet request needs a version switch). Reports the quiet tenant's p50 / p99 latency in
+both phases and their ratio (goal: within 2x), how many flood requests the server refused for the
+flooding tenant's quota (the SDK retries them) and whether any mesh was restarted. Writes
+benchmarks/results/serve_abusive_neighbour.json.
 """
 
 from __future__ import annotations
@@ -165,6 +176,65 @@ def level(samplers, prompt, clients: int, requests: int, samples: int, max_token
             "load_average_1m": os.getloadavg()[0]}
 
 
+QUIET_KEY, FLOOD_KEY = "tml-quiet-tenant", "tml-flooding-tenant"
+
+
+def quiet_latencies(sampler, prompt, requests: int) -> list[float]:
+    """One 8-token sample request after the other; each one's seconds."""
+    from tinker import types as T
+
+    out = []
+    for _ in range(requests):
+        started = time.perf_counter()
+        sampler.sample(prompt, 1, T.SamplingParams(max_tokens=8, temperature=1.0, seed=next(seeds))).result(1200)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def abusive_neighbour(url: str, model: str, prompt, args) -> dict:
+    """The quiet tenant's latencies alone, then while the other tenant floods (see the module)."""
+    import tinker
+    from tinker import types as T
+
+    quiet = tinker.ServiceClient(base_url=url, api_key=QUIET_KEY)
+    flooder = tinker.ServiceClient(base_url=url, api_key=FLOOD_KEY)
+    try:
+        mine = quiet.create_sampling_client(base_model=model).result(600)
+        trainer = flooder.create_lora_training_client(base_model=model, rank=8, seed=1).result(600)
+        theirs = trainer.save_weights_and_get_sampling_client().result(600)  # another weight version
+        quiet_latencies(mine, prompt, 2)  # warm-up
+        alone = quiet_latencies(mine, prompt, args.quiet)
+        started = time.perf_counter()
+        flood = [theirs.sample(prompt, 1, T.SamplingParams(max_tokens=args.flood_tokens, temperature=1.0,
+                                                           seed=next(seeds))) for _ in range(args.flood)]
+        time.sleep(2.0)  # the flood is in the server's queues
+        loaded = quiet_latencies(mine, prompt, args.quiet)
+        quiet_done = time.perf_counter() - started
+        flooded_tokens, gave_up = 0, 0
+        for f in flood:
+            try:
+                flooded_tokens += generated(f.result(timeout=3600))
+            except tinker.RateLimitError:  # refused for its quota more often than the SDK retries
+                gave_up += 1
+        flood_s = time.perf_counter() - started
+    finally:
+        for client in (quiet, flooder):
+            client.close("success").result(timeout=60)
+    p50, p99 = statistics.median(alone), percentile(alone, 0.99)
+    lp50, lp99 = statistics.median(loaded), percentile(loaded, 0.99)
+    return {"quiet": args.quiet, "flood": args.flood, "flood_tokens": args.flood_tokens,
+            "alone_latencies_s": alone, "flooded_latencies_s": loaded,
+            "alone_p50_s": p50, "alone_p99_s": p99, "flooded_p50_s": lp50, "flooded_p99_s": lp99,
+            "p50_ratio": lp50 / p50, "p99_ratio": lp99 / p99, "goal_ratio": 2.0,
+            "quiet_phase_s": quiet_done, "flood_s": flood_s, "flood_generated_tokens": flooded_tokens,
+            "flood_requests_given_up": gave_up}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/serve.yaml")
@@ -176,6 +246,11 @@ def main() -> None:
                         help="requests each client sends per round (default: 32 requests a round, at least 2 each)")
     parser.add_argument("--rounds", type=int, default=3, help="one-batch / clients alternations per level")
     parser.add_argument("--tenants", type=int, default=2, help="training tenants running throughout")
+    parser.add_argument("--abusive-neighbour", action="store_true",
+                        help="run the abusive-neighbour arm instead (two tenants on a keys file; see the module)")
+    parser.add_argument("--flood", type=int, default=100, help="abusive-neighbour: requests the flooding tenant sends")
+    parser.add_argument("--flood-tokens", type=int, default=128, help="abusive-neighbour: max_tokens of each")
+    parser.add_argument("--quiet", type=int, default=12, help="abusive-neighbour: the quiet tenant's requests a phase")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
@@ -195,6 +270,25 @@ def main() -> None:
                                         tokenize=True, return_dict=False)
     prompt = T.ModelInput.from_ints(list(ids))
     load_at_start = os.getloadavg()[0]
+    if args.abusive_neighbour:
+        with tempfile.TemporaryDirectory(prefix="serve_abuse_") as tmp:
+            keys = Path(tmp) / "keys.txt"
+            keys.write_text(f"{QUIET_KEY} quiet\n{FLOOD_KEY} flooding\n")
+            proc, url, log = start_server(args.config, [*args.override, f"serve.keys_file={keys}"], Path(tmp))
+            try:
+                result = abusive_neighbour(url, model, prompt, args)
+                text = log.read_text()
+            finally:
+                stop_server(proc)
+        result.update(model=model, prompt_tokens=len(ids), overrides=args.override,
+                      refusals_for_quota=len(re.findall("serve.limits.max_pending_samples", text)),
+                      mesh_recoveries=len(re.findall("recovering mesh", text)),
+                      load_average_1m_at_start=load_at_start, load_average_1m=os.getloadavg()[0])
+        print(f"quiet tenant: alone p50 {result['alone_p50_s']:.2f} s / p99 {result['alone_p99_s']:.2f} s; while "
+              f"flooded p50 {result['flooded_p50_s']:.2f} s / p99 {result['flooded_p99_s']:.2f} s "
+              f"({result['p50_ratio']:.1f}x / {result['p99_ratio']:.1f}x; goal 2x)", flush=True)
+        write_result("serve_abusive_neighbour", result, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="serve_load_") as tmp:
         proc, url, log = start_server(args.config, args.override, Path(tmp))
         try:

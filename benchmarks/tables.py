@@ -349,6 +349,24 @@ def serve_load(d: dict) -> str:
               f"(goal {d['goal_ratio_at_16_clients']:g}x).")
 
 
+@renders("serve_abusive_neighbour", "python benchmarks/serve_load.py --abusive-neighbour",
+         "`meshrl serve`: a quiet tenant beside one that floods the sampler", ("flood", "flood_tokens", "quiet"))
+def serve_abusive_neighbour(d: dict) -> str:
+    rows = [["alone", str(len(d["alone_latencies_s"])), num(d["alone_p50_s"], 2, " s"), num(d["alone_p99_s"], 2, " s"),
+             "—", "—"],
+            ["while the other floods", str(len(d["flooded_latencies_s"])), num(d["flooded_p50_s"], 2, " s"),
+             num(d["flooded_p99_s"], 2, " s"), num(d["p50_ratio"], 1, "x"), num(d["p99_ratio"], 1, "x")]]
+    return (f"`{d['model']}`; the quiet tenant sends one 8-token sample at a time from the base model; the other "
+            f"sends {d['flood']} requests of up to {d['flood_tokens']} tokens at once from its own saved "
+            f"weights (another weight version: every quiet request needs a version switch); the flood took "
+            f"{d['flood_s']:.0f} s ({d['flood_generated_tokens']} tokens; {d['flood_requests_given_up']} requests given up by "
+            f"the SDK after refusals for quota). Overrides: {', '.join(d['overrides']) or 'none'}. Meshes restarted: "
+            f"{d['mesh_recoveries']}. Load average {d['load_average_1m_at_start']:.1f} at start, "
+            f"{d['load_average_1m']:.1f} at the end (a shared machine: the figures are noisy).\n\n"
+            + table(["quiet tenant", "requests", "p50", "p99", "p50 vs alone", "p99 vs alone"], rows)
+            + f"\n\nGoal: within {d['goal_ratio']:g}x of the quiet baseline.")
+
+
 @renders("sandbox_throughput", "python benchmarks/sandbox_throughput.py", "Sandboxed executions, 16 at a time")
 def sandbox_throughput(d: dict) -> str:
     rows = [[layer["layer"], kind, num(layer[kind]["executions_per_s"], 1), num(layer[kind]["sequential_executions_per_s"], 1),

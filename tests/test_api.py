@@ -305,10 +305,19 @@ def test_inflight_sampling_clients_follow_the_newest_inflight_save(service):
     assert after[1:] == pytest.approx(newer.compute_logprobs(prompt).result(timeout=120)[1:], abs=1e-5)
 
 
-def test_a_generator_killed_mid_sample_is_replaced_and_the_call_completes(service):
+def test_a_generator_killed_mid_sample_is_replaced_and_the_call_fails_alone(service):
+    from meshrl.meshes.client import RequestLost
+
     sampler = service.create_sampling_client(base_model="tiny")
     params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)
     [pid] = service.backend.session.meshes.pids["generator"]
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(RequestLost, match="not issued again"):  # it may be what killed it
+        sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
+    assert service.backend.session.meshes.pids["generator"] != [pid]
+    assert [e["mesh"] for e in service.backend.session.supervisor.events] == ["generator"]
+    response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
+    assert len(response.sequences) == 8  # the replacement serves the next request
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
     assert len(response.sequences) == 8

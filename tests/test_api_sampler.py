@@ -134,3 +134,42 @@ def test_bad_requests_fail_at_once_and_closing_fails_what_was_never_sent(sampler
         sampler.submit(0, [9], 1, PARAMS).result(timeout=0)
     sampler.backend.release(7)
     assert running.result(timeout=10).sequences[0].tokens == [7]  # in flight: it finishes
+
+
+def test_one_owners_backlog_delays_another_by_at_most_its_share():
+    backend = Backend()
+    sampler = Sampler(backend, per_owner=2)
+    try:
+        flood = [sampler.submit(5, [tag], 1, PARAMS, owner="a") for tag in (1, 2, 3, 4, 6)]
+        wait_until(lambda: backend.started() == [1, 2])  # a's share; its other three wait
+        quiet = sampler.submit(0, [7], 1, PARAMS, owner="b")  # another version: a switch
+        time.sleep(0.1)
+        backend.release(1)
+        backend.release(2)  # a's running two finish: b's version is loaded before a's backlog runs
+        backend.release(7)
+        assert quiet.result(timeout=10).sequences[0].tokens == [7]
+        for tag in (3, 4, 6):
+            backend.release(tag)
+        assert [f.result(timeout=10).sequences[0].tokens for f in flood] == [[1], [2], [3], [4], [6]]
+        assert backend.events[:3] == [("hold", 5), ("start", 1, 5), ("start", 2, 5)]
+        assert sorted(backend.events[3:5]) == [("end", 1), ("end", 2)]  # released together: either order
+        assert backend.events[5:8] == [("hold", 0), ("start", 7, 0), ("end", 7)]
+        assert backend.events[8] == ("hold", 5)
+
+        same = [sampler.submit(5, [tag], 1, PARAMS, owner="a") for tag in (11, 12, 13)]
+        wait_until(lambda: backend.started()[-2:] == [11, 12])
+        beside = sampler.submit(5, [14], 1, PARAMS, owner="b")  # the same version: starts at once, beside a's
+        wait_until(lambda: backend.started()[-3:] == [11, 12, 14])
+        for tag in (11, 12, 13, 14):
+            backend.release(tag)
+        assert [f.result(timeout=10).sequences[0].tokens for f in (*same, beside)] == [[11], [12], [13], [14]]
+
+        unowned = [sampler.submit(5, [tag], 1, PARAMS) for tag in (15, 16, 17)]  # no owner: no share to keep
+        wait_until(lambda: backend.started()[-3:] == [15, 16, 17])
+        for tag in (15, 16, 17):
+            backend.release(tag)
+        assert all(f.result(timeout=10).sequences for f in unowned)
+    finally:
+        for tag in range(20):
+            backend.release(tag)
+        sampler.close()

@@ -83,7 +83,7 @@ def test_both_tenants_survive_a_sigkilled_learner(server):  # noqa: F811
         except psutil.NoSuchProcess:
             pass
         started = time.perf_counter()
-        # sent at once: the first reaches a dead learner, the server replaces it and issues it again
+        # sent at once: the first finds the learner dead, and the server replaces it before issuing it
         pending = {name: _after(tc, seeds[name]) for name, tc in clients.items()}
         for name, fb in pending.items():
             assert fb.result(timeout=300).metrics["loss:sum"] == pytest.approx(reference[name][1], abs=1e-5), name

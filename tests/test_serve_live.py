@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -268,6 +269,52 @@ def test_bad_requests_are_user_errors_and_the_server_keeps_serving(service, serv
     assert server.proc.poll() is None
 
 
+def test_a_hostile_tenant_restarts_nothing_and_the_other_keeps_working(service, server):
+    """The other tenant sends what took the server down before: a seed past int64 (a vLLM step
+    raised on it, and the generator was replaced until the restart budget ran out), a LoRA rank of a
+    million (the learner was OOM-killed, and killed again by the request issued once more), token
+    ids outside the vocabulary, a target-logprob shape of 20 M elements. Each is refused in one
+    line, as the caller's error; this tenant samples and trains between them; no mesh restarts."""
+    recoveries = server.log.read_text().count("recovering mesh")
+    mine = service.create_sampling_client(base_model=ALIAS)
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=13)
+    prompt = T.ModelInput.from_ints([5, 17, 42])
+    hostile = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+
+    def still_served():
+        assert len(mine.sample(prompt, 2, T.SamplingParams(max_tokens=4, seed=1)).result(timeout=300).sequences) == 2
+        assert tc.forward_backward(sl_data(5), "cross_entropy").result(timeout=300).metrics["loss:sum"] > 0
+
+    try:
+        theirs = hostile.create_sampling_client(base_model=ALIAS).result(timeout=300)
+        for params in (T.SamplingParams(max_tokens=4, seed=2**64), T.SamplingParams(max_tokens=4, stop=[2**40])):
+            with pytest.raises(tinker.BadRequestError, match="sampling_params"):
+                theirs.sample(prompt, 1, params).result(timeout=300)
+            still_served()
+        with pytest.raises(tinker.BadRequestError, match="serve.limits.max_lora_rank"):
+            hostile.create_lora_training_client(base_model=ALIAS, rank=1_000_000).result(timeout=300)
+        message = sdk_user_error(theirs.sample(T.ModelInput.from_ints([5, 10**7]), 1, T.SamplingParams(max_tokens=4)))
+        assert "prompt: token ids must lie in [0, " in message
+        # a few hundred bytes declaring [2, 20 M] target ids (the SDK itself would send all 40 M)
+        request = {"sampling_session_id": theirs._sampling_session_id, "seq_id": 99, "num_samples": 1,
+                   "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]},
+                   "sampling_params": {"max_tokens": 4},
+                   "target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [2, 20_000_000]}}
+        headers = {"X-API-Key": OTHER_KEY}
+        sent = httpx.post(f"{server.url}/api/v1/asample", json=request, headers=headers, timeout=60)
+        assert sent.status_code == 200, sent.text
+        while (outcome := httpx.post(f"{server.url}/api/v1/retrieve_future", headers=headers, timeout=60,
+                                     json={"request_id": sent.json()["request_id"]})).status_code == 408:
+            pass
+        assert outcome.json()["category"] == "user"
+        assert "serve.limits.max_tensor_elements" in outcome.json()["error"]
+        still_served()
+    finally:
+        hostile.close("success").result(timeout=120)
+    assert server.log.read_text().count("recovering mesh") == recoveries  # no restart
+    assert server.proc.poll() is None
+
+
 def test_keys_keep_tenants_apart_on_real_meshes(service, server):
     """Another tenant can neither load, sample nor delete this tenant's checkpoints; the owner's
     delete removes the files; an unknown key gets 401; the server's log holds no key."""
@@ -299,12 +346,15 @@ def test_keys_keep_tenants_apart_on_real_meshes(service, server):
     assert all(key not in text for key in (KEY, OTHER_KEY, "tml-unknown-77"))
 
 
-def test_a_generator_killed_mid_sample_is_recovered_and_the_sdk_call_completes(service, server):
+def test_a_generator_killed_mid_sample_is_recovered_and_only_that_call_fails(service, server):
     sampler = service.create_sampling_client(base_model=ALIAS)
     [pid] = server.pids["generator"]
+    prompt, params = T.ModelInput.from_ints([5, 6, 7]), T.SamplingParams(max_tokens=240, seed=3)
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-    resp = sampler.sample(T.ModelInput.from_ints([5, 6, 7]), 8, T.SamplingParams(max_tokens=240, seed=3)).result(300)
-    assert len(resp.sequences) == 8
+    with pytest.raises(tinker.RequestFailedError, match="not issued again") as err:  # it may be what killed it
+        sampler.sample(prompt, 8, params).result(300)
+    assert err.value.category == T.RequestErrorCategory.Server
+    assert len(sampler.sample(prompt, 8, params).result(300).sequences) == 8  # the replacement serves
     assert "recovering mesh 'generator'" in server.log.read_text()
 
 

@@ -34,7 +34,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 from meshrl.api.errors import UserError
 from tests.conftest import sdk_user_error
 from meshrl.config.base import ConfigError
-from meshrl.config.serve import ServeConfig
+from meshrl.config.serve import ServeConfig, ServeLimits
 from meshrl.serve import wire
 from meshrl.serve.app import TinkerServer, build_app
 from meshrl.serve.catalogue import ModelCatalogue
@@ -368,17 +368,17 @@ def test_wire_reads_sparse_csr_and_rejects_a_short_tensor():
     request = T.ForwardBackwardRequest(forward_backward_input=T.ForwardBackwardInput(
         data=[datum], loss_fn="cross_entropy", loss_fn_config={"kl": 0.5, "mode": "x"}), model_id="m", seq_id=1)
     msg = forward_backward_request_to_proto(request)
-    [decoded] = wire.datums(msg)
+    [decoded] = wire.datums(msg, ServeLimits())
     assert torch.equal(decoded.loss_fn_inputs["weights"], weights)
     assert decoded.loss_fn_inputs["target_tokens"].dtype == torch.int64
     assert wire.loss_fn_config(msg) == {"kl": 0.5, "mode": "x"}
     msg.data[0].loss_fn_inputs["target_tokens"].shape[:] = [4]
     with pytest.raises(UserError, match=r"data\[0\]\.loss_fn_inputs\['target_tokens'\]: 3 values do not fill "
                                         r"shape \[4\]"):
-        wire.datums(msg)
+        wire.datums(msg, ServeLimits())
     with pytest.raises(UserError, match="not a ForwardBackwardRequest"):
-        wire.forward_backward_request(b"\xff\xff\xff", None)
-    assert wire.forward_backward_request(msg.SerializeToString(), None).model_id == "m"
+        wire.forward_backward_request(b"\xff\xff\xff", None, 1 << 20)
+    assert wire.forward_backward_request(msg.SerializeToString(), None, 1 << 20).model_id == "m"
 
 
 def _free_port() -> int:

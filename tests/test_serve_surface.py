@@ -25,7 +25,7 @@ from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 from tinker.lib.public_interfaces.admin_client import AdminClient
 
 from meshrl.api.errors import UserError
-from meshrl.config.serve import ServeConfig
+from meshrl.config.serve import ServeConfig, ServeLimits
 from meshrl.serve.app import TinkerServer, build_app
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.custom_losses import CustomLosses
@@ -242,16 +242,16 @@ def test_uploaded_custom_losses_outside_the_allow_list_are_refused(srv):
 
 
 def test_a_custom_loss_serves_only_its_own_session():
-    losses = CustomLosses()
+    losses = CustomLosses(ServeLimits())
     handle = trace_loss(weighted_nll, {"logprobs": 1, "weights": 1}, "alice")
     loss_id = losses.create(T.CreateCustomLossRequest(session_id="alice", custom_loss_seq_id=0, name=handle.name,
                                                       inputs=list(handle.inputs), graph=encode_graph(handle)))
-    assert losses.config("alice", {"loss_id": loss_id})["name"] == "weighted_nll"
+    assert losses.config("alice", {"loss_id": loss_id}, [])["name"] == "weighted_nll"
     with pytest.raises(UserError, match=f"custom loss '{loss_id}' belongs to another session"):
-        losses.config("bob", {"loss_id": loss_id})
+        losses.config("bob", {"loss_id": loss_id}, [])
     losses.close_session("alice")
     with pytest.raises(UserError, match="unknown custom loss"):
-        losses.config("alice", {"loss_id": loss_id})
+        losses.config("alice", {"loss_id": loss_id}, [])
 
 
 def test_callable_custom_losses_run_client_side(srv):

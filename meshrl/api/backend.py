@@ -9,8 +9,9 @@ learner whose process dies replaced with every tenant brought back to where its 
 call left it. Every `save_weights_for_sampler` publishes the adapter's merged weights as a new
 version of the weight store (version 0 = the base model); the sampler brings every generator
 replica to a request's version (`hold`: `load_version`, no transfer when already held) between
-requests, and a generator that fails is replaced and brought back to that version by the supervisor
-before the requests it failed are issued again."""
+requests, and a generator that fails is replaced and brought back to that version by the supervisor;
+the requests that were running on it fail with the cause and are not issued again (one of them may
+be what broke it), while a request the generator refuses alone fails as the caller's error."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from meshrl.config.base import ConfigError
 from meshrl.config.run import RunConfig
 from meshrl.config.meshes import GENERATOR, LEARNER
 from meshrl.engines import PromptScoring, SampleRequest, Sampled
+from meshrl.meshes.client import RequestFailed
 from meshrl.meshes.ranks import actor_at
 
 log = logging.getLogger("meshrl")
@@ -106,8 +108,13 @@ class MeshBackend:
 
     def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
         """One prompt sampled (and scored) on a generator replica, under the version they hold:
-        it runs in the engine beside the other requests in flight (continuous batching)."""
-        return self.client.sample(prompt, request, scoring)
+        it runs in the engine beside the other requests in flight (continuous batching). An
+        exception the generator raises for this request alone is a UserError; one whose generator
+        died under it fails too (`RequestLost`), after the generator is replaced."""
+        try:
+            return self.client.sample(prompt, request, scoring)
+        except RequestFailed as e:  # this request's own fault: the generator serves on
+            raise UserError(f"the generator refused this request: {e}") from None
 
     def _load_on_generators(self, version: int) -> None:
         """Every generator replica holds ``version`` (replaced first if one has failed)."""

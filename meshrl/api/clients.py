@@ -32,7 +32,10 @@ log = logging.getLogger("meshrl")
 SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
 """Tinker's `SamplingClientKind`: fixed weights, or a training client's newest inflight save."""
 
-PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9_.-]+)$")
+CHECKPOINT_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+"""What a checkpoint may be named: letters, digits, ``_ . -``, not starting with a dot (no ``.``
+or ``..``), at most 128 characters."""
+PATH = re.compile(rf"^tinker://(?P<run>[^/.][^/]*)/(?P<kind>weights|sampler_weights)/(?P<name>{CHECKPOINT_NAME})$")
 
 
 class ServiceClient:
@@ -45,7 +48,7 @@ class ServiceClient:
         self.backend = MeshBackend(self.cfg, hosts)
         self.served = self.cfg.model.name_or_path
         self.root = checkpoint_root(self.cfg)
-        self.sampler = Sampler(self.backend)
+        self.sampler = Sampler(self.backend, self.cfg.serve.limits.max_running_samples)
         self._ids = itertools.count()
         self._session = f"local{id(self):x}"
         self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version
@@ -118,7 +121,8 @@ class ServiceClient:
         """The directory behind a ``tinker://run/kind/name`` path; UserError when it is malformed."""
         match = PATH.match(path)
         if not match:
-            raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name>")
+            raise UserError(f"path {path!r}: expected tinker://<run>/weights/<name> or .../sampler_weights/<name> "
+                            "(a name of letters, digits and _ . -, not starting with a dot, at most 128 characters)")
         return self.root / _safe(match["run"]) / match["kind"] / match["name"]
 
     def delete_checkpoint(self, path: str) -> None:
@@ -301,18 +305,19 @@ class SamplingClient:
 
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> Future:
+               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0, owner: str | None = None) -> Future:
         """``num_samples`` continuations of ``prompt``: tokens, their logprobs, stop reasons, and
         what was asked besides (Tinker's options: the prompt's logprobs, the top-k tokens at each
         prompt or sampled position, the logprobs of chosen ids at each prompt position
         (``target_prompt_logprobs``: [len(prompt) - 1, K] ids, -1 for none), alternative draws);
-        a future of a `SampleResponse`."""
+        a future of a `SampleResponse`. ``owner``: who asks (a tenant), for the sampler's turns."""
         targets = None
         if target_prompt_logprobs is not None:
             targets = tuple(tuple(int(t) for t in row) for row in torch.as_tensor(target_prompt_logprobs).tolist())
         options = PromptOptions(bool(include_prompt_logprobs), topk_prompt_logprobs, topk_sample_logprobs, targets,
                                 prompt_alt_tokens_k)
-        return self.service.sampler.submit(self.version, prompt.to_ints(), num_samples, sampling_params, options)
+        return self.service.sampler.submit(self.version, prompt.to_ints(), num_samples, sampling_params, options,
+                                           owner)
 
     def compute_logprobs(self, prompt: ModelInput) -> Future:
         """The logprob of each prompt token given those before it (None for the first)."""

@@ -10,6 +10,13 @@ request's version and every waiting request of that version starts, in arrival o
 thus never change under a running request, and no version waits forever behind a stream of
 requests for another.
 
+Owners (the tenants of `meshrl serve` with a keys file; a request without one shares nothing)
+share the generators: at most ``per_owner`` requests of one owner run at once (the rest wait their turn, in arrival order, behind nobody else's), and when the
+generators switch versions the owners take turns choosing the version: the next load serves the
+first waiting request of another owner than the last one's. So one owner's backlog, on its own
+weight version or on everyone's, delays another's request by at most ``per_owner`` of its running
+requests, never by all of it.
+
 Seeds: a request's `seed` seeds its own samples only (sample j of n draws with seed + j), so the
 same request with the same seed gives the same tokens whether it runs alone or among others (up to
 the engine's batch-size-dependent float rounding, which can flip a near-tie).
@@ -18,8 +25,9 @@ the engine's batch-size-dependent float rounding, which can flip a near-tie).
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +43,8 @@ MAX_IN_FLIGHT = 256
 """Most requests sent to the generators at once (each waits on a thread of its own)."""
 CLOSED = "the sampler is closed"
 """What a request fails with once :meth:`Sampler.close` was called, unless it was already in flight."""
+SEED_LIMIT = 2**63
+"""Seeds are int64 in the engines: sample j of a request draws with ``seed + j``, below this."""
 MAX_TOPK = 64
 """Most top-k entries asked per position (`topk_prompt_logprobs`, `topk_sample_logprobs`) and
 most draws (`prompt_alt_tokens_k`)."""
@@ -61,6 +71,7 @@ class _Request:
     num_samples: int
     params: SamplingParams
     options: PromptOptions
+    owner: str | None = None
     future: Future = field(default_factory=Future)
 
     def max_tokens(self, context: int) -> int:
@@ -71,21 +82,26 @@ class _Request:
 class Sampler:
     """Admits sampling requests to the generators version by version (see the module)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT):
         self.backend = backend
+        self.per_owner = per_owner
+        """Most requests of one owner running at once (`serve.limits.max_running_samples`)."""
         self._lock = threading.Lock()
         self._held: int | None = None  # the version the generators hold
         self._in_flight = 0
+        self._running: Counter[str | None] = Counter()  # per owner
         self._switching = False
         self._waiting: deque[_Request] = deque()
+        self._last_owner: str | None = None  # whose request chose the last version loaded
         self._closed = False
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT + 1, thread_name_prefix="api-sampler")
 
     def submit(self, version: int, prompt: list[int], num_samples: int, params: SamplingParams,
-               options: PromptOptions = PromptOptions()) -> Future:
+               options: PromptOptions = PromptOptions(), owner: str | None = None) -> Future:
         """Sample ``num_samples`` continuations of ``prompt`` under weight ``version``; a future of
-        a `SampleResponse`. A bad request fails its future with a `UserError`."""
-        request = _Request(version, prompt, num_samples, params, options)
+        a `SampleResponse`. A bad request fails its future with a `UserError`. ``owner`` (a
+        tenant) shares the generators with the other owners (see the module)."""
+        request = _Request(version, prompt, num_samples, params, options, owner)
         try:
             _check(request, self.backend)
         except UserError as e:
@@ -94,23 +110,51 @@ class Sampler:
         with self._lock:
             if self._closed:
                 request.future.set_exception(RuntimeError(CLOSED))
-            elif self._held == version and not self._waiting and not self._switching:
+            elif self._may_start(request) and not self._switch_pending():
                 self._start(request)
             else:
                 self._waiting.append(request)
                 self._switch_when_drained()
         return request.future
 
+    def _may_start(self, request: _Request) -> bool:
+        """Whether ``request`` may run now: of the version held, its owner (if any) under its share
+        (the lock is held)."""
+        return (request.version == self._held and not self._switching
+                and (request.owner is None or self._running[request.owner] < self.per_owner))
+
+    def _switch_pending(self) -> bool:
+        """Whether a waiting request needs another version (then nothing new starts; the lock is held)."""
+        return any(r.version != self._held for r in self._waiting)
+
     def _start(self, request: _Request) -> None:
         """Send ``request`` to the generators (the lock is held)."""
         self._in_flight += 1
+        self._running[request.owner] += 1
         self._pool.submit(self._run, request)
 
+    def _start_waiting(self) -> None:
+        """Start the waiting requests of the held version whose owners are under their share, in
+        arrival order (the lock is held)."""
+        started = []
+        for request in self._waiting:
+            if self._may_start(request):
+                self._start(request)
+                started.append(request)
+        if started:
+            self._waiting = deque(r for r in self._waiting if r not in started)
+
     def _switch_when_drained(self) -> None:
-        """Load the first waiting request's version once nothing is in flight (the lock is held)."""
-        if self._waiting and not self._in_flight and not self._switching and not self._closed:
-            self._switching = True
-            self._pool.submit(self._switch, self._waiting[0].version)
+        """Once nothing is in flight, load the version a waiting request needs: the first such
+        request of an owner other than the one whose request chose the last load, if any, so
+        owners take turns (the lock is held)."""
+        if not self._switch_pending() or self._in_flight or self._switching or self._closed:
+            return
+        needing = [r for r in self._waiting if r.version != self._held]
+        chosen = next((r for r in needing if r.owner != self._last_owner), needing[0])
+        self._last_owner = chosen.owner
+        self._switching = True
+        self._pool.submit(self._switch, chosen.version)
 
     def _switch(self, version: int) -> None:
         try:
@@ -118,20 +162,20 @@ class Sampler:
             failure = None
         except BaseException as e:  # noqa: BLE001 - the requests for that version get it
             failure = e
+        mine: list[_Request] = []
         with self._lock:
             self._switching = False
             self._held = None if failure is not None else version
-            mine = [r for r in self._waiting if r.version == version]
-            self._waiting = deque(r for r in self._waiting if r.version != version)
-            if failure is None and not self._closed:
-                for request in mine:
-                    self._start(request)
-            elif failure is None:
+            if failure is None and self._closed:
                 failure = RuntimeError(CLOSED)
+            if failure is not None:
+                mine = [r for r in self._waiting if r.version == version]
+                self._waiting = deque(r for r in self._waiting if r.version != version)
+            else:
+                self._start_waiting()
             self._switch_when_drained()
-        if failure is not None:
-            for request in mine:
-                request.future.set_exception(failure)
+        for request in mine:
+            request.future.set_exception(failure)
 
     def _run(self, request: _Request) -> None:
         try:
@@ -143,6 +187,9 @@ class Sampler:
         finally:
             with self._lock:
                 self._in_flight -= 1
+                self._running[request.owner] -= 1
+                if not self._switch_pending():
+                    self._start_waiting()
                 self._switch_when_drained()
 
     def _sample(self, request: _Request) -> SampleResponse:
@@ -199,13 +246,19 @@ def _check(request: _Request, backend) -> None:
     p, o = request.params, request.options
     if not request.prompt:
         raise UserError("prompt: empty")
+    vocab = len(backend.tokenizer)
+    if any(not 0 <= t < vocab for t in request.prompt):
+        raise UserError(f"prompt: token ids must lie in [0, {vocab})")
     if request.num_samples < 1:
         raise UserError(f"num_samples = {request.num_samples}: at least 1")
+    if p.seed is not None and not 0 <= p.seed <= SEED_LIMIT - request.num_samples:
+        raise UserError(f"sampling_params.seed = {p.seed}: between 0 and 2**63 - num_samples (sample j draws with "
+                        "seed + j; the engines' seeds are int64)")
     limit = backend.cfg.model.max_model_len
     if request.max_tokens(limit) < 1:
         raise UserError(f"sampling_params.max_tokens = {p.max_tokens}: at least 1 (and a prompt shorter than the "
                         f"context of {limit})")
-    if p.temperature < 0 or not 0 < p.top_p <= 1:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0) or not 0 < p.top_p <= 1:
         raise UserError(f"sampling_params: temperature {p.temperature} / top_p {p.top_p} out of range")
     if p.top_k not in (-1, 0):
         raise UserError(f"sampling_params.top_k = {p.top_k}: top-k sampling is not supported (use -1)")
@@ -216,7 +269,6 @@ def _check(request: _Request, backend) -> None:
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if not 0 <= getattr(o, name) <= MAX_TOPK:
             raise UserError(f"{name} = {getattr(o, name)}: between 0 and {MAX_TOPK}")
-    vocab = len(backend.tokenizer)
     rows = len(request.prompt) - 1
     if o.target_prompt_logprobs is not None:
         shape = (len(o.target_prompt_logprobs), {len(row) for row in o.target_prompt_logprobs})

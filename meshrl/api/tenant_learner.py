@@ -9,10 +9,11 @@ supervisor (`Supervisor.recover`: a new process, within `faults.max_restarts` pe
 `faults.restart_window_s`), whose re-sync hook (`restore`) publishes the kept weight versions
 again and brings every tenant back to where its last completed call left it: its newest snapshot,
 then the calls logged since, replayed. The generators switch weight versions only once the
-versions are back. The call in flight is then issued again, once: its first attempt's effects
-died with the process. If the learner dies during it a second time, the tenants are restored once
-more and the call fails (`LearnerFailed`). An endpoint that raises is the caller's error and
-replaces nothing.
+versions are back. The call in flight is not issued again: it may be what killed the learner (a
+LoRA rank that does not fit in memory killed every learner it reached), so it fails with the
+cause (`LearnerFailed`) and changed nothing; its caller may send it again. A learner found dead
+before a call is issued is replaced first, and the call then runs on the replacement. An endpoint
+that raises is the caller's error and replaces nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ log = logging.getLogger("meshrl")
 
 
 class LearnerFailed(RuntimeError):
-    """The learner died twice while running one call, which is not issued a third time."""
+    """The learner died while running a call, which is not issued again."""
 
 
 class TenantLearner:
@@ -70,8 +71,8 @@ class TenantLearner:
         saved from them (what a replacement learner publishes again). Returns the version."""
         with self._lock:
             version = self._next_version
-            self._next_version += 1
             self._tenant_call(adapter, "publish", (version,))
+            self._next_version += 1  # a publish that failed takes no version
             self.journal.published(version, source)
         return version
 
@@ -89,7 +90,7 @@ class TenantLearner:
                 self.journal.reset(args[0])
             return result
 
-        result = self._once_more_after_a_crash(f"learner.{endpoint}", attempt)
+        result = self._on_a_live_learner(f"learner.{endpoint}", attempt)
         if endpoint == "remove_adapter":
             self.journal.removed(args[0])
         mark = self.journal.completed(adapter, endpoint, args)
@@ -101,17 +102,21 @@ class TenantLearner:
                 self._replace(f"learner.snapshot_adapter: {first_line(e)}")
         return result
 
-    def _once_more_after_a_crash(self, what: str, attempt: Callable[[], Any]):
-        for tries in (1, 2):
-            try:
-                return attempt()
-            except process_errors() as e:
-                cause = f"{what}: {first_line(e)}"
-                self._replace(cause)
-                if tries == 2:
-                    raise LearnerFailed(f"{cause}: the learner died twice during this call, which is not issued "
-                                        "again (every training client is back where its last completed call "
-                                        "left it)") from None
+    def _on_a_live_learner(self, what: str, attempt: Callable[[], Any]):
+        """``attempt()`` on a learner found alive (one found dead is replaced first); if the
+        learner dies during it, it is replaced and the call fails (`LearnerFailed`), not issued
+        again."""
+        dead = self.client.meshes.dead_process(LEARNER)
+        if dead:
+            self._replace(f"{what}: {dead} (before the call was issued)")
+        try:
+            return attempt()
+        except process_errors() as e:
+            cause = f"{what}: {first_line(e)}"
+            self._replace(cause)
+            raise LearnerFailed(f"{cause}: the learner died during this call, which is not issued again (it may be "
+                                "what killed it; every training client is back where its last completed call left "
+                                "it)") from None
 
     def _replace(self, cause: str) -> None:
         """A new learner with every tenant restored, within the supervisor's restart budget

@@ -18,6 +18,80 @@ COOKBOOK_MODEL_NAMES = (
 )
 
 
+class ServeLimits(Section):
+    """What one request (and one tenant) may ask of the server. Every request is checked against
+    these before any work is done for it; one over a limit fails with a `user` error (HTTP 4xx)
+    naming the field and the limit. The defaults fit the cookbook recipes on the models served."""
+
+    max_body_bytes: int = Field(64 << 20, ge=1024)
+    """Largest request body as sent (compressed or not); a larger one is refused with 413 while it
+    is read, before any of it is parsed."""
+
+    max_decompressed_bytes: int = Field(256 << 20, ge=1024)
+    """Largest zstd-compressed `forward_backward` body once inflated; checked while inflating, so a
+    small body that would inflate past it is refused without being inflated whole."""
+
+    max_lora_rank: int = Field(128, ge=1)
+    """Largest LoRA rank `create_model` accepts."""
+
+    max_tokens_per_datum: int = Field(32768, ge=1)
+    """Most tokens in one training datum's `model_input`."""
+
+    max_tokens_per_request: int = Field(262144, ge=1)
+    """Most tokens over all datums of one `forward_backward` request."""
+
+    max_datums_per_request: int = Field(4096, ge=1)
+    """Most datums in one `forward_backward` request."""
+
+    max_tensor_elements: int = Field(1 << 24, ge=1)
+    """Most elements a declared tensor shape may have (a `loss_fn_inputs` tensor, dense or sparse,
+    and `target_prompt_logprobs`); checked against the data sent before anything is allocated."""
+
+    max_num_samples: int = Field(128, ge=1)
+    """Most samples one `asample` request may ask for (`num_samples`)."""
+
+    max_sample_tokens: int = Field(32768, ge=1)
+    """Largest `sampling_params.max_tokens` of one sample request."""
+
+    max_prompt_tokens: int = Field(32768, ge=1)
+    """Most tokens in one sample request's prompt."""
+
+    max_stop_sequences: int = Field(16, ge=0)
+    """Most stop sequences (strings or token ids) in one sample request; a stop string may be at most
+    256 characters."""
+
+    max_metadata_bytes: int = Field(16384, ge=0)
+    """Largest `user_metadata` (as JSON) of a session, a training model or a checkpoint."""
+
+    max_sessions_per_tenant: int = Field(64, ge=1)
+    """Most open (unfinished) sessions one tenant may hold."""
+
+    max_models_per_tenant: int = Field(16, ge=1)
+    """Most training models one tenant's open sessions may hold."""
+
+    max_custom_loss_nodes: int = Field(2000, ge=1)
+    """Most nodes in an uploaded custom-loss graph."""
+
+    max_custom_loss_elements: int = Field(1 << 24, ge=1)
+    """Most elements any one tensor a custom loss computes may have, for the shapes of the datums
+    it is applied to: estimated from those shapes (without computing anything) before the loss
+    runs."""
+
+    max_pending_samples: int = Field(32, ge=1)
+    """Most `asample` requests of one tenant in flight at once; the tenant's next one is refused
+    (429) until one finishes, so no tenant's backlog can fill the generators' queue. The quotas and
+    the share of the generators apply with `serve.keys_file` (an open server has one tenant)."""
+
+    max_running_samples: int = Field(8, ge=1)
+    """Most sample requests of one tenant running in the generators at once; its others wait in
+    the sampler's queue and start as its running ones finish, behind no other tenant's. Another
+    tenant's request, on the same weight version or another, waits for at most this many of them."""
+
+    max_pending_training: int = Field(64, ge=1)
+    """Most training requests (`forward_backward`, `optim_step`, saves and loads) of one tenant
+    queued or running at once; the next one is refused (429) until one finishes."""
+
+
 class ServeConfig(Section):
     """The Tinker-protocol server: where it listens, which backend it drives, which model names it
     answers to, and how long each wait may last."""
@@ -72,3 +146,6 @@ class ServeConfig(Section):
 
     result_ttl_s: float = Field(900.0, gt=0)
     """How long a finished result stays retrievable; later polls for it get 404."""
+
+    limits: ServeLimits = ServeLimits()
+    """What one request and one tenant may ask for (`serve.limits.*`)."""

@@ -145,12 +145,9 @@ class GraphLoss:
         return tuple(name for name, _ in self.inputs[1:])
 
     def __call__(self, logprobs: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if len(inputs) != len(self.inputs) - 1:
-            raise GraphError(f"custom loss {self.name!r} takes {len(self.inputs)} tensors, got {len(inputs) + 1}")
         env: dict[str, Any] = {}
-        values = iter((logprobs, *inputs))
-        for step in self.steps:
-            env[step.node] = next(values) if step.op == "placeholder" else _run(self.name, step, env)
+        for _ in self._evaluate(env, logprobs, *inputs):
+            pass
         loss_ref, metric_refs = self.output
         loss = env[loss_ref.name]
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
@@ -164,6 +161,39 @@ class GraphLoss:
                                  f"{_describe(value)}")
             metrics[key] = value.reshape(())
         return loss, metrics
+
+    def largest_tensor(self, logprobs: torch.Tensor, *inputs: torch.Tensor) -> int:
+        """The most elements of any tensor the graph computes on tensors of these shapes and
+        dtypes, found on the meta device: nothing is computed or allocated. GraphError for a node
+        whose size depends on the values (its size cannot be known before it runs)."""
+        meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (logprobs, *inputs)]
+        largest = 0
+        try:
+            for value in self._evaluate({}, *meta):
+                for tensor in _tensors(value):
+                    largest = max(largest, tensor.numel())
+        except GraphError as e:
+            raise GraphError(f"{e} (sizing the loss from its inputs' shapes: its tensors' sizes must follow from "
+                             "those shapes)") from None
+        return largest
+
+    def _evaluate(self, env: dict[str, Any], logprobs: torch.Tensor, *inputs: torch.Tensor):
+        """Run the steps on these tensors into ``env``, yielding each step's value."""
+        if len(inputs) != len(self.inputs) - 1:
+            raise GraphError(f"custom loss {self.name!r} takes {len(self.inputs)} tensors, got {len(inputs) + 1}")
+        values = iter((logprobs, *inputs))
+        for step in self.steps:
+            env[step.node] = next(values) if step.op == "placeholder" else _run(self.name, step, env)
+            yield env[step.node]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a step's value (a tensor, or a tuple of them such as `torch.sort`'s)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def compile_graph(name: str, inputs: list, nodes: list) -> GraphLoss:

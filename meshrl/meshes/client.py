@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from meshrl.config.meshes import GENERATOR, LEARNER, REWARDER
 from meshrl.meshes.dispatch import Dispatcher
-from meshrl.meshes.supervisor import ProcessDied, Supervisor, wait_all
+from meshrl.meshes.group import first_line
+from meshrl.meshes.supervisor import Supervisor, process_errors, wait_all
 from meshrl.engines import Completion, PromptScoring, SampleRequest, Sampled
 from meshrl.engines.vllm_loop import EngineFailed
 from meshrl.losses import get_loss
@@ -29,6 +30,15 @@ from meshrl.types import AdamParams, Datum
 
 class StepError(RuntimeError):
     """A step cannot proceed; the message names the mesh and the call."""
+
+
+class RequestFailed(RuntimeError):
+    """A generator refused or failed one sampling request and serves on: the request's own fault."""
+
+
+class RequestLost(RuntimeError):
+    """The generator serving a sampling request died, hung or broke while it ran; it was replaced,
+    and the request is not issued again."""
 
 
 def split_by_tokens(datums: list[Datum], parts: int, per_item: int = 1) -> list[list[int]]:
@@ -179,25 +189,39 @@ class MeshClient:
     def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
         """One prompt's samples from the generator replica with the fewest requests in flight,
         answered when that request is done: it runs in the engine beside the others in flight
-        (continuous batching with vLLM). Safe to call from many threads at once; a replica that
-        dies or whose engine fails meanwhile is replaced (once for all the calls it failed) and
-        the request issued again."""
-        def attempt() -> Sampled:
-            with self._lock:
-                busy = self._sampling
-                rank = min(range(self.procs(GENERATOR)), key=lambda r: (busy[r], r))
-                busy[rank] += 1
-            try:
-                [sampled] = self.unsupervised(GENERATOR, lambda actors: [
-                    actor_at(actors, rank).sample.call_one(prompt, request, scoring)], "generator.sample")
-                return sampled
-            except EngineFailed as e:  # the engine is unusable: replace its process
-                raise ProcessDied(f"generator.sample: {e}") from None
-            finally:
-                with self._lock:
-                    busy[rank] -= 1
+        (continuous batching with vLLM). Safe to call from many threads at once.
 
-        return self._attempts(GENERATOR, "generate", "generator.sample", attempt)
+        A generator found dead before the request is sent is replaced first. An exception the
+        generator raises for this request alone fails it with `RequestFailed` and leaves the
+        generator serving. A generator that dies, hangs past the deadline or whose engine fails
+        while the request runs is replaced (once for all the calls it failed), and the request
+        fails with `RequestLost` naming the cause: it is not issued again, since it may be what
+        broke the generator."""
+        sup = self.sup
+        seen = sup.replacements(GENERATOR)
+        dead = self.meshes.dead_process(GENERATOR)
+        if dead:
+            sup.recover_unless_replaced(GENERATOR, seen, f"generator.sample: {dead}")
+            seen = sup.replacements(GENERATOR)
+        if self.faults is not None:
+            self.faults.before_call(self.step, GENERATOR, "generate")
+        with self._lock:
+            busy = self._sampling
+            rank = min(range(self.procs(GENERATOR)), key=lambda r: (busy[r], r))
+            busy[rank] += 1
+        try:
+            [sampled] = self.unsupervised(GENERATOR, lambda actors: [
+                actor_at(actors, rank).sample.call_one(prompt, request, scoring)], "generator.sample")
+            return sampled
+        except (EngineFailed, *process_errors()) as e:  # the generator is unusable: replace it
+            cause = f"generator.sample: {first_line(e)}"
+            sup.recover_unless_replaced(GENERATOR, seen, cause)
+            raise RequestLost(f"{cause} (the generator was replaced; this request is not issued again)") from None
+        except Exception as e:  # noqa: BLE001 - raised for this request alone; the generator serves on
+            raise RequestFailed(f"{type(e).__name__}: {first_line(e)}") from None
+        finally:
+            with self._lock:
+                busy[rank] -= 1
 
     def score(self, items: list[tuple[Any, str]]) -> list[tuple[float, dict]]:
         """(reward, info) per (problem, response text), from the rewarder replicas."""

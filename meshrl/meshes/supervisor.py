@@ -115,16 +115,25 @@ class Supervisor:
         replaced while it ran is issued again on the replacement."""
         errors = recoverable_errors()
         while True:
-            replaced = self._replaced.get(mesh, 0)
+            replaced = self.replacements(mesh)
             try:
                 return fn()
             except errors as e:
                 cause = f"{what}: {first_line(e)}"
                 if LEARNER in self.meshes.cohabitants(mesh):
                     raise LearnerLost(mesh, cause) from e
-                with self._recovering:
-                    if self._replaced.get(mesh, 0) == replaced:
-                        self.recover(mesh, cause)
+                self.recover_unless_replaced(mesh, replaced, cause)
+
+    def replacements(self, mesh: str) -> int:
+        """How many times ``mesh`` has been replaced so far."""
+        return self._replaced.get(mesh, 0)
+
+    def recover_unless_replaced(self, mesh: str, seen: int, cause: str) -> None:
+        """Replace ``mesh`` unless it was replaced since a caller saw ``seen`` replacements (calls
+        that fail together on one mesh replace it once)."""
+        with self._recovering:
+            if self.replacements(mesh) == seen:
+                self.recover(mesh, cause)
 
     def charge(self, mesh: str, cause: str) -> None:
         """Count a restart of ``mesh``; raise if its budget for the window is spent."""

@@ -18,10 +18,16 @@ reaches only its own tenant's sessions, models, samplers, checkpoints and reques
 route is registered through `route`, which checks each id the request names before its handler
 runs. Without a keys file the server says at start that it runs open.
 
+Limits (`limits`, `serve.limits`): every body is read up to its size limit (and inflated up to
+its own), and every request is checked against the limits before any work is done for it; a
+tenant's sampling and training work in flight is held to its quotas.
+
 Errors: a request the SDK polls for fails through its future as ``{"error", "category"}``
-(`user` for a bad request, `server` otherwise); a direct call answers 400 (user) or 500 (server)
-with the same body; a body that does not parse answers 400 naming the field. None of these stop
-the server.
+(`user` for a bad request, `server` otherwise); a direct call answers 400 (user; 413 for a body
+too large, 429 over a quota) or 500 (server) with the same body; a body that does not parse (not
+JSON, not UTF-8, nested too deep) answers 400 naming the field. Messages are one line without
+tracebacks or absolute paths; a server error names an id under which the log keeps the details.
+None of these stop the server.
 """
 
 from __future__ import annotations
@@ -45,10 +51,10 @@ from tinker import types as sdk
 
 from meshrl.api.errors import UserError
 from meshrl.config.serve import ServeConfig
-from meshrl.serve import listing, wire
+from meshrl.serve import limits, listing, wire
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.custom_losses import CustomLosses
-from meshrl.serve.futures import FutureStore, JsonResult, ProtoResult, failure, then
+from meshrl.serve.futures import FutureStore, JsonResult, ProtoResult, failure, one_line, then
 from meshrl.serve.sampling import Sampler, Samplers
 from meshrl.serve.tenants import (CHECKPOINT_PREFIX, OPEN_TENANT, REQUEST_ID_FIELD, AccessDenied, Forbidden, Keys,
                                   load_keys, resources, session_of)
@@ -120,19 +126,29 @@ def _error(message: str, category: str, status: int) -> JSONResponse:
     return JSONResponse({"error": message, "category": category}, status_code=status)
 
 
-async def _body(request: Request, model: type[M]) -> M:
+async def _raw_body(request: Request, cfg: ServeConfig) -> bytes:
+    """The request's body, read up to ``serve.limits.max_body_bytes`` (413 past it)."""
+    return await limits.read_body(request.stream(), request.headers.get("content-length"),
+                                  cfg.limits.max_body_bytes)
+
+
+async def _body(request: Request, model: type[M], cfg: ServeConfig) -> M:
     """The JSON body validated as one of the SDK's request models; UserError naming the first bad
-    field otherwise."""
+    field otherwise (also for a body that is not UTF-8 or nests too deep to parse)."""
+    raw = await _raw_body(request, cfg)
     try:
-        data = json.loads(await request.body() or b"{}")
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{request.url.path}: body is not JSON ({exc})") from None
+        data = json.loads(raw or b"{}")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
+        reason = "nested too deep" if isinstance(exc, RecursionError) else str(exc).splitlines()[0][:200]
+        raise UserError(f"{request.url.path}: body is not JSON ({reason})") from None
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise UserError(f"{request.url.path}: {where}: {first['msg']}") from None
+    except RecursionError:
+        raise UserError(f"{request.url.path}: body nests too deep") from None
 
 
 def _future(request_id: str, **extra: Any) -> dict:
@@ -153,9 +169,14 @@ class TinkerServer:
         self.pool = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="serve-pool")
         self.training = TrainingModels(service, catalogue, self.futures, cfg.seq_gap_timeout_s,
                                        cfg.tokenizer or service.tokenizer_id())
-        self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s)
+        self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s,
+                                 cfg.limits.max_tensor_elements)
         self.sessions: dict[str, _Session] = {}
-        self.custom_losses = CustomLosses()
+        self.custom_losses = CustomLosses(cfg.limits)
+        self.limits = cfg.limits
+        self.training_quota = limits.Quota("training requests", cfg.limits.max_pending_training,
+                                           "max_pending_training")
+        self.sampling_quota = limits.Quota("sample requests", cfg.limits.max_pending_samples, "max_pending_samples")
         self._reaper = loop.create_task(self._housekeeping())
 
     def close(self) -> None:
@@ -217,12 +238,15 @@ class TinkerServer:
     # ---- training ---------------------------------------------------------------------------
 
     def create_model(self, req: sdk.CreateModelRequest) -> dict:
-        self.session(req.session_id)
+        session = self.session(req.session_id)
         if req.lora_config is None:
             raise UserError("create_model: full fine-tuning (no lora_config) is not served; "
                             "use create_lora_training_client")
         optimizer = wire.optimizer_type("create_model", req.optimizer_config)
         lora = req.lora_config
+        limits.lora("create_model", lora, self.limits)
+        limits.metadata("create_model: user_metadata", req.user_metadata, self.limits)
+        self._room_for_a_model(session.tenant, req.session_id, req.model_seq_id)
         spec = LoraSpec(req.base_model, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed,
                         optimizer)
         request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec, req.user_metadata)
@@ -232,16 +256,16 @@ class TinkerServer:
         call = "forward" if msg.forward_only else "forward_backward"
 
         def run(client: Any) -> Future:
-            data = wire.datums(msg)
+            data = wire.datums(msg, self.limits)
             config = wire.loss_fn_config(msg)
             session_id = self.training.model(msg.model_id).session_id
             if msg.loss_fn == "stable_reinforce":  # the sampler's records, named by each datum's provenance
                 data = self.samplers.stability.resolve(session_id, data, wire.provenance(msg))
-            if msg.loss_fn == "custom":  # an uploaded loss, named by its id: its graph
-                config = self.custom_losses.config(session_id, config)
+            if msg.loss_fn == "custom":  # an uploaded loss, named by its id: its graph, sized for these datums
+                config = self.custom_losses.config(session_id, config, data)
             return getattr(client, call)(data, msg.loss_fn, config)
 
-        return _future(self.training.submit(msg.model_id, msg.seq_id, run,
+        return _future(self._submit(msg.model_id, msg.seq_id, run,
                                             lambda out: ProtoResult(wire.forward_backward_output(out))))
 
     def create_custom_loss(self, req: sdk.CreateCustomLossRequest) -> dict:
@@ -251,14 +275,36 @@ class TinkerServer:
                                                     "type": "create_custom_loss"}))
         return _future(request_id)
 
+    def _submit(self, model_id: str, seq_id: int | None, operation: Any, encode: Any) -> str:
+        """`TrainingModels.submit`, counted against the model's tenant's quota of training work in
+        flight (`serve.limits.max_pending_training`) until the backend call is done (with keys:
+        an open server has one tenant)."""
+        session = self.sessions.get(session_of(model_id))
+        shared = session is not None and not self.keys.open  # an open server has one tenant: nothing to share
+        release = self.training_quota.take(session.tenant) if shared else None
+        return self.training.submit(model_id, seq_id, operation, encode, release)
+
+    def _room_for_a_model(self, tenant: str, session_id: str, model_seq_id: int) -> None:
+        """OverLimit if ``tenant``'s open sessions hold ``serve.limits.max_models_per_tenant``
+        models already (a retried creation of one of them is not a new one)."""
+        if f"{session_id}:train:{model_seq_id}" in self.training.runs:
+            return
+        held = sum(1 for run in self.training.runs.values()
+                   if not self.sessions[run.session_id].finished and self.sessions[run.session_id].tenant == tenant)
+        limits.at_most("create_model: training models of this tenant's open sessions", held + 1,
+                       self.limits.max_models_per_tenant, "max_models_per_tenant")
+
     def optim_step(self, req: sdk.OptimStepRequest) -> dict:
         def run(client: Any) -> Future:
             return client.optim_step(wire.optim_params(req.optim_params))
 
-        return _future(self.training.submit(req.model_id, req.seq_id, run, lambda metrics: JsonResult(
+        return _future(self._submit(req.model_id, req.seq_id, run, lambda metrics: JsonResult(
             {"metrics": {key: float(value) for key, value in (metrics or {}).items()}})))
 
     def save_weights(self, req: sdk.SaveWeightsRequest) -> dict:
+        limits.checkpoint_name("save_weights", req.path)
+        limits.metadata("save_weights: user_metadata", req.user_metadata, self.limits)
+
         def run(client: Any) -> Future:
             if not req.path:
                 raise UserError("save_weights: path (the checkpoint name) is missing")
@@ -267,7 +313,7 @@ class TinkerServer:
                 raise UserError(f"save_weights: {existing} exists; pass overwrite=True or another name")
             return client.save_state(req.path)
 
-        return _future(self.training.submit(req.model_id, req.seq_id, run, lambda path: self._saved(
+        return _future(self._submit(req.model_id, req.seq_id, run, lambda path: self._saved(
             req.model_id, path, {"path": path, "type": "save_weights"}, req.ttl_seconds, req.user_metadata)))
 
     def _saved(self, model_id: str, path: str, reply: dict, ttl_seconds: int | None,
@@ -280,7 +326,8 @@ class TinkerServer:
             optimizer = _load_options_served(req)
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: needs model_id, or session_id with model_seq_id")
-            self.session(req.session_id)
+            limits.metadata("load_weights: user_metadata", req.user_metadata, self.limits)
+            self._room_for_a_model(self.session(req.session_id).tenant, req.session_id, req.model_seq_id)
             return _future(self.training.create_from_checkpoint(req.session_id, req.model_seq_id, req.path,
                                                                 req.optimizer, req.base_model, req.user_metadata,
                                                                 optimizer))
@@ -289,13 +336,16 @@ class TinkerServer:
             _load_options_served(req)
             return client.load_state_with_optimizer(req.path) if req.optimizer else client.load_state(req.path)
 
-        return _future(self.training.submit(req.model_id, req.seq_id, run, lambda _: JsonResult(
+        return _future(self._submit(req.model_id, req.seq_id, run, lambda _: JsonResult(
             {"path": req.path, "model_id": req.model_id, "type": "load_weights"})))
 
     def save_weights_for_sampler(self, req: sdk.SaveWeightsForSamplerRequest) -> dict:
         """A named sampler checkpoint (``path``), or a sampling session on the current weights
         (``sampling_session_seq_id``): a snapshot of them, or with ``kind='inflight'`` a sampler
         that samples the model's newest inflight save at each request (these weights or newer)."""
+        limits.checkpoint_name("save_weights_for_sampler", req.path)
+        limits.metadata("save_weights_for_sampler: user_metadata", req.user_metadata, self.limits)
+
         def named(client: Any) -> Future:
             if req.kind != "snapshot":
                 raise UserError(f"save_weights_for_sampler: kind={req.kind!r} applies to a sampling session "
@@ -303,7 +353,7 @@ class TinkerServer:
             return client.save_weights_for_sampler(req.path)
 
         if req.path is not None:
-            return _future(self.training.submit(
+            return _future(self._submit(
                 req.model_id, req.seq_id, named,
                 lambda path: self._saved(req.model_id, path, {"path": path, "type": "save_weights_for_sampler"},
                                          req.ttl_seconds, req.user_metadata)))
@@ -325,7 +375,7 @@ class TinkerServer:
                                                     "type": "save_weights_for_sampler"},
                                req.ttl_seconds, req.user_metadata)
 
-        return _future(self.training.submit(req.model_id, req.seq_id, run, opened))
+        return _future(self._submit(req.model_id, req.seq_id, run, opened))
 
     # ---- sessions and sampling --------------------------------------------------------------
 
@@ -334,6 +384,11 @@ class TinkerServer:
         if project_id is not None:
             raise UserError(f"create_session: project_id {project_id!r} is not served (no projects here; tenants "
                             "come from serve.keys_file); unset project_id / TINKER_PROJECT_ID")
+        limits.metadata("create_session: user_metadata and display_name", [user_metadata, display_name],
+                        self.limits)
+        held = sum(1 for session in self.sessions.values() if session.tenant == tenant and not session.finished)
+        limits.at_most("create_session: open sessions of this tenant", held + 1, self.limits.max_sessions_per_tenant,
+                       "max_sessions_per_tenant")
         session_id = f"session-{uuid.uuid4().hex[:16]}"
         self.sessions[session_id] = _Session(tenant, user_metadata, display_name)
         return {"type": "create_session", "session_id": session_id}
@@ -355,8 +410,12 @@ class TinkerServer:
                                                 req.base_model, known)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
-    def asample(self, req: sdk.SampleRequest) -> dict:
-        request_id, sequence_ids = self.samplers.sample(req)
+    def asample(self, tenant: str, req: sdk.SampleRequest) -> dict:
+        limits.sample(req, self.limits)
+        if self.keys.open:  # one tenant: no quota, no share of the generators to keep
+            request_id, sequence_ids = self.samplers.sample(req, None, lambda: None)
+        else:
+            request_id, sequence_ids = self.samplers.sample(req, tenant, self.sampling_quota.take(tenant))
         return _future(request_id, sample_sequence_ids=sequence_ids)
 
     # ---- RestClient: listings, deletion, expiry ------------------------------------------------
@@ -457,8 +516,14 @@ Handler = Callable[[TinkerServer, Call], Any]
 Parser = Callable[[Request], Awaitable[Any]]
 
 
-async def _forward_backward_body(request: Request) -> Any:
-    return wire.forward_backward_request(await request.body(), request.headers.get("content-encoding"))
+def _forward_backward_body(cfg: ServeConfig) -> Parser:
+    async def parse(request: Request) -> Any:
+        """The protobuf body, inflated and parsed on a worker thread (up to the limits' sizes: a
+        large one keeps the event loop, and the other tenants' requests, waiting for nothing)."""
+        body = await _raw_body(request, cfg)
+        return await asyncio.to_thread(wire.forward_backward_request, body, request.headers.get("content-encoding"),
+                                       cfg.limits.max_decompressed_bytes)
+    return parse
 
 
 def _refuse(message: str) -> Handler:
@@ -492,16 +557,20 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(AccessDenied)
     async def access_denied(_: Request, exc: AccessDenied) -> JSONResponse:
-        return _error(str(exc), "user", exc.status)
+        return _error(one_line(str(exc)), "user", exc.status)
 
     @app.exception_handler(UserError)
-    async def user_error(_: Request, exc: UserError) -> JSONResponse:
-        return _error(str(exc), "user", 400)
+    async def user_error(request: Request, exc: UserError) -> JSONResponse:
+        status = getattr(exc, "status", 400)
+        if status != 400:  # a refusal for size or quota: the operator sees who hits the limits
+            log.warning("%s refused (%d) for tenant %r: %s", request.url.path, status,
+                        getattr(request.state, "tenant", None), exc)
+        return _error(one_line(str(exc)), "user", status)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s failed", request.url.path)
-        bad = failure(exc)
+        log.error("%s failed", request.url.path)
+        bad = failure(exc)  # logs the error with its traceback under the id it names
         return _error(bad.message, bad.category, 500)
 
     def route(method: str, path: str, handler: Handler, body: type[pydantic.BaseModel] | Parser | None = None) -> None:
@@ -513,7 +582,7 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
             if body is None:
                 parsed = None
             elif isinstance(body, type):
-                parsed = await _body(request, body)
+                parsed = await _body(request, body, cfg)
             else:
                 parsed = await body(request)
             server.admit(tenant, resources(parsed, request.path_params))
@@ -559,14 +628,14 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     post("session_heartbeat", sdk.SessionHeartbeatRequest, lambda s, r: heartbeat(s, r.session_id))
     post("create_model", sdk.CreateModelRequest, TinkerServer.create_model)
     post("get_info", sdk.GetInfoRequest, lambda s, r: s.training.info(r.model_id))
-    route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body)
+    route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body(cfg))
     post("create_custom_loss", sdk.CreateCustomLossRequest, TinkerServer.create_custom_loss)
     post("optim_step", sdk.OptimStepRequest, TinkerServer.optim_step)
     post("save_weights", sdk.SaveWeightsRequest, TinkerServer.save_weights)
     post("load_weights", sdk.LoadWeightsRequest, TinkerServer.load_weights)
     post("save_weights_for_sampler", sdk.SaveWeightsForSamplerRequest, TinkerServer.save_weights_for_sampler)
     post("create_sampling_session", sdk.CreateSamplingSessionRequest, TinkerServer.create_sampling_session)
-    post("asample", sdk.SampleRequest, TinkerServer.asample)
+    route("POST", "asample", lambda s, c: s.asample(c.tenant, c.body), sdk.SampleRequest)
     post("retrieve_future", sdk.FutureRetrieveRequest, TinkerServer.retrieve)
     route("POST", "telemetry", lambda s, c: {"status": "accepted"})
     route("GET", "healthz", lambda s, c: {"status": "ok"})

@@ -14,6 +14,8 @@ worker threads.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from meshrl.api.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,27 @@ class FailedResult:
 Outcome = ProtoResult | JsonResult | FailedResult
 
 
+# an absolute filesystem path (not the host or path of a tinker:// or http:// address)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s/'\"]+/)*[^\s/'\"]+")
+
+
+def one_line(message: str) -> str:
+    """What a client may read of an error: its first line (no traceback), absolute paths of this
+    machine replaced by ``<path>``."""
+    first = next((line.strip() for line in message.strip().splitlines() if line.strip()), "")
+    return _ABSOLUTE_PATH.sub("<path>", first)
+
+
 def failure(exc: BaseException) -> FailedResult:
-    """The outcome of a request that raised ``exc``: a `UserError` is the client's, anything else
-    the server's (named by its type so the message says what broke)."""
+    """The outcome of a request that raised ``exc``, in one line without paths (`one_line`): a
+    `UserError` is the client's; anything else the server's, named by its type, with an error id
+    under which the server's log keeps the whole error and its traceback."""
     if isinstance(exc, UserError):
-        return FailedResult(str(exc), "user")
-    return FailedResult(f"{type(exc).__name__}: {exc}", "server")
+        return FailedResult(one_line(str(exc)), "user")
+    error_id = uuid.uuid4().hex[:12]
+    log.error("server error %s: %s", error_id, type(exc).__name__, exc_info=exc)
+    return FailedResult(f"{type(exc).__name__}: {one_line(str(exc))} (server error {error_id}: the server's log has "
+                        "the details)", "server")
 
 
 @dataclass

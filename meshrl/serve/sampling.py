@@ -17,6 +17,7 @@ event loop. A request with `record_stability_info` records its samples under the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from tinker import types as sdk
 from meshrl.api.errors import UserError
 from meshrl.serve import wire
 from meshrl.serve.catalogue import ModelCatalogue
-from meshrl.serve.futures import FailedResult, FutureStore, ProtoResult, run_on
+from meshrl.serve.futures import FutureStore, ProtoResult, failure, run_on
 from meshrl.serve.stability import StabilityRecords
 
 @dataclass(frozen=True)
@@ -44,12 +45,13 @@ class Samplers:
     """Every sampling session of the server, by id."""
 
     def __init__(self, service: Any, catalogue: ModelCatalogue, futures: FutureStore, pool: Executor,
-                 timeout_s: float):
+                 timeout_s: float, max_tensor_elements: int):
         self._service = service
         self._catalogue = catalogue
         self._futures = futures
         self._pool = pool
         self._timeout_s = timeout_s
+        self._max_tensor_elements = max_tensor_elements
         self._samplers: dict[str, Sampler] = {}
         self._creating: dict[str, asyncio.Future] = {}
         self.stability = StabilityRecords()
@@ -95,24 +97,29 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}")
         return sampler
 
-    def sample(self, request: sdk.SampleRequest) -> tuple[str, list[str]]:
-        """Start one sampling request; (request id, one sequence id per sample). A bad request
-        fails through its future with a user error."""
+    def sample(self, request: sdk.SampleRequest, tenant: str | None,
+               release: Callable[[], None]) -> tuple[str, list[str]]:
+        """Start one sampling request of ``tenant`` (None: an open server's one tenant, which shares
+        the generators with nobody; its sizes already checked: `limits.sample`); (request id, one
+        sequence id per sample). A bad request fails through its future with a user error.
+        ``release`` is called once the request is done with."""
         request_id = self._futures.create()
         sequence_ids = [f"{request_id}:{i}" for i in range(max(request.num_samples, 0))]
         try:
             sampler = self._check(request)
             prompt = wire.model_input(request.prompt, "prompt")
             params = wire.sampling_params(request.sampling_params)
-            targets = wire.target_ids(request.target_prompt_logprobs)
+            targets = wire.target_ids(request.target_prompt_logprobs, prompt.length, self._max_tensor_elements)
         except UserError as exc:
-            self._futures.settle(request_id, FailedResult(str(exc), "user"))
+            release()
+            self._futures.settle(request_id, failure(exc))
             return request_id, sequence_ids
         future: Future = run_on(self._pool, lambda: sampler.client.sample(
             prompt, request.num_samples, params, include_prompt_logprobs=bool(request.prompt_logprobs),
             topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
             target_prompt_logprobs=None if targets is None else targets.rows,
-            prompt_alt_tokens_k=request.prompt_alt_tokens_k))
+            prompt_alt_tokens_k=request.prompt_alt_tokens_k, owner=tenant))
+        future.add_done_callback(lambda _: release())
         def encode(response: Any) -> ProtoResult:
             if len(response.sequences) != request.num_samples:  # the SDK pairs them with sequence_ids
                 raise ValueError(f"the backend returned {len(response.sequences)} sequences for "
@@ -127,8 +134,6 @@ class Samplers:
     def _check(self, request: sdk.SampleRequest) -> Sampler:
         if request.sampling_session_id is None:
             raise UserError("asample: sampling_session_id is missing (sample through a sampling session)")
-        if request.num_samples < 1:
-            raise UserError(f"asample: num_samples = {request.num_samples}, expected >= 1")
         if request.prompt_logprobs_last_n is not None and not request.prompt_logprobs:
             raise UserError("asample: prompt_logprobs_last_n needs prompt_logprobs")
         return self.get(request.sampling_session_id)

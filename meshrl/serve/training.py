@@ -23,7 +23,7 @@ from typing import Any
 
 from meshrl.api.errors import UserError
 from meshrl.serve.catalogue import ModelCatalogue
-from meshrl.serve.futures import FailedResult, FutureStore, JsonResult, Outcome, run_on
+from meshrl.serve.futures import FailedResult, FutureStore, JsonResult, Outcome, failure, run_on
 from meshrl.serve.ordering import SeqOrder
 from meshrl.training.optimizers import ADAMW
 
@@ -173,7 +173,7 @@ class TrainingModels:
         try:
             served = self._catalogue.resolve(spec.base_model)
         except UserError as exc:
-            self._futures.settle(request_id, FailedResult(str(exc), "user"))
+            self._futures.settle(request_id, failure(exc))
             return request_id, model_id
         model = self._models[model_id] = TrainingModel(model_id, session_id, spec, self._gap_timeout_s)
         self.runs[model_id] = TrainingRun(model_id, session_id, spec, user_metadata)
@@ -208,18 +208,20 @@ class TrainingModels:
                 "lora_rank": model.spec.rank, "model_name": model.spec.base_model}
 
     def submit(self, model_id: str, seq_id: int | None, operation: Operation,
-               encode: Callable[[Any], Outcome]) -> str:
+               encode: Callable[[Any], Outcome], release: Callable[[], None] | None = None) -> str:
         """Queue a backend call on a model in `seq_id` order; the request id answers with
-        ``encode(result)``. A request for an unknown model fails with a user error."""
+        ``encode(result)``. A request for an unknown model fails with a user error. ``release``
+        is called once the request is done with (its backend call finished, or it never started)."""
+        release = release or (lambda: None)
         model = self._models.get(model_id)
         if model is not None and seq_id in model.requests:  # a retried request
+            release()
             return model.requests[seq_id]
         request_id = self._futures.create()
-        if model is None:
-            self._futures.settle(request_id, FailedResult(f"unknown model_id {model_id!r}", "user"))
-            return request_id
-        if seq_id is None:
-            self._futures.settle(request_id, FailedResult(f"{model_id}: seq_id is missing", "user"))
+        if model is None or seq_id is None:
+            release()
+            reason = f"unknown model_id {model_id!r}" if model is None else f"{model_id}: seq_id is missing"
+            self._futures.settle(request_id, FailedResult(reason, "user"))
             return request_id
         model.requests[seq_id] = request_id
         self.runs[model_id].last_request = _now()
@@ -227,9 +229,16 @@ class TrainingModels:
             del model.requests[next(iter(model.requests))]
 
         def start() -> None:
-            self._futures.track(request_id, run_on(model.worker, lambda: operation(model.created_client())), encode)
+            try:
+                future = run_on(model.worker, lambda: operation(model.created_client()))
+            except RuntimeError:  # the model was closed meanwhile: its worker takes nothing more
+                release()
+                raise
+            future.add_done_callback(lambda _: release())
+            self._futures.track(request_id, future, encode)
 
         def fail(reason: str) -> None:
+            release()
             self._futures.settle(request_id, FailedResult(reason, "server"))
 
         model.order.arrive(seq_id, start, fail)

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import pydantic
 import torch
-import zstandard
 from google.protobuf.message import DecodeError
 from tinker import types as sdk
 from tinker.proto import tinker_public_pb2 as pb
 
 from meshrl.api.errors import UserError
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams
+from meshrl.config.serve import ServeLimits
+from meshrl.serve import limits
 from meshrl.training.optimizers import ADAMW, DIMUON, OPTIMIZERS
 from meshrl.types import AdamParams, Datum, DimuonParams, EncodedTextChunk, ModelInput
 
@@ -34,17 +35,15 @@ _NUMPY_DTYPES = {
     pb.DTYPE_BFLOAT16: np.dtype(np.uint16),
 }
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
-# zstd bodies are small compressed batches; refuse to inflate one past this (a zip bomb)
-_MAX_DECOMPRESSED_BYTES = 1 << 31
 
 
-def forward_backward_request(body: bytes, content_encoding: str | None) -> pb.ForwardBackwardRequest:
-    """Parse a `/forward_backward` body (protobuf, zstd-compressed when the header says so)."""
+def forward_backward_request(body: bytes, content_encoding: str | None,
+                             max_decompressed_bytes: int) -> pb.ForwardBackwardRequest:
+    """Parse a `/forward_backward` body (protobuf, zstd-compressed when the header says so, inflated
+    no further than ``max_decompressed_bytes``). Its tensors stay bytes until `datums` decodes them,
+    after the request's ownership is checked."""
     if content_encoding == "zstd":
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_DECOMPRESSED_BYTES)
-        except zstandard.ZstdError as exc:
-            raise UserError(f"forward_backward body: not valid zstd ({exc})") from None
+        body = limits.inflate(body, max_decompressed_bytes, "forward_backward body")
     elif content_encoding not in (None, "", "identity"):
         raise UserError(f"forward_backward body: unsupported Content-Encoding {content_encoding!r}")
     msg = pb.ForwardBackwardRequest()
@@ -71,7 +70,10 @@ def optimizer_type(where: str, config: sdk.OptimizerConfig | None) -> str:
 
 def optim_params(params: sdk.OptimParams) -> AdamParams | DimuonParams:
     """An `optim_step`'s hyperparameters as meshrl's (a nonpositive Dimuon clip norm: no clipping);
-    UserError naming a bad or unknown one."""
+    UserError naming a bad or unknown one (every value must be finite)."""
+    for name, value in params.model_dump().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"optim_step: {getattr(params, 'type', 'adam')}_params.{name} = {value}: must be finite")
     try:
         if isinstance(params, sdk.AdamParams):
             return AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
@@ -100,10 +102,20 @@ def loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | N
     return None
 
 
-def datums(msg: pb.ForwardBackwardRequest) -> list[Datum]:
-    """The request's training examples as meshrl Datums."""
+def datums(msg: pb.ForwardBackwardRequest, bounds: ServeLimits) -> list[Datum]:
+    """The request's training examples as meshrl Datums, every size within ``bounds`` (checked
+    on the bytes sent, before any tensor is built)."""
     if not msg.data:
         raise UserError("forward_backward: data is empty")
+    limits.at_most("forward_backward: number of datums", len(msg.data), bounds.max_datums_per_request,
+                   "max_datums_per_request")
+    total = 0
+    for i, datum in enumerate(msg.data):
+        count = sum(len(chunk.encoded_text.tokens) // 4 for chunk in datum.model_input)
+        limits.at_most(f"data[{i}]: tokens", count, bounds.max_tokens_per_datum, "max_tokens_per_datum")
+        total += count
+    limits.at_most("forward_backward: tokens over all datums", total, bounds.max_tokens_per_request,
+                   "max_tokens_per_request")
     out = []
     for i, datum in enumerate(msg.data):
         where = f"data[{i}]"
@@ -114,7 +126,7 @@ def datums(msg: pb.ForwardBackwardRequest) -> list[Datum]:
                 raise UserError(f"{where}.model_input[{j}]: a {kind} chunk; only encoded_text is supported")
             ids = _array(chunk.encoded_text.tokens, np.dtype(np.int32), f"{where}.model_input[{j}].tokens")
             tokens.extend(ids.tolist())
-        inputs = {name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", len(tokens))
+        inputs = {name: _tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]", len(tokens), bounds.max_tensor_elements)
                   for name, tensor in datum.loss_fn_inputs.items()}
         try:
             out.append(Datum(ModelInput.from_ints(tokens), inputs))
@@ -171,15 +183,20 @@ def _array(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _tensor(msg: pb.Tensor, where: str, positions: int) -> torch.Tensor:
+def _tensor(msg: pb.Tensor, where: str, positions: int, max_elements: int) -> torch.Tensor:
     """A dense tensor from a protobuf `Tensor`: bytes of the declared dtype, dense or sparse CSR
     (unlisted entries 0, as the SDK writes them), widened to int64 / float32. Without a shape it
     is 1-D, or 0-dim (one value per datum) when it holds one value and the datum has another number
-    of ``positions`` (the SDK sends a 0-dim tensor's shape, ``[]``, as no shape)."""
+    of ``positions`` (the SDK sends a 0-dim tensor's shape, ``[]``, as no shape). A declared shape
+    of more than ``max_elements`` (`serve.limits.max_tensor_elements`) is refused before anything
+    is built."""
     dtype = _NUMPY_DTYPES.get(msg.dtype)
     if dtype is None:
         raise UserError(f"{where}: unsupported dtype {msg.dtype} (expected float32 or int64)")
     shape = list(msg.shape)
+    if any(n < 0 for n in shape):
+        raise UserError(f"{where}: shape {shape} has a negative size")
+    limits.at_most(f"{where}: elements of shape {shape}", math.prod(shape), max_elements, "max_tensor_elements")
     if msg.WhichOneof("encoding") == "sparse_csr":
         values = _widen(_array(msg.sparse_csr.values, dtype, f"{where}.values"), msg.dtype)
         crow = _array(msg.sparse_csr.crow_indices, np.dtype(np.int64), f"{where}.crow_indices")
@@ -336,9 +353,10 @@ class TargetIds:
                          dtype=pb.DTYPE_FLOAT32, shape=list(values.shape))
 
 
-def target_ids(data: sdk.TensorData | None) -> TargetIds | None:
-    """The ids of a request's `target_prompt_logprobs` (int64, [rows, K], dense or sparse CSR
-    with -1 in every unlisted cell); UserError naming what is malformed."""
+def target_ids(data: sdk.TensorData | None, prompt_length: int, max_elements: int) -> TargetIds | None:
+    """The ids of a request's `target_prompt_logprobs` (int64, [len(prompt) - 1, K], dense or
+    sparse CSR with -1 in every unlisted cell); UserError naming what is malformed, or a shape over
+    ``max_elements`` or not matching the prompt, before anything is built."""
     if data is None:
         return None
     where = "target_prompt_logprobs"
@@ -346,6 +364,9 @@ def target_ids(data: sdk.TensorData | None) -> TargetIds | None:
         raise UserError(f"{where}: expected an int64 tensor of shape [len(prompt) - 1, K], got {data.dtype} "
                         f"of shape {data.shape}")
     n_rows, width = data.shape
+    if n_rows != prompt_length - 1 or width < 1:
+        raise UserError(f"{where}: shape {data.shape}, expected [len(prompt) - 1, K] = [{prompt_length - 1}, K >= 1]")
+    limits.at_most(f"{where}: elements of shape {data.shape}", n_rows * width, max_elements, "max_tensor_elements")
     values = [int(v) for v in data.data]
     if data.sparse_crow_indices is None:
         if len(values) != n_rows * width:

@@ -216,7 +216,7 @@ class FakeSamplingClient:
 
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0) -> Future:
+               target_prompt_logprobs=None, prompt_alt_tokens_k: int = 0, owner: str | None = None) -> Future:
         w = self._w if self._follows is None else self._follows.inflight[0]
         return self._service.pool.submit(self._sample, prompt.to_ints(), num_samples, sampling_params, w,
                                          include_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs,
