@@ -89,7 +89,13 @@ def supervised_datum(renderer, messages: list[dict], max_length: int,
     tokens, `weights` 1 on the (last, with ``only_last_assistant``) assistant turns' content and
     end-of-turn token. None when no weighted token is left after the cut."""
     tokens, weights = renderer.build_supervised_example(messages, only_last_assistant=only_last_assistant)
+    return weighted_datum(tokens, weights, max_length)
+
+
+def weighted_datum(tokens: list[int], weights: list[float], max_length: int) -> Datum | None:
+    """The `cross_entropy` Datum of ``tokens`` with loss ``weights`` per token, cut to ``max_length``
+    tokens; None when no weighted token is left after the cut (token 0 is never predicted)."""
     tokens, weights = tokens[:max_length], weights[:max_length]
-    if len(tokens) < 2 or not any(weights[1:]):  # token 0 is never predicted
+    if len(tokens) < 2 or not any(weights[1:]):
         return None
     return Datum.from_sequence(tokens, weights=weights)
