@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from meshrl.sdpo.sites import error_kind
-from meshrl.training.conversations import weighted_datum
+from meshrl.training.conversations import json_object, text_lines, weighted_datum
 from meshrl.types import Datum
 
 
@@ -111,26 +111,7 @@ def truncate_records(path: Path, step: int) -> int:
 def read_records(path: str | Path) -> list[tuple[str, dict]]:
     """(`file:line`, record) for every line of a JSONL record file (blank lines skipped); raises
     `RecordFileError` for a missing or non-UTF-8 file and for a line that is not a JSON object."""
-    p = Path(path)
-    if not p.is_file():
-        raise RecordFileError(f"{path}: no such file")
-    out = []
-    try:
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise RecordFileError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise RecordFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                out.append((where, record))
-    except UnicodeDecodeError as e:
-        raise RecordFileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
-    return out
+    return [(where, json_object(line, where, RecordFileError)) for where, line in text_lines(path, RecordFileError)]
 
 
 def token_ids(record: dict, key: str, where: str) -> list[int]:
