@@ -12,7 +12,7 @@ from meshrl.config.base import load_config
 from meshrl.config.sft import SFTRunConfig
 from meshrl.controller.run_records import RunRecords
 from meshrl.controller.sft import heldout_preference
-from meshrl.controller.sft_data import SFTError, load_data, units
+from meshrl.controller.sft_data import SFTError, check_vocabulary, load_data, units
 from meshrl.replay.agreement import PreferencePair
 from meshrl.replay.pairs import PreferenceItem, pair_record
 from meshrl.replay.trace import ReplayPair
@@ -187,6 +187,10 @@ def test_offline_dpo_reads_the_pairs_that_were_not_dropped(tmp_path):
     assert chosen.model_input.to_ints() == [1, 2, 3, 40] and rejected.model_input.to_ints() == [1, 2, 3, 50]
     assert chosen.loss_fn_inputs["mask"].tolist() == [0, 0, 1, 1] == rejected.loss_fn_inputs["mask"].tolist()
     assert [i.key for i in load_data(_cfg(f"sft.pairs={path}", "sft.max_length=5")).train] == ["a"]  # c: 6 tokens
+    # token ids the model's embeddings do not cover: another tokenizer wrote the file
+    check_vocabulary(data, units(_cfg(), None, data, data.train)[0], vocab=52)
+    with pytest.raises(SFTError, match="sft.pairs: token id 51 is outside the model's vocabulary of 51 tokens"):
+        check_vocabulary(data, units(_cfg(), None, data, data.train)[0], vocab=51)
     bad = _write(tmp_path / "bad.jsonl", [kept, {**kept, "chosen": "40 2"}])
     with pytest.raises(RecordFileError, match=rf"^{bad}:2: not a preference pair \(ValueError"):
         load_data(_cfg(f"sft.pairs={bad}"))
@@ -219,3 +223,20 @@ def test_held_out_preference_accuracy_and_loss_by_hand():
     expected = (-torch.nn.functional.logsigmoid(torch.tensor(0.2)) - torch.nn.functional.logsigmoid(torch.tensor(-0.1))) / 2
     assert stats["eval/dpo_loss"] == pytest.approx(float(expected))
     assert stats["eval/reward_margin"] == pytest.approx(0.05)
+
+
+def test_the_cli_options_set_the_file_and_a_bad_line_stops_it_before_anything_is_made(tmp_path, capsys):
+    from meshrl.cli import main
+    from tests.conftest import TINY_RUN
+
+    good = trajectory_record(_multi(), 1, True)
+    path = _write(tmp_path / "trajectories.jsonl", [good, {**good, "prompt_tokens": "1 2"}])
+    out = tmp_path / "runs"
+    assert main(["sft", "--trajectories", path, *TINY_RUN, f"output.dir={out}"]) == 2
+    assert capsys.readouterr().err == (f"meshrl: sft: {path}:2: `prompt_tokens` must be a list of token ids, "
+                                       "got not a list of non-negative integers\n")
+    assert main(["sft", "--pairs", path, "--trajectories", path, *TINY_RUN, f"output.dir={out}"]) == 2
+    assert "sft.trajectories and sft.pairs are all set" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["sft", "--resume", str(tmp_path), "--pairs", path]) == 2
+    assert "give no data file, -c, --eval-file, --trajectories, --pairs" in capsys.readouterr().err

@@ -34,7 +34,7 @@ from pathlib import Path
 from meshrl.config.base import ConfigError, load_config
 from meshrl.config.meshes import LEARNER
 from meshrl.config.sft import SFTRunConfig
-from meshrl.controller.sft_data import SOURCES, SFTData, SFTError, load_data, units
+from meshrl.controller.sft_data import SOURCES, SFTData, SFTError, check_vocabulary, load_data, units
 from meshrl.training.conversations import ConversationFileError
 from meshrl.training.records import RecordFileError
 
@@ -89,6 +89,17 @@ def heldout_preference(client, datums: list, reference: list[float], beta: float
     m = dpo(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=beta).metrics
     return {"eval/dpo_loss": m["loss_mean"], "eval/preference_accuracy": m["reward_accuracy"],
             "eval/reward_margin": m["reward_margin"], "eval/n": len(datums) // 2}
+
+
+def model_vocabulary(session) -> int:
+    """The size of the model's embedding table (its HF config's `vocab_size`; the tokenizer's
+    length if the config has none)."""
+    from transformers import AutoConfig
+
+    from meshrl.controller.evaluate import text_config
+
+    config = text_config(AutoConfig.from_pretrained(session.model_path))
+    return getattr(config, "vocab_size", None) or len(session.tokenizer)
 
 
 def spawn_learner(session, cfg: SFTRunConfig) -> None:
@@ -160,6 +171,7 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
                         "(sft.max_length)", skipped, skipped_held, sc.max_length or cfg.model.max_model_len)
         if not train:
             raise SFTError(f"{sc.data}: no conversation keeps an assistant token within sft.max_length")
+        check_vocabulary(data, train + held, model_vocabulary(session))
         total = total_steps(cfg, len(train))
         result.update(examples=len(train), heldout=len(held), total=total)
         log.info("sft (%s): %d training examples, %d held out (%d records not used), %d steps of %d", data.source,

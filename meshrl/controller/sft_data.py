@@ -137,3 +137,13 @@ def units(cfg, renderer, data: SFTData, examples: list) -> tuple[list[list[Datum
     only_last = cfg.sft.train_on == "last_assistant"
     datums = [supervised_datum(renderer, c, max_length, only_last) for c in examples]
     return [[d] for d in datums if d is not None], sum(d is None for d in datums)
+
+
+def check_vocabulary(data: SFTData, examples: list[list[Datum]], vocab: int) -> None:
+    """SFTError if a token id of ``examples`` (training units) is outside the model's vocabulary
+    of ``vocab`` tokens: the file was written with another model's tokenizer."""
+    top = max((max(d.model_input.to_ints()[:1] + d.loss_fn_inputs["target_tokens"].tolist()) for unit in examples
+               for d in unit), default=-1)
+    if top >= vocab:
+        raise SFTError(f"sft.{data.source}: token id {top} is outside the model's vocabulary of {vocab} tokens "
+                       "(the file was written with another tokenizer)")
