@@ -32,7 +32,8 @@ def _check_run(run_dir, steps, group_size, prompts):
     train_eps = [e for e in lines if e["kind"] == "trajectory"]
     assert len(train_eps) == steps * group_size * prompts
     # the evaluation episodes' env records come last, on lines of their own
-    assert all(e["kind"] == "episode" and e["episode_id"].startswith("eval") for e in lines if e["kind"] != "trajectory")
+    others = [e for e in lines if e["kind"] != "trajectory"]
+    assert all(e["kind"] == "episode" and e["episode_id"].startswith("eval") for e in others)
     for e in train_eps:
         # one line: the trajectory's tokens and the env's own record of the episode
         assert e["episode_id"] == e["id"] and 1 <= e["num_turns"] <= 2 and len(e["turns"]) == e["num_turns"]

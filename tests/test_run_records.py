@@ -220,7 +220,8 @@ def test_held_out_preference_accuracy_and_loss_by_hand():
     client = _Client(policy=[-1.0, -3.0, -3.0, -2.0], reference=[-2.0, -2.0, -2.0, -2.0])
     stats = heldout_preference(client, datums, [-2.0] * 4, beta=0.1, chunk=3)
     assert stats["eval/preference_accuracy"] == 0.5 and stats["eval/n"] == 2
-    expected = (-torch.nn.functional.logsigmoid(torch.tensor(0.2)) - torch.nn.functional.logsigmoid(torch.tensor(-0.1))) / 2
+    logsigmoid = torch.nn.functional.logsigmoid
+    expected = -(logsigmoid(torch.tensor(0.2)) + logsigmoid(torch.tensor(-0.1))) / 2
     assert stats["eval/dpo_loss"] == pytest.approx(float(expected))
     assert stats["eval/reward_margin"] == pytest.approx(0.05)
 

@@ -246,7 +246,8 @@ def summary_text(result: dict, run_dir: Path) -> str:
                      f"{train[-1]['train/' + key]:.4f} (step {train[-1]['step']})")
     if evals:
         first_last = (evals[0], evals[-1])[: len(evals)]
-        lines.append(f"held-out {name}: " + " -> ".join(f"{e['eval/' + key]:.4f} (step {e['step']})" for e in first_last))
+        lines.append(f"held-out {name}: " + " -> ".join(f"{e['eval/' + key]:.4f} (step {e['step']})"
+                                                        for e in first_last))
         if dpo:
             lines.append("held-out preference accuracy: " + " -> ".join(
                 f"{e['eval/preference_accuracy']:.1%} (step {e['step']})" for e in first_last))
