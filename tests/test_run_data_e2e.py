@@ -37,6 +37,7 @@ def _sft(tmp_path, name, session, *overrides):
     return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
 
 
+@pytest.mark.timeout(900)  # a 4-step run with teachers, then two fine-tuning runs
 def test_an_arithmetic_run_keeps_its_trajectories_and_pairs_and_sft_and_dpo_train_on_them(tiny_run_config,
                                                                                           tiny_session, tmp_path):
     script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error")}
@@ -69,23 +70,25 @@ def test_an_arithmetic_run_keeps_its_trajectories_and_pairs_and_sft_and_dpo_trai
         assert p["chosen"] and p["rejected"] and p["prompt_tokens"] and p["context"][-1]["role"] == "user"
         assert 1 <= p["step"] <= 4 and p["version"] < p["step"]
 
-    # meshrl sft --trajectories: the trajectories with reward >= the median, from their token ids
-    rewards = sorted(r["reward"] for r in trajectories)
-    median = rewards[len(rewards) // 2]
-    sft_train, _ = _sft(tmp_path, "from-trajectories", tiny_session, f"sft.trajectories={run_dir / 'trajectories.jsonl'}",
-                        f"sft.min_reward={median}", "sft.eval_fraction=0", "sft.batch_size=8", "sft.steps=6",
-                        "sft.lr_schedule=constant")
-    assert len(sft_train) == 6 and sft_train[-1]["train/nll"] < sft_train[0]["train/nll"]
-    assert all(r["train/loss_tokens"] > 0 for r in sft_train)
-    assert (tmp_path / "from-trajectories" / "checkpoints" / "step-000006").is_dir()
+    # meshrl sft --trajectories: the trajectories with the 8 best rewards (ties included), from their
+    # token ids, all of them in every step: the NLL of the same examples falls
+    threshold = sorted(r["reward"] for r in trajectories)[-8]
+    best = [r for r in trajectories if r["reward"] >= threshold]
+    sft_train, _ = _sft(tmp_path, "from-trajectories", tiny_session,
+                        f"sft.trajectories={run_dir / 'trajectories.jsonl'}", f"sft.min_reward={threshold}",
+                        "sft.eval_fraction=0", f"sft.batch_size={len(best)}", "sft.steps=4", "sft.lr_schedule=constant")
+    assert len(sft_train) == 4 and sft_train[-1]["train/nll"] < sft_train[0]["train/nll"]
+    # the loss weighs exactly the sampled tokens of those trajectories (the first is never predicted)
+    assert all(r["train/loss_tokens"] == sum(sum(b["mask"]) for b in best) for r in sft_train)
+    assert (tmp_path / "from-trajectories" / "checkpoints" / "step-000004").is_dir()
 
     # offline DPO on the pairs file, the same pairs held out: their accuracy rises from 0 (policy = reference)
     pairs_file = run_dir / "pairs.jsonl"
     dpo_train, evals = _sft(tmp_path, "dpo", tiny_session, f"sft.pairs={pairs_file}", f"sft.eval_data={pairs_file}",
-                            "sft.batch_size=4", "sft.steps=4", "sft.eval_every=0", "sft.lr_schedule=constant",
+                            "sft.batch_size=4", "sft.steps=3", "sft.eval_every=0", "sft.lr_schedule=constant",
                             "learner.lr=1e-3")
-    assert [e["step"] for e in evals] == [0, 4]
+    assert [e["step"] for e in evals] == [0, 3]
     assert evals[0]["eval/preference_accuracy"] == 0 and evals[-1]["eval/preference_accuracy"] > 0.5
     assert evals[-1]["eval/dpo_loss"] < evals[0]["eval/dpo_loss"]
     assert dpo_train[-1]["train/dpo_loss"] < dpo_train[0]["train/dpo_loss"]
-    assert (tmp_path / "dpo" / "checkpoints" / "step-000004").is_dir()
+    assert (tmp_path / "dpo" / "checkpoints" / "step-000003").is_dir()
