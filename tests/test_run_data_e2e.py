@@ -92,3 +92,11 @@ def test_an_arithmetic_run_keeps_its_trajectories_and_pairs_and_sft_and_dpo_trai
     assert evals[-1]["eval/dpo_loss"] < evals[0]["eval/dpo_loss"]
     assert dpo_train[-1]["train/dpo_loss"] < dpo_train[0]["train/dpo_loss"]
     assert (tmp_path / "dpo" / "checkpoints" / "step-000003").is_dir()
+
+    from meshrl.report import write_report
+    from meshrl.report.runs import load_run
+    from meshrl.report.summary import headline
+
+    _, _, panels = write_report(tmp_path / "dpo")  # the dashboard draws the DPO losses
+    assert next(p for p in panels if p.title == "Loss terms").artists == 2
+    assert "held-out preference accuracy 0.0% → " in headline(load_run(tmp_path / "dpo"))
