@@ -56,7 +56,7 @@ def episode_lengths(run: Path, tokenizer) -> list[tuple[int, int]]:
     config = yaml.safe_load((run / "config.yaml").read_text())
     per_step = config["trainer"]["prompts_per_step"] * config["trainer"]["group_size"]
     episodes = [json.loads(line) for line in (run / "trajectories.jsonl").open()]
-    episodes = [e for e in episodes if not e["episode_id"].startswith("eval")][-per_step:]
+    episodes = [e for e in episodes if e["kind"] == "trajectory"][-per_step:]
     out = []
     for e in episodes:
         total = len(tokenizer.apply_chat_template(e["messages"], tokenize=True, return_dict=True)["input_ids"])

@@ -237,8 +237,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    """`meshrl sft DATA.jsonl`: supervised fine-tuning on a file of conversations
-    (meshrl.controller.sft)."""
+    """`meshrl sft DATA.jsonl`: supervised fine-tuning on a file of conversations, on a run's
+    successful trajectories (`--trajectories FILE`), or offline DPO on a run's teacher pairs
+    (`--pairs FILE`) (meshrl.controller.sft)."""
     from meshrl.config.sft import SFTRunConfig
     from meshrl.controller.sft import sft_main
 
@@ -246,9 +247,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if data is not None and "=" in data and not Path(data).exists():  # only overrides were given
         data, overrides = None, [data, *overrides]
     if args.resume:
-        if data or overrides or args.config or args.eval_file or args.overwrite:
+        if data or overrides or args.config or args.eval_file or args.overwrite or args.trajectories or args.pairs:
             return _fail("sft --resume RUN_DIR continues the run with its saved config: give no data file, "
-                         "-c, --eval-file, --overwrite or overrides with it")
+                         "-c, --eval-file, --trajectories, --pairs, --overwrite or overrides with it")
         return sft_main(None, resume=args.resume)
     try:
         cfg = load_config(SFTRunConfig, args.config or default_config_path(), overrides)
@@ -256,6 +257,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
             cfg.sft.data = data
         if args.eval_file:
             cfg.sft.eval_data = args.eval_file
+        if args.trajectories:
+            cfg.sft.trajectories = args.trajectories
+        if args.pairs:
+            cfg.sft.pairs = args.pairs
     except ConfigError as e:
         return _fail(str(e))
     return sft_main(cfg, overwrite=args.overwrite)
@@ -359,15 +364,21 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", metavar="FILE", help="write the result (metrics, per-task counts) as JSON")
     ev.set_defaults(func=cmd_eval)
 
-    sft = sub.add_parser("sft", help="supervised fine-tuning (full or LoRA) on a JSONL file of conversations")
+    sft = sub.add_parser("sft", help="supervised fine-tuning (full or LoRA) on a JSONL file of conversations or on "
+                         "a run's successful trajectories, or offline DPO on a run's teacher pairs")
     sft.add_argument("data", nargs="?", metavar="DATA.jsonl", help="one JSON object per line with a `messages` list "
                      "of {role, content} (sets sft.data)")
     sft.add_argument("-c", "--config", help="YAML run config with an optional sft section (default: "
                      "configs/default.yaml)")
     sft.add_argument("overrides", nargs="*", help="dotted overrides such as sft.batch_size=16 "
                      "learner.lora.enabled=true")
-    sft.add_argument("--eval-file", metavar="FILE", help="held-out conversations for the NLL evaluation (sets "
-                     "sft.eval_data; default: sft.eval_fraction of DATA)")
+    sft.add_argument("--trajectories", metavar="FILE", help="train on the successful trajectories of a run's "
+                     "trajectories.jsonl, from their recorded token ids (sets sft.trajectories; success: `correct`, "
+                     "or reward >= sft.min_reward)")
+    sft.add_argument("--pairs", metavar="FILE", help="offline DPO on the teacher preference pairs of a run's "
+                     "pairs.jsonl against the frozen starting policy (sets sft.pairs; temperature sft.dpo_beta)")
+    sft.add_argument("--eval-file", metavar="FILE", help="held-out examples in the training file's format (sets "
+                     "sft.eval_data; default: sft.eval_fraction of the training file)")
     sft.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (with its saved config) from "
                      "its last checkpoint")
     sft.add_argument("--overwrite", action="store_true", help="replace an existing run directory")

@@ -104,7 +104,7 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
 @pytest.mark.parametrize("killed_at, checkpoint_every, resumed_from", [(4, 2, 2), (2, 3, 0)],
                          ids=["from-checkpoint", "before-the-first-checkpoint"])
 def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session, killed_at,
-                                                                     checkpoint_every, resumed_from):
+                                                                     checkpoint_every, resumed_from, tmp_path):
     """The learner is killed during a step's training: the run goes back to its last checkpoint (or,
     before the first, starts over from step 0) and reproduces the uninterrupted run step for step."""
     common = ["trainer.steps=5", "trainer.eval.every=0", "trainer.eval.at_start=false",
@@ -122,6 +122,10 @@ def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_co
     for x, y in zip(a, b):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6), x["step"]
         assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6), x["step"]
+    # the trajectories of the redone steps replace the lost ones: the file is the uninterrupted run's
+    kept = [[(r["step"], r["id"], r["tokens"]) for r in map(json.loads, open(tmp_path / name / "trajectories.jsonl"))]
+            for name in ("clean", "learner-kill")]
+    assert kept[0] == kept[1] and [s for s, _, _ in kept[0]] == [s for s in range(1, 6) for _ in range(16)]
 
 
 @pytest.mark.slow  # ~70 s on 2 cores; one-process learner resume stays in the default suite

@@ -11,7 +11,8 @@ import pytest
 from meshrl.cli import main
 from meshrl.config.base import load_config
 from meshrl.config.sft import SFTRunConfig
-from meshrl.controller.sft import split_conversations, sft_main
+from meshrl.controller.sft import sft_main
+from meshrl.controller.sft_data import load_data
 from meshrl.training.conversations import ConversationFileError, read_conversations, supervised_datum
 from tests.conftest import TINY_RUN
 
@@ -102,15 +103,18 @@ def test_the_held_out_split(tmp_path):
     def cfg(*overrides):
         return load_config(SFTRunConfig, None, [f"sft.data={data}", *overrides])
 
-    train, held = split_conversations(cfg())
+    def split(*overrides):
+        data = load_data(cfg(*overrides))
+        return data.train, data.held
+
+    train, held = split()
     assert len(train) == 18 and len(held) == 2
     assert not {c[1]["content"] for c in train} & {c[1]["content"] for c in held}
-    assert split_conversations(cfg()) == (train, held)  # the same split every time (a resumed run)
-    assert split_conversations(cfg("sft.seed=1"))[1] != held
-    assert split_conversations(cfg("sft.eval_fraction=0")) == ([c["messages"] for c in convs], [])
+    assert split() == (train, held)  # the same split every time (a resumed run)
+    assert split("sft.seed=1")[1] != held
+    assert split("sft.eval_fraction=0") == ([c["messages"] for c in convs], [])
     other = _write(tmp_path / "held.jsonl", convs[:3])
-    assert split_conversations(cfg(f"sft.eval_data={other}")) == ([c["messages"] for c in convs],
-                                                                  [c["messages"] for c in convs[:3]])
+    assert split(f"sft.eval_data={other}") == ([c["messages"] for c in convs], [c["messages"] for c in convs[:3]])
 
 
 def test_every_sft_setting_is_read_and_unknown_keys_are_refused():

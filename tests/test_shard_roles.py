@@ -15,9 +15,9 @@ from meshrl.config.diloco import DiLoCoConfig
 from meshrl.config.run import RunConfig
 from meshrl.controller.shard_source import ShardSource, ShardsTimeout, trajectory_from_record
 from meshrl.diloco.replica import ModelSync
-from meshrl.diloco.shards import ShardReader, ShardWriter, preference_record, rollout_record
+from meshrl.diloco.shards import ShardReader, ShardWriter, rollout_record
 from meshrl.diloco.store import ObjectStore
-from meshrl.replay.pairs import PreferenceItem
+from meshrl.replay.pairs import PreferenceItem, preference_record
 from meshrl.terms import TermContext
 from meshrl.terms.replay import ShardPairsTerm
 from meshrl.testing.fake_meshes import make_loop

@@ -19,9 +19,9 @@ from meshrl.controller.rollout import Counters
 from meshrl.controller.shard_source import ShardSource
 from meshrl.meshes.client import MeshClient
 from meshrl.diloco.allreduce import DiLoCoError, ObjectStoreAllReduce
-from meshrl.diloco.shards import ShardWriter, preference_record, rollout_record
+from meshrl.diloco.shards import ShardWriter, rollout_record
 from meshrl.diloco.store import ObjectStore
-from meshrl.replay.pairs import PreferenceItem
+from meshrl.replay.pairs import PreferenceItem, preference_record
 from meshrl.terms.base import StepOutput
 from meshrl.training.trajectories import Trajectory, group_advantages
 
@@ -145,7 +145,7 @@ class DiLoCoLink:
         advantages = group_advantages(trajectories, self.cfg.trainer.advantage.std_normalize)
         records = [rollout_record(t, step, a, self.version_round.get(t.version, 0))
                    for t, a in zip(trajectories, advantages)]
-        records += [preference_record(item, step, self.round) for item in pairs]
+        records += [preference_record(item, step, diloco_round=self.round) for item in pairs]
         manifest = self.shards.write(records, step=step, published_version=published, pairs=len(pairs))
         metrics.update({"shards/index": manifest["index"], "shards/records": manifest["count"],
                         "shards/pairs_written": len(pairs), "shards/bytes": manifest["bytes"],

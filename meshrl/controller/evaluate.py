@@ -173,7 +173,7 @@ def load_eval_config(target: EvalTarget, config: str | Path | None, overrides: l
     return cfg
 
 
-def _text_config(config):
+def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -201,7 +201,7 @@ def check_fit(cfg, target: EvalTarget) -> None:
         renderer = renderer_for_tokenizer(tokenizer)
     except ValueError as e:
         raise EvalError(f"{model_dir}: its tokenizer cannot render the task's prompts: {e}") from None
-    vocab = getattr(_text_config(config), "vocab_size", None)
+    vocab = getattr(text_config(config), "vocab_size", None)
     if vocab is not None:
         if len(tokenizer) > vocab:
             raise EvalError(f"{model_dir}: its tokenizer has {len(tokenizer)} tokens but the model's embeddings "

@@ -91,6 +91,7 @@ class GRPOLoop:
         self.trains = any(term.trains for term in self.terms)
         self.step_index = 0  # the step being run (1-based once running)
         self.published = 0  # the latest published weight version
+        self.sampled: list[Trajectory] = []  # everything the last step sampled (its trained groups and the rest)
         self.producer = Producer(self, cfg.trainer.steps)
         self._initial_terms = self._term_states()  # what a run started over from step 0 restores
         if cfg.trainer.max_steps_off_policy and cfg.trainer.loss.name == "importance_sampling":
@@ -314,6 +315,7 @@ class GRPOLoop:
                 self._publish(t, metrics)
             self.producer.publish(t)  # admission counts the steps written
         self._step_metrics(metrics, output.trajectories, sampled)
+        self.sampled = sampled
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics, output.trajectories
 

@@ -1,17 +1,23 @@
-"""`meshrl sft`: supervised fine-tuning from a JSONL file of conversations (`sft.data`), full or LoRA
-(`learner.lora`), on the learner mesh a training run uses.
+"""`meshrl sft`: supervised fine-tuning, full or LoRA (`learner.lora`), on the learner mesh a training
+run uses, from a JSONL file of conversations (`sft.data`), from the successful trajectories of a
+run's `trajectories.jsonl` (`sft.trajectories`), or offline DPO on the teacher preference pairs of
+a run's `pairs.jsonl` (`sft.pairs`).
 
-The conversations are checked line by line before anything is made (meshrl.training.conversations),
-split into training and held-out sets (`sft.eval_fraction`, or `sft.eval_data`), and rendered by the
-model's renderer into `cross_entropy` Datums, token in and token out: loss weight on the assistant
-turns only. Each step takes `sft.batch_size` conversations from a seeded, resumable stream (every
-epoch a permutation), runs `forward_backward` on the learner mesh, scales the summed gradients to
-a token mean (`scale_grads`) and makes one `optim_step` at the step's learning rate
-(`sft.lr_schedule`). The held-out NLL (a `forward` without grad) is logged every `sft.eval_every`
-steps, before the first and after the last.
+The file is checked line by line before anything is made (meshrl.controller.sft_data), split into
+training and held-out sets (`sft.eval_fraction`, or `sft.eval_data`), and made into Datums token in
+and token out: conversations rendered by the model's renderer (`cross_entropy`, weight on the
+assistant turns), trajectories from their recorded token ids (`cross_entropy`, weight on the
+policy's sampled tokens), pairs as chosen/rejected `dpo` Datums (the reference is the learner's
+frozen starting policy, temperature `sft.dpo_beta`). Each step takes `sft.batch_size` examples from
+a seeded, resumable stream (every epoch a permutation), runs `forward_backward` on the learner mesh,
+scales the summed gradients to a mean (per weighted token; DPO: per pair) (`scale_grads`) and makes
+one `optim_step` at the step's learning rate (`sft.lr_schedule`). The held-out NLL (DPO: the
+held-out pairs' DPO loss and preference accuracy) is logged every `sft.eval_every` steps, before
+the first and after the last.
 
 The run directory is a training run's: `config.yaml`, `metrics.jsonl` (records `train`, with
-`train/nll`, and `eval`, with `eval/nll`; `meshrl report` draws them), atomic checkpoints
+`train/nll` or `train/dpo_loss`, and `eval`, with `eval/nll` or `eval/dpo_loss` and
+`eval/preference_accuracy`; `meshrl report` draws them), atomic checkpoints
 (`trainer.checkpoint`, meshrl.controller.checkpoints; `--resume RUN_DIR` continues from the latest)
 and `final_model`, the policy exported as an HF model directory (LoRA merged), which `meshrl eval`
 scores."""
@@ -21,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,44 +34,15 @@ from pathlib import Path
 from meshrl.config.base import ConfigError, load_config
 from meshrl.config.meshes import LEARNER
 from meshrl.config.sft import SFTRunConfig
-from meshrl.training.conversations import ConversationFileError, read_conversations, supervised_datum
+from meshrl.controller.sft_data import SOURCES, SFTData, SFTError, check_vocabulary, load_data, units
+from meshrl.training.conversations import ConversationFileError
+from meshrl.training.records import RecordFileError
 
 log = logging.getLogger("meshrl")
 
 
-class SFTError(ValueError):
-    """An SFT run that cannot start as configured; the message is one line."""
-
-
-def split_conversations(cfg: SFTRunConfig) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(training, held-out) conversations: `sft.data` and `sft.eval_data`, or `sft.eval_fraction`
-    of `sft.data` held out by a shuffle seeded with `sft.seed`. Raises ConversationFileError (a bad
-    line, named by file:line) or SFTError."""
-    sc = cfg.sft
-    if not sc.data:
-        raise SFTError("sft.data: no training file given (meshrl sft DATA.jsonl)")
-    train = read_conversations(sc.data)
-    if sc.eval_data:
-        return train, read_conversations(sc.eval_data)
-    if sc.eval_fraction == 0 or len(train) < 2:
-        return train, []
-    order = list(range(len(train)))
-    random.Random(sc.seed).shuffle(order)
-    held = set(order[: min(max(1, round(len(train) * sc.eval_fraction)), len(train) - 1)])
-    return [c for i, c in enumerate(train) if i not in held], [c for i, c in enumerate(train) if i in held]
-
-
-def build_datums(cfg: SFTRunConfig, renderer, conversations: list[list[dict]]) -> tuple[list, int]:
-    """The conversations' `cross_entropy` Datums and how many were skipped (no assistant token
-    within `sft.max_length`)."""
-    max_length = cfg.sft.max_length or cfg.model.max_model_len
-    only_last = cfg.sft.train_on == "last_assistant"
-    datums = [supervised_datum(renderer, c, max_length, only_last) for c in conversations]
-    return [d for d in datums if d is not None], sum(d is None for d in datums)
-
-
-def total_steps(cfg: SFTRunConfig, conversations: int) -> int:
-    return cfg.sft.steps or cfg.sft.epochs * math.ceil(conversations / cfg.sft.batch_size)
+def total_steps(cfg: SFTRunConfig, examples: int) -> int:
+    return cfg.sft.steps or cfg.sft.epochs * math.ceil(examples / cfg.sft.batch_size)
 
 
 def learning_rate(cfg: SFTRunConfig, step: int, total: int) -> float:
@@ -80,15 +56,50 @@ def _weight(datums: list) -> float:
     return float(sum(float(d.loss_fn_inputs["weights"].sum()) for d in datums))
 
 
-def heldout_nll(client, datums: list, chunk: int) -> dict:
-    """Mean NLL per weighted (assistant) token of ``datums`` under the learner's current weights."""
-    nll = 0.0
+def weighted_sums(client, datums: list, key: str, chunk: int, reference: bool = False) -> list[float]:
+    """Per datum, its tokens' log-probabilities times their ``key`` weights, summed, under the
+    learner's current weights (``reference``: its frozen starting policy)."""
+    sums = []
     for start in range(0, len(datums), chunk):
         part = datums[start:start + chunk]
-        for d, logprobs in zip(part, client.forward(part)):
-            nll -= sum(lp * w for lp, w in zip(logprobs, d.loss_fn_inputs["weights"].tolist()))
+        for d, logprobs in zip(part, client.forward(part, reference=reference)):
+            sums.append(sum(lp * w for lp, w in zip(logprobs, d.loss_fn_inputs[key].tolist())))
+    return sums
+
+
+def heldout_nll(client, datums: list, chunk: int) -> dict:
+    """Mean NLL per weighted (assistant or sampled) token of ``datums`` under the learner's
+    current weights."""
     tokens = _weight(datums)
-    return {"eval/nll": nll / tokens, "eval/tokens": tokens, "eval/n": len(datums)}
+    return {"eval/nll": -sum(weighted_sums(client, datums, "weights", chunk)) / tokens, "eval/tokens": tokens,
+            "eval/n": len(datums)}
+
+
+def heldout_preference(client, datums: list, reference: list[float], beta: float, chunk: int) -> dict:
+    """The DPO loss (mean over pairs) and preference accuracy of held-out `dpo` Datum pairs
+    (chosen, rejected, ...) under the learner's current weights, against ``reference``, their
+    sequence log-probabilities under the frozen starting policy. A pair is ranked right when its
+    implicit reward margin is above 0 (at the start, policy = reference: every margin is 0)."""
+    import torch
+
+    from meshrl.losses.preference import dpo
+
+    policy = torch.tensor(weighted_sums(client, datums, "mask", chunk), dtype=torch.float64)
+    ref = torch.tensor(reference, dtype=torch.float64)
+    m = dpo(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=beta).metrics
+    return {"eval/dpo_loss": m["loss_mean"], "eval/preference_accuracy": m["reward_accuracy"],
+            "eval/reward_margin": m["reward_margin"], "eval/n": len(datums) // 2}
+
+
+def model_vocabulary(session) -> int:
+    """The size of the model's embedding table (its HF config's `vocab_size`; the tokenizer's
+    length if the config has none)."""
+    from transformers import AutoConfig
+
+    from meshrl.controller.evaluate import text_config
+
+    config = text_config(AutoConfig.from_pretrained(session.model_path))
+    return getattr(config, "vocab_size", None) or len(session.tokenizer)
 
 
 def spawn_learner(session, cfg: SFTRunConfig) -> None:
@@ -104,11 +115,32 @@ def spawn_learner(session, cfg: SFTRunConfig) -> None:
     session.wait_ready([LEARNER])
 
 
-def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None,
-            data: tuple[list, list] | None = None) -> dict:
-    """Fine-tune on `sft.data` into ``run_dir`` (continuing from its latest checkpoint when
+def train_step(client, cfg: SFTRunConfig, loss: str, batch: list[list], lr: float) -> dict:
+    """One optimizer step on ``batch`` (training units: a Datum, or a DPO pair's two) with the
+    ``loss`` (`cross_entropy` or `dpo`); the summed loss's gradients are scaled to the mean per
+    weighted token (DPO: per pair). Returns the step's `train/...` record entries."""
+    datums = [d for unit in batch for d in unit]
+    dpo = loss == "dpo"
+    norm = float(len(batch)) if dpo else _weight(datums)
+    fb = client.forward_backward(datums, loss, {"beta": cfg.sft.dpo_beta} if dpo else None)
+    client.scale_grads(1.0 / norm)
+    opt = client.optim_step(dataclasses.replace(cfg.learner.adam_params(), learning_rate=lr))
+    if dpo:
+        record = {"train/dpo_loss": fb["loss"] / norm, "train/pairs": norm,
+                  **{f"train/{k}": fb[k] for k in ("reward_accuracy", "reward_margin") if k in fb}}
+    else:
+        record = {"train/nll": fb["loss"] / norm, "train/loss_tokens": norm}
+    record.update({"train/tokens": fb["tokens"], "train/seconds": fb["seconds"], "batch/datums": len(datums),
+                   **{f"train/{k}": v for k, v in opt.items()}})
+    if "entropy_mean" in fb:
+        record["train/entropy"] = fb["entropy_mean"]
+    return record
+
+
+def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None, data: SFTData | None = None) -> dict:
+    """Fine-tune on the run's file into ``run_dir`` (continuing from its latest checkpoint when
     ``resume``), in a `MeshSession` of its own or in the processes of ``session``. ``data``: the
-    (training, held-out) conversations, if already read (`split_conversations`)."""
+    examples, if already read (`load_data`)."""
     from tqdm import tqdm
 
     from meshrl.controller.checkpoints import CheckpointManager
@@ -118,7 +150,8 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
 
     t_start = time.perf_counter()
     sc, tc = cfg.sft, cfg.trainer
-    train_convs, held_convs = data if data is not None else split_conversations(cfg)
+    data = data if data is not None else load_data(cfg)
+    dpo = data.loss == "dpo"
     checkpoints = CheckpointManager(run_dir / "checkpoints", tc.checkpoint.keep)
     start = checkpoints.latest() if resume else None
     if resume and start is None and (run_dir / "metrics.jsonl").exists():
@@ -126,65 +159,65 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
     metrics = MetricsLogger(run_dir, cfg.output.tensorboard, cfg.output.wandb_project, run_dir.name,
                             cfg.model_dump(mode="json"))
     metrics.truncate_after(start.step if start else 0)
-    result: dict = {"steps": 0, "train": [], "evals": []}
+    result: dict = {"steps": 0, "train": [], "evals": [], "loss": data.loss}
     session, release = host_run(cfg, session)
     try:
         spawn_learner(session, cfg)
         client = session.client
-        train, skipped = build_datums(cfg, session.renderer, train_convs)
-        held, skipped_held = build_datums(cfg, session.renderer, held_convs)
+        train, skipped = units(cfg, session.renderer, data, data.train)
+        held, skipped_held = units(cfg, session.renderer, data, data.held)
         if skipped or skipped_held:
             log.warning("%d training and %d held-out conversations skipped: no assistant token within %d tokens "
                         "(sft.max_length)", skipped, skipped_held, sc.max_length or cfg.model.max_model_len)
         if not train:
             raise SFTError(f"{sc.data}: no conversation keeps an assistant token within sft.max_length")
+        check_vocabulary(data, train + held, model_vocabulary(session))
         total = total_steps(cfg, len(train))
-        result.update(conversations=len(train), heldout=len(held), total=total)
-        log.info("sft: %d training conversations, %d held out, %d steps of %d", len(train), len(held), total,
-                 sc.batch_size)
+        result.update(examples=len(train), heldout=len(held), total=total)
+        log.info("sft (%s): %d training examples, %d held out (%d records not used), %d steps of %d", data.source,
+                 len(train), len(held), data.skipped, total, sc.batch_size)
         if start is not None:
             client.on_learners("load_checkpoint", str(start.learner_dir), supervised=False)
             log.info("resumed %s from step %d", run_dir, start.step)
+        held_datums = [d for unit in held for d in unit]
+        chunk = 4 * sc.batch_size
+        reference = weighted_sums(client, held_datums, "mask", chunk, reference=True) if dpo and held else []
 
         def run_eval(step: int) -> None:
             if held:
-                record = {"kind": "eval", "step": step, **heldout_nll(client, held, 4 * sc.batch_size)}
+                stats = (heldout_preference(client, held_datums, reference, sc.dpo_beta, chunk) if dpo
+                         else heldout_nll(client, held_datums, chunk))
+                record = {"kind": "eval", "step": step, **stats}
                 metrics.log(record)
                 result["evals"].append(record)
-                log.info("held-out NLL at step %d: %.4f", step, record["eval/nll"])
+                log.info("held-out %s at step %d: %s", "DPO loss, preference accuracy" if dpo else "NLL", step,
+                         f"{record['eval/dpo_loss']:.4f}, {record['eval/preference_accuracy']:.1%}" if dpo
+                         else f"{record['eval/nll']:.4f}")
 
         def save(step: int) -> None:
             tmp = checkpoints.begin(step)
             client.on_learners("save_checkpoint", str(tmp / "learner"), supervised=False)
-            checkpoints.commit(tmp, step, {"sft": {"cursor": step * sc.batch_size, "conversations": len(train)}})
+            checkpoints.commit(tmp, step, {"sft": {"cursor": step * sc.batch_size, "examples": len(train)}})
 
         stream = SeededStream(train, sc.seed)
         step = start.step if start else 0
         if step == 0:
             run_eval(0)
         bar = tqdm(total=total, initial=step, desc="sft", disable=not tc.progress, dynamic_ncols=True)
+        key = "train/dpo_loss" if dpo else "train/nll"
         while step < total:
             t0 = time.perf_counter()
-            batch = [d for _, d in stream.batch(step * sc.batch_size, sc.batch_size)]
-            tokens = _weight(batch)
+            batch = [unit for _, unit in stream.batch(step * sc.batch_size, sc.batch_size)]
             step += 1
-            lr = learning_rate(cfg, step, total)
-            fb = client.forward_backward(batch, "cross_entropy")
-            client.scale_grads(1.0 / tokens)  # the summed loss's gradients -> the token mean's
-            opt = client.optim_step(dataclasses.replace(cfg.learner.adam_params(), learning_rate=lr))
             record = {"kind": "train", "step": step, "epoch": step * sc.batch_size / len(train),
-                      "train/nll": fb["loss"] / tokens, "train/loss_tokens": tokens, "train/tokens": fb["tokens"],
-                      "train/seconds": fb["seconds"], "batch/datums": len(batch),
-                      **{f"train/{k}": v for k, v in opt.items()},
+                      **train_step(client, cfg, data.loss, batch, learning_rate(cfg, step, total)),
                       "timing/train_s": time.perf_counter() - t0}
-            if "entropy_mean" in fb:
-                record["train/entropy"] = fb["entropy_mean"]
             record.update({"timing/step_s": time.perf_counter() - t0, "elapsed_s": time.perf_counter() - t_start})
             metrics.log(record)
             result["train"].append(record)
             result["steps"] = step
             bar.update(1)
-            bar.set_postfix(nll=f"{record['train/nll']:.3f}")
+            bar.set_postfix(loss=f"{record[key]:.3f}")
             if sc.eval_every and step % sc.eval_every == 0 and step != total:
                 run_eval(step)
             if (tc.checkpoint.every and step % tc.checkpoint.every == 0) or step == total:
@@ -202,15 +235,22 @@ def run_sft(cfg: SFTRunConfig, run_dir: Path, resume: bool = False, session=None
 
 def summary_text(result: dict, run_dir: Path) -> str:
     train, evals = result["train"], result["evals"]
+    dpo = result.get("loss") == "dpo"
     lines = [f"run directory: {run_dir}",
-             f"steps: {result['steps']} of {result.get('total', result['steps'])} ({result.get('conversations', 0)} "
-             f"training conversations, {result.get('heldout', 0)} held out), wall {result['wall_s']:.0f}s"]
+             f"steps: {result['steps']} of {result.get('total', result['steps'])} ({result.get('examples', 0)} "
+             f"training {'pairs' if dpo else 'examples'}, {result.get('heldout', 0)} held out), "
+             f"wall {result['wall_s']:.0f}s"]
+    key, name = ("dpo_loss", "DPO loss") if dpo else ("nll", "NLL")
     if train:
-        lines.append(f"train NLL: {train[0]['train/nll']:.4f} (step {train[0]['step']}) -> "
-                     f"{train[-1]['train/nll']:.4f} (step {train[-1]['step']})")
+        lines.append(f"train {name}: {train[0]['train/' + key]:.4f} (step {train[0]['step']}) -> "
+                     f"{train[-1]['train/' + key]:.4f} (step {train[-1]['step']})")
     if evals:
-        lines.append("held-out NLL: " + " -> ".join(f"{e['eval/nll']:.4f} (step {e['step']})"
-                                                    for e in (evals[0], evals[-1])[: len(evals)]))
+        first_last = (evals[0], evals[-1])[: len(evals)]
+        lines.append(f"held-out {name}: " + " -> ".join(f"{e['eval/' + key]:.4f} (step {e['step']})"
+                                                        for e in first_last))
+        if dpo:
+            lines.append("held-out preference accuracy: " + " -> ".join(
+                f"{e['eval/preference_accuracy']:.1%} (step {e['step']})" for e in first_last))
     lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; dashboard and summary: meshrl report {run_dir}")
     if result.get("export"):
         lines.append(f"final policy (HF format): {result['export']}; held-out accuracy: meshrl eval {run_dir}")
@@ -236,15 +276,15 @@ def sft_main(cfg: SFTRunConfig | None, resume: str | None = None, overwrite: boo
                 raise RunDirError(f"--resume {resume}: no run directory there (no config.yaml)")
             cfg = load_config(SFTRunConfig, run_dir / "config.yaml")
         check_config(cfg)  # the plugins (a loss of theirs) are imported
-        data = split_conversations(cfg)  # every line checked before a run directory is made
+        data = load_data(cfg)  # every line checked before a run directory is made
         if resume is None:
-            for key in ("data", "eval_data"):  # the saved config works from any directory (--resume)
+            for key in (*SOURCES, "eval_data"):  # the saved config works from any directory (--resume)
                 if getattr(cfg.sft, key):
                     setattr(cfg.sft, key, str(Path(getattr(cfg.sft, key)).resolve()))
             if cfg.output.name is None:
                 cfg.output.name = f"sft-{time.strftime('%Y%m%d-%H%M%S')}"
             run_dir = make_run_dir(cfg, overwrite)
-    except (RunDirError, ConfigError, ConversationFileError, SFTError) as e:
+    except (RunDirError, ConfigError, ConversationFileError, RecordFileError, SFTError) as e:
         print(f"meshrl: sft: {e}", file=sys.stderr)
         return 2
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from meshrl.config.diloco import DiLoCoConfig
 from meshrl.diloco.shards import Shard, ShardReader
 from meshrl.diloco.store import CorruptObject, ObjectStore
-from meshrl.replay.pairs import PreferenceItem
+from meshrl.replay.pairs import PreferenceItem, item_from_record
 from meshrl.training.trajectories import Trajectory
 
 log = logging.getLogger(__name__)
@@ -45,15 +45,6 @@ def trajectory_from_record(record: dict, producer: str, version: int = 0) -> Tra
                       finish_reason=str(record.get("finish_reason") or ""), reward=float(record["reward"]), info=info)
 
 
-def pair_from_record(record: dict, producer: str) -> PreferenceItem:
-    """A `preference` shard record (meshrl.diloco.shards.preference_record) as a PreferenceItem;
-    KeyError/TypeError/ValueError on a malformed record."""
-    chosen, rejected = [int(t) for t in record["chosen"]], [int(t) for t in record["rejected"]]
-    if not chosen or not rejected:
-        raise ValueError(f"pair {record.get('key')}: an empty answer")
-    return PreferenceItem(f"{producer}/{record['key']}", [int(t) for t in record["prompt_tokens"]], chosen, rejected)
-
-
 @dataclass
 class ParsedShard:
     groups: list[tuple[int, list[Trajectory]]]
@@ -68,7 +59,7 @@ def _parse(shard: Shard) -> ParsedShard:
     pairs = []
     for record in shard.records:
         if record.get("kind") == "preference":
-            pairs.append(pair_from_record(record, shard.producer))
+            pairs.append(item_from_record(record, f"{shard.producer}/"))
             continue
         t = trajectory_from_record(record, shard.producer)
         groups.setdefault(t.group, []).append(t)

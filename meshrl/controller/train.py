@@ -86,6 +86,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
     from meshrl.controller.checkpoints import CheckpointManager
     from meshrl.metrics.curves import plot_curves
     from meshrl.metrics.records import MetricsLogger, read_metrics
+    from meshrl.controller.run_records import RunRecords
     from meshrl.controller.runtime import Runtime
     from meshrl.meshes.supervisor import LearnerLost
 
@@ -99,9 +100,12 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                             cfg.model_dump(mode="json"))
     metrics.truncate_after(start.step if start else 0)
     result: dict = {"steps": 0, "evals": [], "faults": 0}
+    data_files = None
     try:
         with Runtime(cfg, hosts, actors, session) as rt:
             loop = rt.loop
+            data_files = RunRecords(run_dir, loop)
+            data_files.truncate_after(start.step if start else 0)
             if start is not None:
                 rt.restore_learner(start, respawn=False)  # fresh meshes: load, republish, resync
                 log.info("resumed %s from step %d", run_dir, start.step)
@@ -123,7 +127,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
             bar = tqdm(total=tc.steps, initial=step, desc="train", disable=not tc.progress, dynamic_ncols=True)
             while step < tc.steps:
                 try:
-                    record, _ = loop.step()
+                    record, trained = loop.step()
                 except LearnerLost as e:
                     recovered_at = time.perf_counter()
                     rt.supervisor.charge(LEARNER, e.cause)
@@ -131,6 +135,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                     rt.restore_learner(back_to)
                     failed_step, step = step + 1, back_to.step if back_to else 0
                     metrics.truncate_after(step)
+                    data_files.truncate_after(step)
                     metrics.log({"kind": "fault", "step": failed_step, "resumed_from_step": step, "mesh": e.mesh,
                                  "cause": e.cause, "action": "learner resumed from checkpoint",
                                  "recovery_s": time.perf_counter() - recovered_at})
@@ -140,7 +145,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                     continue
                 step += 1
                 _log_recoveries(metrics, rt, step, result)
-                _save_episodes(run_dir, loop)
+                data_files.write_step(step, trained)
                 record.update(kind="train", step=step, elapsed_s=time.perf_counter() - t_start)
                 metrics.log(record)
                 result["steps"] = step
@@ -157,24 +162,14 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: bool = False, hosts=None
                 result["export"] = rt.learner_call("export", str(run_dir / "final_model"))
     finally:
         metrics.close()
+        if data_files is not None:
+            data_files.close(result["steps"])
     records = read_metrics(metrics.path)
     plot_curves(records, run_dir / "curves.png", title=f"{cfg.task.kind}: {cfg.model.name_or_path}")
     train = [r for r in records if r.get("kind") == "train"]
     result["mean_step_s"] = sum(r["timing/step_s"] for r in train) / max(len(train), 1)
     result["wall_s"] = time.perf_counter() - t_start
     return result
-
-
-def _save_episodes(run_dir: Path, loop) -> None:
-    """Append the multi-turn episode records of the step (turns, code, outputs, rewards) to
-    `trajectories.jsonl`."""
-    records = loop.strategy.episode_records
-    n = len(records)  # the producer thread may append more meanwhile: those stay for next time
-    if n:
-        from meshrl.envs.code_env import save_trajectories
-
-        save_trajectories(run_dir / "trajectories.jsonl", records[:n])
-        del records[:n]
 
 
 def _log_recoveries(metrics, rt, step: int, result: dict) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from meshrl.diloco.store import CorruptObject, ObjectStore, sha256
+from meshrl.training.records import token_record
 
 log = logging.getLogger("meshrl.diloco")
 
@@ -147,28 +148,8 @@ class ShardReader:
 
 
 def rollout_record(trajectory, step: int, advantage: float | None = None, diloco_round: int = 0) -> dict:
-    """One trajectory (meshrl.training.trajectories.Trajectory) as a shard record: token ids in and
-    out exactly as sampled (never re-tokenised text), the sampler's logprobs, the policy-sampled
-    mask, reward, group-relative advantage, policy version and the DiLoCo round of the weights that
-    sampled it, group and step; the trajectory's JSON-serialisable `info` entries (e.g. `correct`)
-    come along."""
-    info = {}
-    for k, v in trajectory.info.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue
-        info[k] = v
-    return {"step": step, "id": trajectory.id, "group": trajectory.group, "version": trajectory.version,
-            "prompt_tokens": list(trajectory.prompt_tokens), "tokens": list(trajectory.tokens),
-            "logprobs": list(trajectory.logprobs), "mask": list(trajectory.mask), "reward": trajectory.reward,
-            "advantage": advantage, "diloco_round": diloco_round, "finish_reason": trajectory.finish_reason,
-            "info": info}
-
-
-def preference_record(item, step: int, diloco_round: int = 0) -> dict:
-    """One teacher preference pair (meshrl.replay.pairs.PreferenceItem: token ids of the exact
-    context the student saw, the teachers' agreed answer and the student's) as a shard record of
-    kind `preference`, beside the step's rollout records."""
-    return {"kind": "preference", "step": step, "key": item.key, "prompt_tokens": list(item.prompt),
-            "chosen": list(item.chosen), "rejected": list(item.rejected), "diloco_round": diloco_round}
+    """One trajectory (meshrl.training.trajectories.Trajectory) as a shard record: its token
+    record (meshrl.training.records.token_record: token ids in and out exactly as sampled, the
+    sampler's logprobs, mask, reward, policy version, group, JSON-serialisable `info`), its
+    group-relative advantage, the DiLoCo round of the weights that sampled it and the step."""
+    return {"step": step, **token_record(trajectory), "advantage": advantage, "diloco_round": diloco_round}

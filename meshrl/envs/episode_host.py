@@ -227,7 +227,7 @@ class EpisodeHost:
         whose reward comes late, that reward (`delayed_reward`, with its `success`) or why it was
         dropped (`reward_dropped`)."""
         eps = [(i, self.live.pop(i, None)) for i in episode_ids]
-        results = self._run([lambda ep=ep: self._close_episode(ep) for _, ep in eps],
+        results = self._run([lambda i=i, ep=ep: self._close_episode(i, ep) for i, ep in eps],
                             self.rules.reward_deadline_s + self.rules.step_timeout_s)
         out = []
         for (episode_id, ep), (result, error) in zip(eps, results):
@@ -239,7 +239,7 @@ class EpisodeHost:
                 out.append(result)
         return out
 
-    def _close_episode(self, ep: _Live | None) -> dict:
+    def _close_episode(self, episode_id: str, ep: _Live | None) -> dict:
         if ep is None:
             return {"record": {}}
         out: dict[str, Any] = {}
@@ -254,9 +254,12 @@ class EpisodeHost:
                     ep.episode_return += late
                     out.update(delayed_reward=late, success=self._success({}, ep.episode_return))
             try:
-                out["record"] = ep.env.trajectory()
+                record = dict(ep.env.trajectory())
             except Exception as e:  # noqa: BLE001 -- a record is optional; the episode's data is the controller's
-                out["record"] = {"trajectory_error": _one_line(e)}
+                record = {"trajectory_error": _one_line(e)}
+            if record.get("episode_id") not in (None, episode_id):  # the environment's own id, kept beside ours
+                record["env_episode_id"] = record["episode_id"]
+            out["record"] = {**record, "episode_id": episode_id}  # the run's data files match records by it
         finally:
             _close(ep.env)
         return out

@@ -50,6 +50,8 @@ PANELS: tuple[Panel, ...] = (
         Series("loss/total", "total (weighted sum)", ls="--"),
         Series("train/nll", "SFT NLL (train)"),  # meshrl sft
         Series("eval/nll", "SFT NLL (held-out)", kind="eval", ls="--"),
+        Series("train/dpo_loss", "offline DPO (train)"),  # meshrl sft --pairs
+        Series("eval/dpo_loss", "offline DPO (held-out)", kind="eval", ls="--"),
     )),
     Panel("Sampler vs learner mismatch KL", "KL (nats / token)", (
         Series("train/kl_sampler_learner_k1", "k1 estimator"),

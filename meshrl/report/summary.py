@@ -37,6 +37,9 @@ def headline(run: Run) -> str:
         parts.append(f"{wall / 60:.1f} min")
     if run.eval and not values(run.eval, "eval/accuracy")[0] and values(run.eval, "eval/nll")[0]:  # meshrl sft
         parts.append(f"held-out NLL {_first_last(run.eval, 'eval/nll', '{:.3f}', steps=False)}")
+    elif run.eval and values(run.eval, "eval/preference_accuracy")[0]:  # meshrl sft --pairs
+        parts.append("held-out preference accuracy "
+                     f"{_first_last(run.eval, 'eval/preference_accuracy', '{:.1%}', steps=False)}")
     elif run.eval:
         parts.append(f"held-out accuracy {_first_last(run.eval, 'eval/accuracy', '{:.1%}', steps=False)}")
     if run.faults:

@@ -13,6 +13,7 @@ every term's hooks, in the terms' order (the policy-gradient term first), at fix
   finish(version, metrics) at each optimizer step, before it: forward_backward on what the term
                            has gathered; returns its weighted loss (None: the term trains nothing)
   end_step(output, metrics) after the step: what the term hands out with the step's groups
+  take_records()           after the step: the data records it made (for its `records_file`)
 
 A term trains through its registered loss (``loss``, ``loss_config()``; meshrl.losses), weighted by
 ``weight``; ``loss/<name>`` is its unweighted loss and its learner metrics go under ``<prefix>/``.
@@ -75,6 +76,9 @@ class LossTerm:
 
     trains: bool = True
     """False for a term that only exports data (its `finish` returns None)."""
+    records_file: ClassVar[str | None] = None
+    """The JSONL file of the run directory the term's data records go to (`take_records`); None:
+    the term keeps none."""
 
     sampled: ClassVar[bool] = False
     """Whether the term's datums are the generators' samples, with the sampler's `logprobs`: the
@@ -129,6 +133,11 @@ class LossTerm:
 
     def end_step(self, output: StepOutput, metrics: dict) -> None:
         """After the step's last optimizer step (and publish)."""
+
+    def take_records(self) -> list[dict]:
+        """The data records the term made during the step that just ended, for `records_file`
+        (the controller appends them to the run directory after each step); none by default."""
+        return []
 
     def train(self, datums: list[Datum], metrics: dict) -> float:
         """forward_backward on ``datums`` (their weights carry the term's weight) with the term's

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from meshrl.actors.teacher_replay import producer_name
 from meshrl.config.meshes import TEACHER_REPLAY as POOL
 from meshrl.meshes.ranks import actor_at
-from meshrl.replay.pairs import PreferenceItem, dpo_datums
+from meshrl.replay.pairs import PreferenceItem, dpo_datums, pair_record
 from meshrl.terms.base import LossTerm, StepOutput, TermContext
 from meshrl.training.trajectories import groups_of
 from meshrl.types import Datum
@@ -89,7 +89,10 @@ class PairsTerm(LossTerm):
 
 
 class ReplayTerm(PairsTerm):
-    """Submits traces, drains pairs, buffers DPO items; its state goes into checkpoints."""
+    """Submits traces, drains pairs, buffers DPO items; its state goes into checkpoints. Every pair
+    the teachers agreed on becomes a record of `pairs.jsonl` (`take_records`)."""
+
+    records_file = "pairs.jsonl"
 
     def __init__(self, ctx: TermContext, weight: float | None = None, params=None):
         from meshrl.transport.delayed import DelayedInbox
@@ -107,6 +110,8 @@ class ReplayTerm(PairsTerm):
         self.units_per_step = tc.num_substeps * tc.num_minibatches
         self.unit_index = 0  # the step's units received so far
         self.sent_this_step = 0  # traces the step has submitted
+        self.step = 0
+        self.records: list[dict] = []
         self._subscribe()
         self.client.sup.on_respawn(POOL, self._after_respawn)
 
@@ -147,6 +152,11 @@ class ReplayTerm(PairsTerm):
     # ---- the term -----------------------------------------------------------------------------
     def start_step(self, step: int) -> None:
         self.unit_index = self.sent_this_step = 0
+        self.step, self.records = step, []  # records of a step that did not finish are made again
+
+    def take_records(self) -> list[dict]:
+        records, self.records = self.records, []
+        return records
 
     def receive(self, unit) -> None:
         """Queue the unit's share of the step's traces for replay (never waits for the teachers)."""
@@ -216,14 +226,17 @@ class ReplayTerm(PairsTerm):
                 self.outcomes[name] += value
             if pending is None:
                 continue
+            cost = outcome.metrics.get("replay/cost_usd", 0.0)
             for pair in outcome.pairs:
                 prefix, rejected = pending.steps[pair.step_index]
                 chosen = self.renderer.encode(pair.chosen) + [self.stop_token]
+                item = PreferenceItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected, pending.version)
+                self.records.append(pair_record(item, self.step, pair, pending.version, cost, len(outcome.pairs),
+                                                self.trains, identical=chosen == rejected))
                 if chosen == rejected:
                     self.counts["pairs_identical"] += 1
                     continue
-                self.buffer.append(PreferenceItem(f"{msg.key}/{pair.step_index}", prefix, chosen, rejected,
-                                                  pending.version))
+                self.buffer.append(item)
                 self.counts["dpo_items"] += 1
         self._prune_buffer(version)
         stats = self.inbox.stats()

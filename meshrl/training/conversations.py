@@ -10,6 +10,7 @@ weight 1 on the assistant turns' content and end-of-turn token, 0 elsewhere), an
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from meshrl.types import Datum
@@ -32,14 +33,21 @@ def _json_type(value) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
-def parse_conversation(line: str, where: str) -> list[dict]:
-    """The messages of one line (``where`` is `file:line` for the error message)."""
+def json_object(line: str, where: str, error: type[ValueError], what: str = "a JSON object") -> dict:
+    """The JSON object on ``line``; ``error`` naming ``where`` (`file:line`) if it is not JSON or
+    not an object (``what`` says what was expected)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ConversationFileError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        raise error(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise ConversationFileError(f"{where}: expected a JSON object with a `messages` list, got a {_json_type(obj)}")
+        raise error(f"{where}: expected {what}, got a {_json_type(obj)}")
+    return obj
+
+
+def parse_conversation(line: str, where: str) -> list[dict]:
+    """The messages of one line (``where`` is `file:line` for the error message)."""
+    obj = json_object(line, where, ConversationFileError, "a JSON object with a `messages` list")
     if "messages" not in obj:
         raise ConversationFileError(f"{where}: no `messages` key (keys: {', '.join(sorted(obj)) or 'none'})")
     messages = obj["messages"]
@@ -64,20 +72,25 @@ def parse_conversation(line: str, where: str) -> list[dict]:
     return out
 
 
-def read_conversations(path: str | Path) -> list[list[dict]]:
-    """Every conversation of a JSONL file, in order (blank lines skipped); raises
-    `ConversationFileError` for a missing or empty file and for the first bad line."""
+def text_lines(path: str | Path, error: type[ValueError]) -> Iterator[tuple[str, str]]:
+    """(`file:line`, line) for every non-blank line of a UTF-8 text file; ``error`` (a one-line
+    message) for a missing file or one that is not UTF-8."""
     p = Path(path)
     if not p.is_file():
-        raise ConversationFileError(f"{path}: no such file")
-    conversations = []
+        raise error(f"{path}: no such file")
     try:
         with open(p, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    conversations.append(parse_conversation(line, f"{path}:{lineno}"))
+                    yield f"{path}:{lineno}", line
     except UnicodeDecodeError as e:
-        raise ConversationFileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+        raise error(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """Every conversation of a JSONL file, in order (blank lines skipped); raises
+    `ConversationFileError` for a missing or empty file and for the first bad line."""
+    conversations = [parse_conversation(line, where) for where, line in text_lines(path, ConversationFileError)]
     if not conversations:
         raise ConversationFileError(f"{path}: no conversations in it")
     return conversations
@@ -89,7 +102,13 @@ def supervised_datum(renderer, messages: list[dict], max_length: int,
     tokens, `weights` 1 on the (last, with ``only_last_assistant``) assistant turns' content and
     end-of-turn token. None when no weighted token is left after the cut."""
     tokens, weights = renderer.build_supervised_example(messages, only_last_assistant=only_last_assistant)
+    return weighted_datum(tokens, weights, max_length)
+
+
+def weighted_datum(tokens: list[int], weights: list[float], max_length: int) -> Datum | None:
+    """The `cross_entropy` Datum of ``tokens`` with loss ``weights`` per token, cut to ``max_length``
+    tokens; None when no weighted token is left after the cut (token 0 is never predicted)."""
     tokens, weights = tokens[:max_length], weights[:max_length]
-    if len(tokens) < 2 or not any(weights[1:]):  # token 0 is never predicted
+    if len(tokens) < 2 or not any(weights[1:]):
         return None
     return Datum.from_sequence(tokens, weights=weights)
