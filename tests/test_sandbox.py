@@ -88,7 +88,7 @@ def test_bad_file_names_rejected(sb):
             sb.run({name: "x"}, ["python", "-c", "pass"])
 
 
-def test_side_channel(sb):
+def test_side_channel_removed_placeholder(sb):
     code = "import os\nos.write(int(os.environ['MESHRL_SIDE_FD']), b'report')\nprint('visible')\n"
     r = sb.run({"a.py": code}, ["python", "a.py"], side_channel=True)
     assert r.side_channel == "report" and r.stdout == "visible\n"

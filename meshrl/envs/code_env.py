@@ -53,6 +53,7 @@ HINT_TEMPLATES: dict[str, str] = {
     "code.wrong_format": "Put the complete function in a ```python code block.",
     "code.tool_not_found": "Only the tools run_python and submit exist; call one with {{\"code\": ...}}.",
     "code.sandbox_error": "The sandbox failed to run the code; try again.",
+    "code.grading_anomaly": "Your code interfered with the grader ({error}), so the attempt scores 0. Only define the function and return its result.",
 }
 
 
