@@ -22,7 +22,8 @@ def _observation_record(obs) -> dict:
             "error_kind": obs.error_kind, "hint_template_key": obs.hint_template_key,
             "hint": obs.metadata.get("hint"), "success": bool(obs.metadata.get("success", False)),
             "termination": obs.metadata.get("termination"), "tests_passed": obs.metadata.get("tests_passed"),
-            "tests_total": obs.metadata.get("tests_total"), "error_text": obs.metadata.get("error_text")}
+            "tests_total": obs.metadata.get("tests_total"), "error_text": obs.metadata.get("error_text"),
+            "grading_anomaly": obs.metadata.get("grading_anomaly")}
 
 
 class EnvActor(MeshrlActor):

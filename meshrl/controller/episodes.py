@@ -5,7 +5,8 @@ bridge (history is never re-tokenised), and so on until the episode ends.
 Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
 Its info carries what the other channels need: the turns (context, action, token span), per turn
 its error (kind, the environment's hint and error text; None for the turn that solved the task),
-and for a failed episode the error kind and hint of its last turn.
+for a failed episode the error kind and hint of its last turn, and how many of its turns tampered
+with grading (`grading_anomalies`; the step counts them as `reward/grading_anomalies`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Episode:
     turns: list[tuple] = field(default_factory=list)  # (context, action text, start, end)
     turn_errors: list[dict | None] = field(default_factory=list)  # per turn; None: it solved the task
     reward: float = 0.0
+    anomalies: int = 0  # turns graded as tampering with the grader
     last: dict = field(default_factory=dict)
     text: str = ""
     finish_reason: str = ""
@@ -80,6 +82,7 @@ class EpisodeRollout:
         return trajectories, {"timing/generate_s": time.perf_counter() - t0,
                               "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
                               "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n,
+                              "reward/grading_anomalies": sum(t.info["grading_anomalies"] for t in trajectories),
                               **served}
 
     def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]]) -> list:
@@ -129,6 +132,7 @@ class EpisodeRollout:
             for ep, result in zip(active, results):
                 ep.turns[-1][0] = result["context"]
                 ep.turn_errors.append(_turn_error(result))
+                ep.anomalies += bool(result.get("grading_anomaly"))
                 ep.reward += result["reward"]
                 ep.last = result
                 if result["done"]:
@@ -161,6 +165,7 @@ def _trajectory(ep: _Episode) -> Trajectory:
     success = bool(last.get("success"))
     info = {"correct": success, "termination": ep.termination, "turns": [tuple(t) for t in ep.turns],
             "turn_errors": list(ep.turn_errors), "tests_passed": last.get("tests_passed"),
+            "grading_anomalies": ep.anomalies,
             "tests_total": last.get("tests_total")}
     if not success and ep.turns:
         info.update(error_kind=last.get("error_kind") or "test_failure", hint=last.get("hint"),
