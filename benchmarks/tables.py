@@ -345,8 +345,17 @@ def sandbox_throughput(d: dict) -> str:
              num(layer[kind]["speedup_vs_sequential"], 2, "x")]
             for layer in d["layers"] if layer.get("available") for kind in ("trivial", "grading")]
     missing = [f"{layer['layer']}: unavailable ({layer['reason']})" for layer in d["layers"] if not layer.get("available")]
-    return table(["layer", "program", "executions/s", "one at a time", "speed-up"], rows) + (
+    out = table(["layer", "program", "executions/s", "one at a time", "speed-up"], rows) + (
         "\n\n" + "; ".join(missing) if missing else "")
+    before = d.get("before")
+    if before:
+        rows = [[r["layer"], kind, num(v["before"], 1), num(v["after"], 1), num(v["ratio"], 2, "x")]
+                for r in before["layers"] for kind, v in r["kinds"].items()]
+        out += (f"\n\nAgainst commit {before['commit']}, run just before on the same machine (load average "
+                f"{before['load_average_1m']:.1f}, then {d['load_average_1m']:.1f}), 16 at a time:\n\n"
+                + table(["layer", "program", f"{before['commit']} executions/s", f"{d['commit']} executions/s",
+                         "ratio"], rows))
+    return out
 
 
 @renders("diloco", "python benchmarks/diloco.py --s3", "DiLoCo: round time and convergence")
