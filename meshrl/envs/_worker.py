@@ -1,8 +1,9 @@
 """The candidate's side of grading: runs *inside* the sandbox (stdlib only; shipped there as a file).
 
-It knows nothing of the tests. On its request pipe (``$MESHRL_CALL_FD``) it receives one JSON
-object per line, does what it says, and answers with one JSON line on its reply pipe
-(``$MESHRL_REPLY_FD``), until the request pipe ends:
+It knows nothing of the tests. Once started (before any code of the candidate's runs) it says
+``{"ok": true}`` on its reply pipe (``$MESHRL_REPLY_FD``); then it receives one JSON object per
+line on its request pipe (``$MESHRL_CALL_FD``), does what it says, and answers with one JSON line,
+until the request pipe ends:
 
     {"op": "load", "solution": "solution.py", "entry_point": "f", "preamble": "..."}
         -> {"ok": true}  |  {"ok": false, "kind"?, "error_type", "error", "error_message"?}
@@ -190,6 +191,7 @@ def main():
         os.unlink(os.path.abspath(__file__))
     except OSError:
         pass
+    worker.send({"ok": True})  # started: what follows is timed against the tests' limit
     for line in requests:
         req = json.loads(line)
         worker.send(worker.load(req) if req["op"] == "load" else worker.call(req))

@@ -23,6 +23,12 @@ call in flight, replies nobody asked for, exiting by itself before the tests are
 its output shaped like a grading report -- grade the attempt 0 with ``error_kind``
 ``grading_anomaly`` and ``anomaly`` naming which (``ANOMALIES``); the code environment flags the
 episode and the run counts them (``reward/grading_anomalies``).
+
+What a test can observe of the candidate is the values it returns and the errors it raises (as
+``CandidateError``, whatever their type): a test that checks an argument mutated in place, or
+catches a particular exception type from the candidate, cannot pass. No bundled or HumanEval test
+does either. Values cross as data only, so a function returning anything but builtin data (a
+generator, an object of its own class) fails the test.
 """
 
 from __future__ import annotations
@@ -161,8 +167,8 @@ class _Judge:
     """One attempt's grading: the conversation with its worker (``talk``) and the verdict
     (``result``)."""
 
-    def __init__(self, task: CodeTask, test_timeout: float):
-        self.task, self.limit = task, test_timeout
+    def __init__(self, task: CodeTask, test_timeout: float, exec_timeout: float):
+        self.task, self.limit, self.exec_timeout = task, test_timeout, exec_timeout
         self.channel: Channel | None = None
         self.load: dict | None = None
         self.outcomes: list[TestOutcome] = []
@@ -181,6 +187,8 @@ class _Judge:
 
     def _run_tests(self) -> None:
         t = self.task
+        self.deadline = time.monotonic() + self.exec_timeout  # the interpreter starting (the sandbox's clock bounds it)
+        self._reply()
         self.deadline = time.monotonic() + self.limit
         self.load = self._ask({"op": "load", "solution": SOLUTION_FILE, "entry_point": t.entry_point,
                                "preamble": t.preamble})
@@ -247,16 +255,13 @@ class _Judge:
     def _ask(self, request: dict) -> dict:
         """Send one request, wait for its reply until the current deadline."""
         assert self.channel is not None
-        try:
-            self.channel.send(json.dumps(request).encode(), max(self.deadline - time.monotonic(), 0.0))
-            line = self.channel.recv(self.deadline - time.monotonic())
-        except ChannelTimeout:
-            self.hung = True
-            self.channel.stop()
-            raise _Stop() from None
-        except ChannelClosed:
-            self.ended = True
-            raise _Stop() from None
+        self._io(self.channel.send, json.dumps(request).encode(), max(self.deadline - time.monotonic(), 0.0))
+        return self._reply()
+
+    def _reply(self) -> dict:
+        """The worker's next reply, by the current deadline."""
+        assert self.channel is not None
+        line = self._io(self.channel.recv, self.deadline - time.monotonic())
         try:
             reply = json.loads(line)
         except (ValueError, RecursionError):
@@ -264,6 +269,19 @@ class _Judge:
         if type(reply) is not dict or type(reply.get("ok")) is not bool:
             self._tampered("a reply that is not an answer")
         return reply
+
+    def _io(self, op, *args):
+        """A channel operation; the worker hanging (it is killed) or gone ends the tests."""
+        assert self.channel is not None
+        try:
+            return op(*args)
+        except ChannelTimeout:
+            self.hung = True
+            self.channel.stop()
+            raise _Stop() from None
+        except ChannelClosed:
+            self.ended = True
+            raise _Stop() from None
 
     def _tampered(self, what: str):
         self.anomaly, self.anomaly_text = "channel_tampering", f"the program's worker sent {what}"
@@ -308,7 +326,7 @@ class _Judge:
         assert self.channel is not None
         if self.anomaly:
             return self.anomaly, self.anomaly_text
-        if self.channel.extra_lines:
+        if self.channel.extra_lines and not self.hung:  # a call given up on may still be answered late
             return "channel_tampering", f"the program's worker sent {self.channel.extra_lines} replies nobody asked for"
         if self.ended and res.exit_code is not None and not (res.timed_out or res.output_limited):
             return "early_exit", f"the program exited (status {res.exit_code}) before the tests were over"
@@ -325,10 +343,7 @@ def _looks_like_report(line: str) -> bool:
     try:
         obj = json.loads(s)
     except (ValueError, RecursionError):
-        try:
-            obj = ast.literal_eval(s)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return False
+        return False
     return isinstance(obj, dict) and ("passed" in obj or "event" in obj or ("id" in obj and "ok" in obj))
 
 
@@ -356,7 +371,7 @@ def grade(
     test_timeout: float = 3.0,
 ) -> GradeResult:
     """Run ``code`` against ``task``'s hidden tests: the code in ``sandbox``, the tests here."""
-    judge = _Judge(task, test_timeout)
+    judge = _Judge(task, test_timeout, exec_timeout)
     _, res = sandbox.converse(sandbox_files(code), ["python", WORKER_FILE], judge.talk, exec_timeout)
     return judge.result(res)
 
