@@ -86,7 +86,7 @@ def decode(data, depth=0):
             return bytes.fromhex(body)
         if tag == "complex" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
             return complex(body[0], body[1])
-    except TypeError as e:  # an unhashable set member or dict key
+    except (TypeError, ValueError) as e:  # an unhashable set member or dict key, bad hex
         raise CodecError("not an encoded value: %s" % e) from None
     raise CodecError("not an encoded value: tag %s" % _short(repr(tag), 50))
 
