@@ -2,15 +2,18 @@
 
 For each available layer (bwrap, and the rlimit fallback) it runs rounds of 16 concurrent
 executions of two kinds -- a trivial program, and a real grading run (a bundled task's reference
-solution against its hidden tests through the harness) -- checks every result, and reports
-executions per second; a sequential round gives the one-at-a-time baseline.
+solution against its hidden tests: its sandboxed worker answers the calls, the grader judges) --
+checks every result, and reports executions per second; a sequential round gives the
+one-at-a-time baseline. ``--before FILE`` keeps another run's result (the commit before a change,
+run just before this one on the same machine) beside this one, with the ratio of each figure.
 
-    python benchmarks/sandbox_throughput.py [--rounds 5] [--out benchmarks/results/sandbox_throughput.json]
+    python benchmarks/sandbox_throughput.py [--rounds 5] [--before OLD.json] [--out benchmarks/results/sandbox_throughput.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -80,7 +83,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--layers", default="bwrap,rlimit")
     ap.add_argument("--out", default=str(RESULTS / "sandbox_throughput.json"))
+    ap.add_argument("--before", help="another run's result JSON to compare with (e.g. the commit before a change)")
     args = ap.parse_args()
+    before = json.loads(open(args.before).read()) if args.before else None
 
     results = {
         "benchmark": "sandbox_throughput",
@@ -98,7 +103,26 @@ def main() -> None:
                 f"(round {k['round_s_median']} s, sequential {k['sequential_executions_per_s']}/s, "
                 f"x{k['speedup_vs_sequential']}), all correct"
             )
+    if before is not None:
+        results["before"] = compare(before, results["layers"])
+        for r in results["before"]["layers"]:
+            print(f"[{r['layer']}] vs before ({results['before']['commit']}): "
+                  + ", ".join(f"{k} x{v['ratio']}" for k, v in r["kinds"].items()))
     write_result("sandbox_throughput", results, args.out)
+
+
+def compare(before: dict, layers: list[dict]) -> dict:
+    """The earlier run's concurrent executions/s beside this run's, and this run's over it."""
+    old = {r["layer"]: r for r in before["layers"] if r.get("available")}
+    rows = []
+    for r in layers:
+        if r.get("available") and r["layer"] in old:
+            kinds = {k: {"before": old[r["layer"]][k]["executions_per_s"], "after": r[k]["executions_per_s"],
+                         "ratio": round(r[k]["executions_per_s"] / old[r["layer"]][k]["executions_per_s"], 2)}
+                     for k in ("trivial", "grading")}
+            rows.append({"layer": r["layer"], "kinds": kinds})
+    return {"commit": before.get("commit"), "date": before.get("date"),
+            "load_average_1m": before.get("load_average_1m"), "layers": rows}
 
 
 if __name__ == "__main__":

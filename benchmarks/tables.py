@@ -373,8 +373,17 @@ def sandbox_throughput(d: dict) -> str:
              num(layer[kind]["speedup_vs_sequential"], 2, "x")]
             for layer in d["layers"] if layer.get("available") for kind in ("trivial", "grading")]
     missing = [f"{layer['layer']}: unavailable ({layer['reason']})" for layer in d["layers"] if not layer.get("available")]
-    return table(["layer", "program", "executions/s", "one at a time", "speed-up"], rows) + (
+    out = table(["layer", "program", "executions/s", "one at a time", "speed-up"], rows) + (
         "\n\n" + "; ".join(missing) if missing else "")
+    before = d.get("before")
+    if before:
+        rows = [[r["layer"], kind, num(v["before"], 1), num(v["after"], 1), num(v["ratio"], 2, "x")]
+                for r in before["layers"] for kind, v in r["kinds"].items()]
+        out += (f"\n\nAgainst commit {before['commit']}, run just before on the same machine (load average "
+                f"{before['load_average_1m']:.1f}, then {d['load_average_1m']:.1f}), 16 at a time:\n\n"
+                + table(["layer", "program", f"{before['commit']} executions/s", f"{d['commit']} executions/s",
+                         "ratio"], rows))
+    return out
 
 
 @renders("diloco", "python benchmarks/diloco.py --s3", "DiLoCo: round time and convergence")
@@ -521,9 +530,16 @@ def _registered(name: str) -> Renderer:
     return next(r for r in REGISTRY if r.result == name)
 
 
+def cpu_of(machine: str | None) -> str | None:
+    """The CPU a result's ``machine`` names ("x86_64, AMD EPYC, 2 cores, ..."); None if it names none."""
+    parts = [p.strip() for p in (machine or "").split(",")]
+    return parts[1] if len(parts) > 2 and not parts[1].endswith("cores") else None
+
+
 def render_headline(results: Path) -> str:
     """The README's headline figures (without the markers): the default job (K = 0 of
-    sync_vs_async.json) and its step time against TRL (vs_trl.json)."""
+    sync_vs_async.json) with the same job's curves on other CPU types (default_job_cpus.json,
+    when recorded), and its step time against TRL (vs_trl.json)."""
     parts = [NOTICE]
     sync = _load(results, "sync_vs_async")
     job = next((r for r in sync["rows"] if r["max_steps_off_policy"] == 0), None) if sync else None
@@ -531,11 +547,27 @@ def render_headline(results: Path) -> str:
         parts.append(f"The default job: not yet measured: run `{_registered('sync_vs_async').command}`")
     else:
         evals = sorted(job["eval"], key=lambda e: e["step"])
-        parts.append(table(["step"] + [str(e["step"]) for e in evals],
-                           [["held-out greedy accuracy"] + [pct(e["accuracy"]) for e in evals]])
+        others = (_load(results, "default_job_cpus") or {}).get("runs", [])
+        cpu = cpu_of(sync.get("machine"))
+        rows = [["held-out greedy accuracy" + (f", {cpu}" if others and cpu else "")] + [pct(e["accuracy"]) for e in evals]]
+        for run in others:
+            got = {e["step"]: e["accuracy"] for e in run["eval"]}
+            rows.append([f"the same job, {cpu_of(run['machine']) or run['machine']}"]
+                        + [pct(got.get(e["step"])) for e in evals])
+        parts.append(table(["step"] + [str(e["step"]) for e in evals], rows)
                      + f"\n\nMean step {num(job['mean_step_s'], 1, ' s')}; the whole run (spawn, {sync['steps']} steps, "
                        f"evals, export) {job['wall_s']:.0f} s ({job['wall_s'] / 60:.1f} min). "
                      + source_line(_registered("sync_vs_async"), sync))
+        for run in others:
+            parts.append(
+                "Runs are deterministic on one machine and differ across CPU types, as RL curves do (the "
+                "floating-point sums follow the vector unit, and the seeded losses agree at the first step to "
+                f"about 1e-4, then drift): on {run['machine']} the same job gave the curve of the row "
+                f"\"the same job, {cpu_of(run['machine']) or run['machine']}\" "
+                f"{'twice' if run['repeats'] == 2 else str(run['repeats']) + ' times'} in a row, identically, "
+                f"mean step {num(run['mean_step_s'], 1, ' s')} "
+                f"({run['measured']}; {run['date']}, commit {run['commit']}). A curve like either one on "
+                "another machine is not a broken install.")
     trl = _load(results, "vs_trl")
     if trl is None:
         parts.append(f"Against TRL's GRPOTrainer: not yet measured: run `{_registered('vs_trl').command}`")

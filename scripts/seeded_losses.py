@@ -8,7 +8,10 @@ Arms (3 steps each, same seed, vowel-fraction toy reward so every group has sign
   sdpo      channel 1 + alpha * SDPO JSD (template hints at every failed sample)
 Each arm runs through `meshrl train`'s own entry point with real Monarch processes and the real
 vLLM engine. `--compare` prints the largest relative difference per arm and metric and exits 1
-when one exceeds `--rtol`.
+when one exceeds `--rtol`; it reads a file this script wrote or a recorded before/after comparison
+(`benchmarks/results/*_seeded_losses.json`: it compares with that file's `after`). The figures are
+reproducible on one machine type only: on another CPU (a different vector unit) they agree at the
+first step to about 1e-4 and then drift, so compare runs made on the same kind of CPU.
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ def run_arm(name: str, overrides: list[str], out_dir: Path) -> list[dict]:
     return [{k: r[k] for k in METRICS if k in r} for r in train]
 
 
+def load_arms(path: Path) -> dict[str, list[dict]]:
+    """The per-step metrics of each arm in ``path``: this script's output, or the ``after`` of a
+    recorded before/after comparison."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and isinstance(data.get("after"), dict):
+        data = data["after"]
+    if not (isinstance(data, dict) and data
+            and all(isinstance(v, list) and all(isinstance(s, dict) for s in v) for v in data.values())):
+        raise ValueError(f"{path}: not a seeded-losses file (arm -> list of per-step metrics, or a "
+                         "recorded comparison with an 'after' of that shape)")
+    return data
+
+
 def compare(now: dict, before: dict, rtol: float) -> bool:
     ok = True
     for arm, steps in before.items():
@@ -64,12 +80,13 @@ def main() -> int:
     parser.add_argument("--compare", type=Path, help="a JSON written by an earlier run to compare against")
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest accepted relative difference")
     args = parser.parse_args()
+    before = load_arms(args.compare) if args.compare else None  # a bad file fails before the runs
     with tempfile.TemporaryDirectory() as tmp:
         result = {name: run_arm(name, overrides, Path(tmp)) for name, overrides in ARMS.items()}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    if args.compare:
-        return 0 if compare(result, json.loads(args.compare.read_text()), args.rtol) else 1
+    if before is not None:
+        return 0 if compare(result, before, args.rtol) else 1
     return 0
 
 

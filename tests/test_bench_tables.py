@@ -244,3 +244,21 @@ def test_a_generation_result_of_the_hf_paths_only_renders_their_ratio():
     text = tables.generation({**result, "device": "NVIDIA H200", "rows": rows, "ratio_static_vs_eager": 3.5})
     assert "on NVIDIA H200" in text and "HF static path / HF eager path: 3.50x tokens/s." in text
     assert "vLLM / HF" not in text
+
+
+def test_the_headline_names_the_cpu_and_shows_the_curves_of_other_cpus(repo):
+    """With default_job_cpus.json the headline's curve names its CPU, each other CPU's curve is a
+    row of the same table (aligned by step, a dash where it has no eval), and one line says how curves
+    vary across machines."""
+    results, docs, readme = repo
+    other = {"runs": [{"machine": "x86_64, Other CPU (AVX-512), 2 cores", "date": "2030-01-03", "commit": "def5678",
+                       "measured": "by hand", "repeats": 2, "identical": True, "mean_step_s": 18.5,
+                       "eval": [{"step": 0, "accuracy": 0.065}, {"step": 8, "accuracy": 0.09}]}]}
+    (results / "default_job_cpus.json").write_text(json.dumps(other))
+    assert tables.main(paths(*repo)) == 0
+    out = headline(readme)
+    assert "| held-out greedy accuracy, Test CPU | 6.5% | 12.5% |" in out
+    assert "| the same job, Other CPU (AVX-512) | 6.5% | — |" in out
+    assert "differ across CPU types" in out and "twice in a row, identically, mean step 18.5 s" in out
+    assert "(by hand; 2030-01-03, commit def5678)" in out
+    assert tables.cpu_of("x86_64, 2 cores") is None and tables.cpu_of("x86_64, AMD EPYC, 2 cores") == "AMD EPYC"

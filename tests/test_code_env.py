@@ -294,3 +294,71 @@ def test_run_episode_and_trajectory_files(sb, tmp_path):
     path = save_trajectories(tmp_path / "runs" / "traj.jsonl", [tr, tr])
     back = load_trajectories(path)
     assert len(back) == 2 and back[0]["episode_id"] == "played" and back[0]["turns"][1]["tests_passed"] == 5
+
+
+# ----------------------------------------------------------------------------- grading anomalies
+
+FORGER = "```python\nimport os\nos._exit(0)\n```"
+
+
+def test_an_attempt_that_tampers_is_graded_zero_and_flagged(sb):
+    env = env_for(sb, max_turns=2)
+    env.reset(episode_id="probe")
+    obs = env.step(CodeAction(text=FORGER))
+    assert obs.error_kind == "grading_anomaly" and obs.metadata["grading_anomaly"] == "early_exit"
+    assert obs.metadata["tests_passed"] == 0 and obs.reward == 0.0 and not obs.metadata["exec_ok"]
+    assert obs.hint_template_key == "code.grading_anomaly" and "interfered with the grader" in obs.metadata["hint"]
+    obs = env.step(CodeAction(text=GOOD))
+    assert obs.metadata["success"] and obs.metadata["grading_anomaly"] is None
+    tr = env.trajectory()
+    assert tr["grading_anomalies"] == [{"t": 0, "anomaly": "early_exit"}]
+    assert [t["grading_anomaly"] for t in tr["turns"]] == ["early_exit", None]
+
+
+def test_the_rollout_counts_anomalies_per_step(sb):
+    """`reward/grading_anomalies` counts the turns that tampered, over the step's episodes, and each
+    episode's trajectory carries its own count (its env record lists the turns)."""
+    from meshrl.config.env import EnvConfig
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.controller.rollout import Counters
+    from meshrl.engines import Completion, SampleRequest
+    from meshrl.envs.episode_host import EpisodeHost
+    from meshrl.envs.hosting import CodeEnvSource
+
+    replies = iter([FORGER, WRONG, FORGER, GOOD])  # episode a: forger, forger; episode b: wrong, good
+    env_host = EpisodeHost(CodeEnvSource(EnvConfig(sandbox=sb.cfg, code=CodeEnvConfig(max_turns=2))))
+
+    def host(endpoint, args):  # the env mesh's part (EnvActor's endpoints, in process)
+        if endpoint == "finish":
+            return {"episodes": env_host.finish(args), "counts": dict(env_host.counts)}
+        return getattr(env_host, endpoint)(args)
+
+    class Client:
+        version = 0
+
+        def supervised(self, mesh, fn, what):
+            return fn()
+
+        def procs(self, mesh):
+            return 1
+
+        def per_rank(self, mesh, endpoint, by_rank):
+            return {r: host(endpoint, a) for r, a in by_rank.items()}
+
+        def generate(self, prompts, request, timings=None):
+            return [[Completion([7], [0.0], "stop", next(replies), meta={"replica": 0})] for _ in prompts]
+
+    class Renderer:
+        def build_generation_prompt(self, messages):
+            return [1, 2]
+
+        def bridge(self, tokens, messages):
+            return [3]
+
+    rollout = EpisodeRollout(Client(), Renderer(), 4096, Counters())
+    trajectories, metrics = rollout.collect([task_by_id("meshrl/clamp")], 2, SampleRequest(max_tokens=16), "t")
+    env_host.close()
+    assert metrics["reward/grading_anomalies"] == 2
+    assert sorted(t.info["grading_anomalies"] for t in trajectories) == [0, 2]
+    flagged = [r for r in rollout.episode_records if r["grading_anomalies"]]
+    assert len(flagged) == 1 and [x["anomaly"] for x in flagged[0]["grading_anomalies"]] == ["early_exit"] * 2

@@ -3,6 +3,7 @@ the env mesh hosting each form (a class in its processes, openenv-core's server 
 a meshrl remote server at a URL), SDPO on the environment's error sites with its own hint templates,
 trace replay by real HTTP teachers, a killed environment server survived, and `meshrl eval` on the task."""
 
+import json
 import os
 import signal
 import threading
@@ -11,9 +12,13 @@ import time
 import psutil
 import pytest
 
+from meshrl.config.base import load_config
+from meshrl.config.sft import SFTRunConfig
+from meshrl.controller.sft import sft_main
 from meshrl.controller.train import make_run_dir, run_training
 from meshrl.metrics.records import read_metrics
 from meshrl.testing.fake_openai import FakeOpenAIServer
+from tests.conftest import TINY_RUN
 
 pytestmark = pytest.mark.monarch
 
@@ -33,10 +38,12 @@ def _teachers(url):
     return "replay.teachers.teachers=[" + ", ".join(entries) + "]"
 
 
-def test_a_class_environment_trains_on_all_three_channels(tiny_run_config, tiny_session):
+@pytest.mark.timeout(900)  # a 3-step run with both channels, then two fine-tuning runs on its files
+def test_a_class_environment_trains_on_all_three_channels_and_keeps_its_data(tiny_run_config, tiny_session, tmp_path):
     """`VowelChatEnv` (a meshrl class, no history of its own) in the env mesh's processes: its
     `few_vowels` error sites become SDPO sites with the environment's own hint template, failing
-    episodes are replayed turn by turn to two teachers that agree, and their pairs are trained."""
+    episodes are replayed turn by turn to two teachers that agree, and their pairs are trained. The
+    run keeps its episodes and pairs, and `meshrl sft` trains on each file."""
     with FakeOpenAIServer({"m": "aeiou aeiou"}) as server:
         cfg = tiny_run_config("output.name=env-class", "trainer.steps=3", *COMMON,
                               "task.env.factory=meshrl.testing.envs:VowelChatEnv", "task.env.success_reward=0.9",
@@ -44,7 +51,7 @@ def test_a_class_environment_trains_on_all_three_channels(tiny_run_config, tiny_
                               "sdpo.alpha=0.5", "sdpo.teacher=learner", "replay.beta=0.5", "replay.pool.procs=1",
                               "replay.select=all", "replay.teachers.canonicaliser=text", "replay.teachers.agreement_k=2",
                               _teachers(server.base_url))
-        _, _, train, _ = _run(cfg, tiny_session)
+        run_dir, _, train, _ = _run(cfg, tiny_session)
         contexts = [r.body["messages"] for r in server.chat_requests("m")]
     assert [r["step"] for r in train] == [1, 2, 3]
     last = train[-1]
@@ -58,6 +65,28 @@ def test_a_class_environment_trains_on_all_three_channels(tiny_run_config, tiny_
     # carries its first reply and the environment's "Once more."
     second = [c for c in contexts if any(m["content"] == "Once more." for m in c)]
     assert second and all([m["role"] for m in c][-3:] == ["user", "assistant", "user"] for c in second)
+
+    # the data kept: every episode of every step (token ids as sampled, the environment's own record
+    # merged by episode id, its error sites), and every pair the teachers agreed on
+    episodes = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in episodes] == [s for s in (1, 2, 3) for _ in range(8)]
+    for r in episodes:
+        assert r["kind"] == "trajectory" and r["episode_id"] and r["step_count"] == 2  # VowelChatEnv's state
+        assert len(r["tokens"]) == len(r["logprobs"]) == len(r["mask"]) and 0 in r["mask"] and 1 in r["mask"]
+        assert r["termination"] in ("success", "done") and r["version"] == r["step"] - 1
+    assert any(site["error_kind"] == "few_vowels" for r in episodes for site in r["error_sites"])
+    pairs = [json.loads(line) for line in (run_dir / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and all(p["agreement"] == "2 of 2" and p["chosen_text"] == "aeiou aeiou" for p in pairs)
+    assert len([p for p in pairs if p["status"] == "buffered"]) == last["replay/dpo_items"]
+
+    # meshrl sft on the best episodes (token in, token out) and offline DPO on the pairs
+    best = sorted(r["reward"] for r in episodes)[-4]
+    for name, data in (("sft", [f"sft.trajectories={run_dir / 'trajectories.jsonl'}", f"sft.min_reward={best}"]),
+                       ("dpo", [f"sft.pairs={run_dir / 'pairs.jsonl'}"])):
+        sft_cfg = load_config(SFTRunConfig, None, [*TINY_RUN, f"output.dir={tmp_path}", f"output.name={name}",
+                                                   "trainer.checkpoint.export_final=false", "sft.steps=2", *data])
+        assert sft_main(sft_cfg, session=tiny_session) == 0
+        assert len([r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"]) == 2
 
 
 def _server_pids(name: str) -> list[int]:
@@ -126,8 +155,6 @@ def test_a_meshrl_remote_server_at_a_url_and_meshrl_eval_on_it(tiny_run_config, 
         assert eval_main(str(run_dir / "final_model"), overrides=["trainer.eval.size=4"], out=str(out)) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "held-out env, 4 episodes, greedy: success rate" in line and "mean return" in line
-    import json
-
     result = json.loads(out.read_text())
     assert result["eval/n"] == 4 and 0.0 < result["eval/reward_mean"] <= 2.0
     assert [t["id"] for t in result["tasks"]] == [f"seed{i}" for i in range(4)]

@@ -1,4 +1,4 @@
-"""Sandbox API: probe, run, files, stdin, side channel, limits, classification, concurrency."""
+"""Sandbox API: probe, run, files, stdin, conversations, limits, classification, concurrency."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from meshrl.envs.sandbox import (
     SandboxJob,
     SandboxUnavailable,
 )
+from meshrl.envs.sandbox_channel import ChannelClosed, ChannelTimeout
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +89,61 @@ def test_bad_file_names_rejected(sb):
             sb.run({name: "x"}, ["python", "-c", "pass"])
 
 
-def test_side_channel(sb):
-    code = "import os\nos.write(int(os.environ['MESHRL_SIDE_FD']), b'report')\nprint('visible')\n"
-    r = sb.run({"a.py": code}, ["python", "a.py"], side_channel=True)
-    assert r.side_channel == "report" and r.stdout == "visible\n"
-    r = sb.run({"a.py": "import os\nprint(os.environ.get('MESHRL_SIDE_FD'))"}, ["python", "a.py"])
-    assert r.stdout == "None\n" and r.side_channel == ""
+_ECHO = (
+    "import os\n"
+    "req = os.fdopen(int(os.environ['MESHRL_CALL_FD']), 'rb')\n"
+    "rep = os.fdopen(int(os.environ['MESHRL_REPLY_FD']), 'wb', buffering=0)\n"
+    "print('visible')\n"
+    "for line in req:\n"
+    "    rep.write(line.upper())\n"
+)
+
+
+def test_converse(sb):
+    """The host's request lines reach the program and its reply lines come back, apart from its
+    output; the end of the conversation closes its requests and it exits by itself."""
+    def talk(ch):
+        out = []
+        for word in (b"a", b"bc" * 50000):
+            ch.send(word, 2.0)
+            out.append(ch.recv(2.0))
+        return out
+
+    value, r = sb.converse({"a.py": _ECHO}, ["python", "a.py"], talk, timeout_s=5)
+    assert value == [b"A", b"BC" * 50000] and r.stdout == "visible\n"
+    assert r.exit_code == 0 and not r.stopped and r.error_kind is None
+    r = sb.run({"a.py": "import os\nprint(os.environ.get('MESHRL_CALL_FD'))"}, ["python", "a.py"])
+    assert r.stdout == "None\n"
+
+
+def test_converse_silent_dead_and_stubborn_programs(sb):
+    """A program that does not answer times the conversation out, one that exits closes it, and
+    one still running when the conversation is over is killed within the grace."""
+    def ask(ch):
+        ch.send(b"x", 1.0)
+        with pytest.raises(ChannelTimeout):
+            ch.recv(0.3)
+        return "gave up"
+
+    t = time.monotonic()
+    value, r = sb.converse({"a.py": "import time\ntime.sleep(30)\n"}, ["python", "a.py"], ask, timeout_s=20)
+    assert value == "gave up" and r.stopped and not r.timed_out and time.monotonic() - t < 5
+
+    def wait_end(ch):
+        with pytest.raises(ChannelClosed):
+            ch.recv(5.0)
+        with pytest.raises(ChannelClosed):  # and it stays closed
+            ch.recv(5.0)
+        return "closed"
+
+    value, r = sb.converse({"a.py": "print(1)"}, ["python", "a.py"], wait_end, timeout_s=5)
+    assert value == "closed" and r.exit_code == 0 and not r.stopped
+
+    def boom(ch):
+        raise KeyError("the conversation's own error")
+
+    with pytest.raises(KeyError):
+        sb.converse({"a.py": _ECHO}, ["python", "a.py"], boom, timeout_s=5)
 
 
 def test_minimal_environment(sb):

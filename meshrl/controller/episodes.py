@@ -5,10 +5,11 @@ until the episode ends.
 
 Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
 Its info carries what the other channels need: the turns (context, action, token span), per turn
-its error (kind, the environment's hint and error text; None for a turn with no error), and for a
-failed episode the error kind and hint of its last turn. An episode the environment failed
-(`env_error`), or whose late reward never came, is left out of its group and counted; a late reward
-that came is added to its episode's return.
+its error (kind, the environment's hint and error text; None for a turn with no error), for a
+failed episode the error kind and hint of its last turn, and how many of its turns tampered with
+grading (`grading_anomalies`; the step counts them as `reward/grading_anomalies`). An episode the
+environment failed (`env_error`), or whose late reward never came, is left out of its group and
+counted; a late reward that came is added to its episode's return.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _Episode:
     turns: list[tuple] = field(default_factory=list)  # (context, action text, start, end)
     turn_errors: list[dict | None] = field(default_factory=list)  # per turn; None: it solved the task
     reward: float = 0.0
+    anomalies: int = 0  # turns graded as tampering with the grader
     last: dict = field(default_factory=dict)
     text: str = ""
     finish_reason: str = ""
@@ -85,6 +87,7 @@ class EpisodeRollout:
         return trajectories, {"timing/generate_s": time.perf_counter() - t0,
                               "episodes/mean_turns": sum(len(t.info["turns"]) for t in trajectories) / n,
                               "episodes/success": sum(bool(t.info["correct"]) for t in trajectories) / n,
+                              "reward/grading_anomalies": sum(t.info["grading_anomalies"] for t in trajectories),
                               **extra}
 
     def _env(self, endpoint: str, per_episode: list[tuple["_Episode", object]], counts: Counter | None = None) -> list:
@@ -142,6 +145,7 @@ class EpisodeRollout:
             for ep, result in zip(active, results):
                 ep.turns[-1][0] = result["context"]
                 ep.turn_errors.append(_turn_error(result))
+                ep.anomalies += bool(result.get("grading_anomaly"))
                 ep.reward += result["reward"]
                 ep.last = result
                 if result["done"]:
@@ -187,6 +191,7 @@ def _trajectory(ep: _Episode) -> Trajectory:
     success = bool(last.get("success"))
     info = {"correct": success, "termination": ep.termination, "turns": [tuple(t) for t in ep.turns],
             "turn_errors": list(ep.turn_errors), "tests_passed": last.get("tests_passed"),
+            "grading_anomalies": ep.anomalies,
             "tests_total": last.get("tests_total")}
     if not success and ep.turns:
         # a failed episode whose last turn named no error is still a failure (trace replay selects it)

@@ -38,6 +38,7 @@ ERROR_KINDS: dict[str, str] = {
     "wrong_format": "no code could be found in the reply",
     "tool_not_found": "the reply called a tool (or program) that does not exist",
     "sandbox_error": "the sandbox itself failed to run the code",
+    "grading_anomaly": "the code tampered with grading (forged replies, exited early, printed fake reports); graded 0",
 }
 
 

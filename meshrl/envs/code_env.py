@@ -12,6 +12,11 @@ environment's own copy of the conversation gives ``state_at(t)``: exactly the me
 had seen before its action at step ``t`` (for teacher replay), and ``trajectory()`` records the
 episode (turns, code, outputs, rewards, termination reason) as JSON.
 
+An attempt that tampers with grading (``meshrl.envs.grading.ANOMALIES``: forged replies, exiting
+before the tests are over, fake reports) is graded 0; its turn records the anomaly
+(``grading_anomaly``) and ``trajectory()`` lists every such turn (``grading_anomalies``), so the
+run's owner can see a policy probing the grader.
+
 Rewards (``CodeEnvConfig``): ``tests_weight`` x fraction of hidden tests passed, ``success_bonus``
 when all pass, ``exec_success_weight`` when the code ran without an error of its own,
 ``-turn_limit_penalty`` when the turn limit ends a failed episode and ``-turn_cost`` per extra
@@ -53,6 +58,7 @@ HINT_TEMPLATES: dict[str, str] = {
     "code.wrong_format": "Put the complete function in a ```python code block.",
     "code.tool_not_found": "Only the tools run_python and submit exist; call one with {{\"code\": ...}}.",
     "code.sandbox_error": "The sandbox failed to run the code; try again.",
+    "code.grading_anomaly": "Your code interfered with the grader ({error}), so the attempt scores 0. Only define the function and return its result.",
 }
 
 
@@ -193,6 +199,7 @@ class CodeEnv(Environment):
         hint_key = f"code.{error_kind}" if error_kind else None
         error_text = parsed.error if result is None else result.error_text
         ex = result.exec if result is not None else None
+        anomaly = result.anomaly if result is not None else None
         turn = {
             "t": t,
             "action": action.text,
@@ -207,6 +214,7 @@ class CodeEnv(Environment):
             "reward": reward,
             "done": done,
             "termination": termination,
+            "grading_anomaly": anomaly,
             "exec": None if ex is None else {
                 "exit_code": ex.exit_code,
                 "timed_out": ex.timed_out,
@@ -246,6 +254,7 @@ class CodeEnv(Environment):
                 "hint": hint_text(hint_key, error=_first_line(error_text), passed=passed, total=total,
                                   failed=total - passed, entry_point=self.task.entry_point),
                 "layer": ex.layer if ex is not None else None,
+                "grading_anomaly": anomaly,
                 "message": {"role": cfg.feedback_role, "content": feedback},
             },
         )
@@ -290,6 +299,8 @@ class CodeEnv(Environment):
             "rewards": list(self._rewards),
             "tests_total": len(t.tests),
             "final_tests_passed": self._turns[-1]["tests_passed"] if self._turns else 0,
+            "grading_anomalies": [{"t": x["t"], "anomaly": x["grading_anomaly"]} for x in self._turns
+                                  if x["grading_anomaly"]],
             "turns": [dict(x) for x in self._turns],
             "messages": [dict(m) for m in self._messages],
             "layer": self.sandbox.layer,

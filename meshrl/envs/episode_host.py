@@ -214,7 +214,9 @@ class EpisodeHost:
                 "success": success, "reward_pending": pending, "error_kind": error_kind,
                 "hint_template_key": obs.hint_template_key, "hint": meta.get("hint"),
                 "error_text": meta.get("error_text") if isinstance(meta.get("error_text"), str) else None,
-                "tests_passed": meta.get("tests_passed"), "tests_total": meta.get("tests_total"), "context": context}
+                "tests_passed": meta.get("tests_passed"), "tests_total": meta.get("tests_total"),
+                "grading_anomaly": meta.get("grading_anomaly") if isinstance(meta.get("grading_anomaly"), str) else None,
+                "context": context}
 
     def _success(self, meta: dict, episode_return: float) -> bool:
         if isinstance(meta.get("success"), bool):

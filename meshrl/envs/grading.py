@@ -1,31 +1,73 @@
-"""Judge a candidate solution of a ``CodeTask`` in the sandbox with its hidden tests.
+"""Judge a candidate solution of a ``CodeTask`` with its hidden tests, where the candidate cannot reach.
 
-``grade(task, code, sandbox)`` runs the in-sandbox harness (``meshrl.envs._harness``) and turns
-its side-channel report plus the execution result into a :class:`GradeResult`: tests passed,
-per-test outcomes, and one ``error_kind`` for the attempt. ``grade_many`` judges a batch
-concurrently (the single-turn reward function, and task-set validation).
+``grade(task, code, sandbox)`` returns a :class:`GradeResult`: tests passed, per-test outcomes, one
+``error_kind`` for the attempt and, when the attempt tampered with grading, the ``anomaly``.
+``grade_many`` judges a batch concurrently (task-set validation, the oracle teacher, benchmarks).
+
+What runs where, and why the candidate cannot decide its verdict: the grader is this module, in
+the calling process; it alone holds the tests, the expected values and the verdict. The
+candidate's code runs in a sandboxed worker process (``meshrl.envs._worker``, one per attempt,
+reused across its tests, started by ``Sandbox.converse``) that receives only *calls* -- the
+arguments -- and sends back only the *value* its function returned, as data (JSON with tags,
+rebuilt into builtin types by ``_worker.decode``; never pickle, never eval). Every test runs here:
+a ``call`` test evaluates its expression and compares the decoded value strictly (``same``) with
+its expected literal; a ``code`` test (HumanEval's asserts) executes its statements here with
+``candidate`` and the entry point's name bound to a proxy whose calls go to the worker. The worker
+never holds a test, an expected value or a verdict, and its only descriptors to the host are its
+two pipes; so whatever its code does in its own process -- patch json, math, builtins or the
+worker, walk frames or the garbage collector, write to every descriptor, exit, signal, return an
+object whose ``__eq__`` lies -- it yields at most a wrong value or a broken conversation.
+
+Anomalies: what an honest worker never does -- a reply that is not data or not the answer to the
+call in flight, replies nobody asked for, exiting by itself before the tests are over, lines on
+its output shaped like a grading report -- grade the attempt 0 with ``error_kind``
+``grading_anomaly`` and ``anomaly`` naming which (``ANOMALIES``); the code environment flags the
+episode and the run counts them (``reward/grading_anomalies``).
+
+What a test can observe of the candidate is the values it returns and the errors it raises (as
+``CandidateError``, whatever their type): a test that checks an argument mutated in place, or
+catches a particular exception type from the candidate, cannot pass. No bundled or HumanEval test
+does either. Values cross as data only, so a function returning anything but builtin data (a
+generator, an object of its own class) fails the test.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import json
+import math
+import secrets
+import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from meshrl.envs._worker import CodecError, decode, encode, format_exc
+from meshrl.envs.base import ERROR_KINDS
 from meshrl.envs.exec_errors import exception_kind
-from meshrl.envs.sandbox import ExecResult, Sandbox, SandboxJob
+from meshrl.envs.sandbox import ExecResult, Sandbox
+from meshrl.envs.sandbox_channel import Channel, ChannelClosed, ChannelTimeout
 from meshrl.envs.tasks import CodeTask
 
 SOLUTION_FILE = "solution.py"
-HARNESS_FILE = "_meshrl_harness.py"
+WORKER_FILE = "_meshrl_worker.py"
+MAX_TEXT = 2000
+
+#: what an attempt that tampers with grading did (``GradeResult.anomaly``)
+ANOMALIES: dict[str, str] = {
+    "channel_tampering": "the worker's replies were not answers to the grader's calls (forged, malformed or unasked)",
+    "early_exit": "the program exited by itself before the tests were over",
+    "forged_report": "the program printed lines shaped like a grading report",
+}
 
 
 @lru_cache(maxsize=1)
-def harness_source() -> str:
-    return (Path(__file__).resolve().parent / "_harness.py").read_text()
+def worker_source() -> str:
+    return (Path(__file__).resolve().parent / "_worker.py").read_text()
 
 
 @dataclass
@@ -55,7 +97,9 @@ class GradeResult:
     tests: list[TestOutcome] = field(default_factory=list)
     exec: ExecResult | None = None
     complete: bool = True
-    """The harness reported every test (False when the run was killed part-way)."""
+    """Every test was judged (False when the run was killed part-way)."""
+    anomaly: str | None = None
+    """The attempt tampered with grading (a key of ``ANOMALIES``); it is graded 0."""
 
     @property
     def fraction(self) -> float:
@@ -68,7 +112,7 @@ class GradeResult:
     @property
     def exec_ok(self) -> bool:
         """The code loaded and no test died of an error of the code's own (wrong answers are fine)."""
-        if not self.loaded or not self.complete:
+        if not self.loaded or not self.complete or self.anomaly:
             return False
         return all(t.passed or t.kind == "test_failure" for t in self.tests)
 
@@ -79,63 +123,228 @@ class GradeResult:
         return d
 
 
-def job_for(task: CodeTask, code: str, exec_timeout: float, test_timeout: float) -> SandboxJob:
-    """The sandbox job that grades ``code`` against ``task`` (the reference is never included)."""
-    spec = task.harness_spec(test_timeout, SOLUTION_FILE)
-    return SandboxJob(
-        files={SOLUTION_FILE: code, HARNESS_FILE: harness_source()},
-        argv=["python", HARNESS_FILE],
-        timeout_s=exec_timeout,
-        stdin=json.dumps(spec),
-        side_channel=True,
-    )
+def same(got: Any, exp: Any) -> bool:
+    """Strict equality against a literal: the same builtin type, recursively (an int is accepted
+    for a float), floats within a tolerance, NaN only for NaN."""
+    if isinstance(exp, float) and type(got) in (int, float):
+        if math.isnan(exp):
+            return isinstance(got, float) and math.isnan(got)
+        return math.isclose(got, exp, rel_tol=1e-6, abs_tol=1e-9)
+    if type(got) is not type(exp):
+        return False
+    if type(exp) in (list, tuple):
+        return len(got) == len(exp) and all(same(g, e) for g, e in zip(got, exp))
+    if type(exp) is dict:
+        return len(got) == len(exp) and all(k in got and same(got[k], v) for k, v in exp.items())
+    return got == exp
 
 
-def parse(task: CodeTask, res: ExecResult) -> GradeResult:
-    """Combine the harness's report with how the execution ended."""
-    events = []
-    for line in res.side_channel.splitlines():
+class CandidateError(Exception):
+    """The candidate's function raised, in its own process; the error as the worker reported it."""
+
+    def __init__(self, reply: dict):
+        self.error_type = _text(reply.get("error_type") or "Exception", 100)
+        self.message = _text(reply.get("error_message") or "", 300)
+        self.text = _text(reply.get("error") or self.error_type)
+        self.kind = reply.get("kind") if reply.get("kind") in ERROR_KINDS else None
+        super().__init__(self.text)
+
+
+class _Stop(BaseException):
+    """Ends the tests (the worker hung, ended or tampered); test code cannot catch it."""
+
+
+def _text(value: Any, limit: int = MAX_TEXT) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 15] + "... [truncated]"
+
+
+def _in_tests(filename: str) -> bool:
+    return filename.startswith("<test")
+
+
+class _Judge:
+    """One attempt's grading: the conversation with its worker (``talk``) and the verdict
+    (``result``)."""
+
+    def __init__(self, task: CodeTask, test_timeout: float, exec_timeout: float):
+        self.task, self.limit, self.exec_timeout = task, test_timeout, exec_timeout
+        self.channel: Channel | None = None
+        self.load: dict | None = None
+        self.outcomes: list[TestOutcome] = []
+        self.done = self.hung = self.ended = False
+        self.anomaly: str | None = None
+        self.anomaly_text = ""
+        self.deadline = 0.0
+
+    # ---------------------------------------------------------------- the conversation
+    def talk(self, channel: Channel) -> None:
+        self.channel = channel
         try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "event" in obj:
-            events.append(obj)
-    total = len(task.tests)
-    load = next((e for e in events if e["event"] == "load"), None)
-    outcomes: dict[int, TestOutcome] = {}
-    for e in events:
-        if e["event"] == "test" and isinstance(e.get("index"), int) and 0 <= e["index"] < total:
-            kind = e.get("kind")
-            if not e.get("passed") and kind is None:
-                kind = exception_kind(e.get("error_type") or "", e.get("error_message") or e.get("error") or "")
-            outcomes[e["index"]] = TestOutcome(
-                e["index"], bool(e.get("passed")), kind, e.get("error_type"), e.get("error"), e.get("got")
-            )
-    done = any(e["event"] == "done" for e in events)
-    tests = [outcomes[i] for i in sorted(outcomes)]
-    passed = sum(t.passed for t in tests)
-    loaded = bool(load and load.get("ok"))
+            self._run_tests()
+        except _Stop:
+            pass
 
-    if load is not None and not load.get("ok"):
-        kind = load.get("kind") or exception_kind(load.get("error_type") or "", load.get("error_message") or load.get("error") or "")
-        return GradeResult(0, total, False, kind, load.get("error") or "", [], res, True)
-    if not done:
-        # killed part-way (timeout, output flood, crash, os._exit): the execution says why
-        kind = res.error_kind or ("runtime_error" if res.exit_code not in (0, None) else "runtime_error")
-        if load is None and res.error_kind is None:
-            kind = "runtime_error"
-        text = _exec_error_text(res)
-        return GradeResult(passed, total, loaded, kind, text, tests, res, False)
-    if passed == total:
-        return GradeResult(passed, total, True, None, "", tests, res, True)
-    failing = [t for t in tests if not t.passed]
-    kinds = Counter(t.kind for t in failing)
-    # an error of the code's own says more than a wrong answer
-    non_answer = [k for k in kinds if k not in ("test_failure", None)]
-    kind = max(non_answer, key=lambda k: kinds[k]) if non_answer else "test_failure"
-    first = next((t for t in failing if t.kind == kind), failing[0])
-    return GradeResult(passed, total, True, kind, first.error or "", tests, res, True)
+    def _run_tests(self) -> None:
+        t = self.task
+        self.deadline = time.monotonic() + self.exec_timeout  # the interpreter starting (the sandbox's clock bounds it)
+        self._reply()
+        self.deadline = time.monotonic() + self.limit
+        self.load = self._ask({"op": "load", "solution": SOLUTION_FILE, "entry_point": t.entry_point,
+                               "preamble": t.preamble})
+        if not self.load["ok"]:
+            return
+        tns: dict[str, Any] = {"__name__": "__tests__", "__builtins__": builtins}
+        if t.preamble:
+            exec(compile(t.preamble, "<preamble>", "exec"), tns)
+        if t.test_setup:
+            exec(compile(t.test_setup, "<test setup>", "exec"), tns)
+
+        def candidate(*args: Any, **kwargs: Any) -> Any:
+            return self._call(args, kwargs)
+
+        candidate.__name__ = t.entry_point
+        tns[t.entry_point] = tns["candidate"] = candidate
+        for i, test in enumerate(t.tests):
+            if self.hung:  # one test hung: the rest would too, and the worker is gone
+                self.outcomes.append(TestOutcome(i, False, "timeout", "Timeout", "not run: an earlier test took too long"))
+                continue
+            self.deadline = time.monotonic() + self.limit
+            self.outcomes.append(self._judge(i, test, tns))
+        self.done = True
+
+    def _judge(self, i: int, test, tns: dict) -> TestOutcome:
+        name = f"<test {i}>"
+        try:
+            if test.call is not None:
+                got = eval(compile(test.call, name, "eval"), tns)
+                if same(got, ast.literal_eval(test.expected)):
+                    return TestOutcome(i, True)
+                return TestOutcome(i, False, "test_failure", got=_text(repr(got), 300))
+            exec(compile(test.code, name, "exec"), tns)
+            return TestOutcome(i, True)
+        except _Stop:
+            if not self.hung:
+                raise
+            return TestOutcome(i, False, "timeout", "Timeout", f"the test took longer than {self.limit:.1f} s")
+        except AssertionError as e:
+            return TestOutcome(i, False, "test_failure", "AssertionError", _text(str(e), 300))
+        except CandidateError as e:
+            kind = e.kind or ("test_failure" if e.error_type == "AssertionError" else exception_kind(e.error_type, e.message))
+            return TestOutcome(i, False, kind, e.error_type, e.text)
+        except Exception as e:  # noqa: BLE001 -- the test's own statements failed on the value returned
+            return TestOutcome(i, False, exception_kind(type(e).__name__, str(e)), type(e).__name__,
+                               format_exc(e, _in_tests))
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            request = {"op": "call", "id": secrets.token_hex(8), "args": encode(list(args)),
+                       "kwargs": {k: encode(v) for k, v in kwargs.items()}}
+        except CodecError as e:
+            raise TypeError(f"the test's argument cannot be sent to the candidate: {e}") from None
+        reply = self._ask(request)
+        if reply.get("id") != request["id"]:
+            self._tampered("a reply to a call it was not asked")
+        if not reply["ok"]:
+            raise CandidateError(reply)
+        try:
+            return decode(reply["value"])
+        except (KeyError, CodecError, RecursionError):
+            self._tampered("a value that is not data")
+
+    def _ask(self, request: dict) -> dict:
+        """Send one request, wait for its reply until the current deadline."""
+        assert self.channel is not None
+        self._io(self.channel.send, json.dumps(request).encode(), max(self.deadline - time.monotonic(), 0.0))
+        return self._reply()
+
+    def _reply(self) -> dict:
+        """The worker's next reply, by the current deadline."""
+        assert self.channel is not None
+        line = self._io(self.channel.recv, self.deadline - time.monotonic())
+        try:
+            reply = json.loads(line)
+        except (ValueError, RecursionError):
+            self._tampered("a reply that is not JSON")
+        if type(reply) is not dict or type(reply.get("ok")) is not bool:
+            self._tampered("a reply that is not an answer")
+        return reply
+
+    def _io(self, op, *args):
+        """A channel operation; the worker hanging (it is killed) or gone ends the tests."""
+        assert self.channel is not None
+        try:
+            return op(*args)
+        except ChannelTimeout:
+            self.hung = True
+            self.channel.stop()
+            raise _Stop() from None
+        except ChannelClosed:
+            self.ended = True
+            raise _Stop() from None
+
+    def _tampered(self, what: str):
+        self.anomaly, self.anomaly_text = "channel_tampering", f"the program's worker sent {what}"
+        assert self.channel is not None
+        self.channel.stop()
+        raise _Stop()
+
+    # ---------------------------------------------------------------- the verdict
+    def result(self, res: ExecResult) -> GradeResult:
+        total = len(self.task.tests)
+        loaded = bool(self.load and self.load.get("ok"))
+        if res.error_kind == "sandbox_error" or self.channel is None:
+            return GradeResult(0, total, False, "sandbox_error", _exec_error_text(res), [], res, False)
+        anomaly, text = self._anomaly(res)
+        if anomaly:
+            return GradeResult(0, total, loaded, "grading_anomaly", text, [], res, self.done, anomaly)
+        if self.load is not None and not loaded:
+            kind = self.load.get("kind")
+            if kind not in ERROR_KINDS:
+                kind = exception_kind(_text(self.load.get("error_type") or "", 100),
+                                      _text(self.load.get("error_message") or self.load.get("error") or "", 300))
+            return GradeResult(0, total, False, kind, _text(self.load.get("error") or ""), [], res, True)
+        if self.load is None and self.hung:
+            return GradeResult(0, total, False, "timeout", f"loading the code took longer than {self.limit:.1f} s",
+                               [], res, True)
+        tests = self.outcomes
+        passed = sum(t.passed for t in tests)
+        if not self.done:  # killed part-way (timeout, output flood, crash): the execution says why
+            return GradeResult(passed, total, loaded, res.error_kind or "runtime_error", _exec_error_text(res),
+                               tests, res, False)
+        if passed == total:
+            return GradeResult(passed, total, True, None, "", tests, res, True)
+        failing = [t for t in tests if not t.passed]
+        kinds = Counter(t.kind for t in failing)
+        # an error of the code's own says more than a wrong answer
+        non_answer = [k for k in kinds if k not in ("test_failure", None)]
+        kind = max(non_answer, key=lambda k: kinds[k]) if non_answer else "test_failure"
+        first = next((t for t in failing if t.kind == kind), failing[0])
+        return GradeResult(passed, total, True, kind, first.error or "", tests, res, True)
+
+    def _anomaly(self, res: ExecResult) -> tuple[str | None, str]:
+        assert self.channel is not None
+        if self.anomaly:
+            return self.anomaly, self.anomaly_text
+        if self.channel.extra_lines and not self.hung:  # a call given up on may still be answered late
+            return "channel_tampering", f"the program's worker sent {self.channel.extra_lines} replies nobody asked for"
+        if self.ended and res.exit_code is not None and not (res.timed_out or res.output_limited):
+            return "early_exit", f"the program exited (status {res.exit_code}) before the tests were over"
+        for line in (res.stdout + "\n" + res.stderr).splitlines():
+            if _looks_like_report(line):
+                return "forged_report", f"the program printed a line shaped like a grading report: {_text(line, 200)}"
+        return None, ""
+
+
+def _looks_like_report(line: str) -> bool:
+    s = line.strip()
+    if not (s.startswith("{") and s.endswith("}")) or len(s) > 10_000:
+        return False
+    try:
+        obj = json.loads(s)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and ("passed" in obj or "event" in obj or ("id" in obj and "ok" in obj))
 
 
 def _exec_error_text(res: ExecResult) -> str:
@@ -149,6 +358,11 @@ def _exec_error_text(res: ExecResult) -> str:
     return tail or f"the program exited with status {res.exit_code} (signal {res.killed_signal})"
 
 
+def sandbox_files(code: str) -> dict[str, str]:
+    """What the candidate's sandbox holds: its code and the worker (never a test or the reference)."""
+    return {SOLUTION_FILE: code, WORKER_FILE: worker_source()}
+
+
 def grade(
     task: CodeTask,
     code: str,
@@ -156,10 +370,10 @@ def grade(
     exec_timeout: float = 10.0,
     test_timeout: float = 3.0,
 ) -> GradeResult:
-    """Run ``code`` against ``task``'s hidden tests in ``sandbox``."""
-    job = job_for(task, code, exec_timeout, test_timeout)
-    res = sandbox.run(job.files, job.argv, job.timeout_s, job.stdin, side_channel=True)
-    return parse(task, res)
+    """Run ``code`` against ``task``'s hidden tests: the code in ``sandbox``, the tests here."""
+    judge = _Judge(task, test_timeout, exec_timeout)
+    _, res = sandbox.converse(sandbox_files(code), ["python", WORKER_FILE], judge.talk, exec_timeout)
+    return judge.result(res)
 
 
 def grade_many(
@@ -171,6 +385,8 @@ def grade_many(
 ) -> list[GradeResult]:
     """Grade several (task, code) pairs concurrently; results in input order."""
     pairs = list(items)
-    jobs = [job_for(t, c, exec_timeout, test_timeout) for t, c in pairs]
-    results = sandbox.run_many(jobs, max_parallel=max_parallel)
-    return [parse(t, r) for (t, _), r in zip(pairs, results)]
+    if not pairs:
+        return []
+    n = max(1, min(max_parallel or sandbox.cfg.max_parallel, len(pairs)))
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="grade") as pool:
+        return list(pool.map(lambda p: grade(p[0], p[1], sandbox, exec_timeout, test_timeout), pairs))

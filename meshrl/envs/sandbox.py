@@ -51,11 +51,12 @@ which hostile cases the running layer cannot contain, and the hostile test-suite
 that reason) instead of passing them falsely.
 
 Not covered by either layer: CPU time shared with the host (no cgroup quota; wall and CPU limits
-bound it), and code that introspects the interpreter running it (the test harness shares the
-process with the candidate; see ``meshrl.envs._harness``).
+bound it). A program judged by the host talks to it over ``Sandbox.converse``'s two pipes (see
+``meshrl.envs.grading``: the verdict never comes from inside the sandbox).
 
-Error classification lives in ``meshrl.envs.exec_errors``, and process/uid handling (killing a
-uid's processes, the per-run uid lease) in ``meshrl.envs.sandbox_procs``.
+Error classification lives in ``meshrl.envs.exec_errors``, process/uid handling (killing a uid's
+processes, the per-run uid lease) in ``meshrl.envs.sandbox_procs``, and the host side of a
+conversation in ``meshrl.envs.sandbox_channel``.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from meshrl.config.env import SandboxConfig
 from meshrl.envs.exec_errors import classify
+from meshrl.envs.sandbox_channel import Channel
 from meshrl.envs.sandbox_procs import _is_root, _kill_uid, _proc_children, _UidLease
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: path of the work directory inside the bwrap sandbox
 SANDBOX_WORKDIR = "/work"
@@ -172,8 +175,8 @@ class ExecResult:
     """User + system CPU seconds of the whole process tree that was reaped."""
     output_limited: bool = False
     """The run was killed because its output passed the cap."""
-    side_channel: str = ""
-    """What the program wrote to the side-channel fd (``$MESHRL_SIDE_FD``), when requested."""
+    stopped: bool = False
+    """The program was killed because its conversation (``Sandbox.converse``) was over or gave up."""
 
     @property
     def ok(self) -> bool:
@@ -191,7 +194,6 @@ class SandboxJob:
     argv: list[str]
     timeout_s: float | None = None
     stdin: str | None = None
-    side_channel: bool = False
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,6 @@ class Sandbox:
                 ["python", "probe.py"],
                 timeout_s=20.0,
                 stdin=None,
-                side_channel=False,
             )
         except Exception as e:  # noqa: BLE001 -- any failure means the layer does not work
             return False, f"{type(e).__name__}: {e}"
@@ -367,14 +368,36 @@ class Sandbox:
         argv: list[str],
         timeout_s: float | None = None,
         stdin: str | bytes | None = None,
-        side_channel: bool = False,
     ) -> ExecResult:
         """Run ``argv`` in a fresh work directory holding ``files``.
 
         ``argv[0]`` of ``python``/``python3`` means the sandbox's interpreter; any other program
-        must exist inside the sandbox. With ``side_channel`` the program finds a writable fd number
-        in ``$MESHRL_SIDE_FD`` and what it writes there comes back in ``ExecResult.side_channel``.
+        must exist inside the sandbox.
         """
+        return self._run(files, argv, timeout_s, stdin, None)
+
+    def converse(
+        self,
+        files: Mapping[str, str | bytes],
+        argv: list[str],
+        talk: Callable[[Channel], T],
+        timeout_s: float | None = None,
+    ) -> tuple[T, ExecResult]:
+        """Run ``argv`` like ``run`` while ``talk(channel)``, on a thread of its own, holds a
+        conversation with it over a ``meshrl.envs.sandbox_channel.Channel``: request lines to the
+        program (``$MESHRL_CALL_FD``), its reply lines back (``$MESHRL_REPLY_FD``). When ``talk``
+        returns, the program's request pipe is closed and it is killed unless it exits within a
+        grace second. Returns what ``talk`` returned (None when the program could not be started;
+        its exception is raised) and the execution."""
+        box: dict[str, Any] = {}
+
+        def keep(channel: Channel) -> None:
+            box["value"] = talk(channel)
+
+        res = self._run(files, argv, timeout_s, None, keep)
+        return box.get("value"), res
+
+    def _run(self, files, argv, timeout_s, stdin, talk) -> ExecResult:
         if self._closed:
             raise RuntimeError("sandbox is closed")
         if not argv:
@@ -382,7 +405,7 @@ class Sandbox:
         timeout = float(timeout_s if timeout_s is not None else self.cfg.timeout_s)
         slot = self._slots.get()
         try:
-            return self._run_in_slot(slot, files, argv, timeout, stdin, side_channel)
+            return self._run_in_slot(slot, files, argv, timeout, stdin, talk)
         finally:
             self._slots.put(slot)
 
@@ -394,7 +417,7 @@ class Sandbox:
             return []
         n = max(1, min(max_parallel or self.cfg.max_parallel, len(items)))
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sandbox") as pool:
-            futs = [pool.submit(self.run, j.files, j.argv, j.timeout_s, j.stdin, j.side_channel) for j in items]
+            futs = [pool.submit(self.run, j.files, j.argv, j.timeout_s, j.stdin) for j in items]
             return [f.result() for f in futs]
 
     async def arun(
@@ -403,13 +426,12 @@ class Sandbox:
         argv: list[str],
         timeout_s: float | None = None,
         stdin: str | bytes | None = None,
-        side_channel: bool = False,
     ) -> ExecResult:
         """``run`` on the sandbox's own thread pool, awaitable without blocking the event loop."""
         loop = asyncio.get_running_loop()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self.cfg.max_parallel, thread_name_prefix="sandbox-async")
-        call = functools.partial(self.run, files, argv, timeout_s, stdin, side_channel)
+        call = functools.partial(self.run, files, argv, timeout_s, stdin)
         return await loop.run_in_executor(self._executor, call)
 
     def close(self) -> None:
@@ -504,7 +526,7 @@ class Sandbox:
         argv: list[str],
         timeout_s: float,
         stdin: str | bytes | None,
-        side_channel: bool,
+        talk: Callable[[Channel], None] | None = None,
     ) -> ExecResult:
         t0 = time.monotonic()
         lease = _UidLease.acquire(self.cfg.sandbox_uid_base, sweep=self.layer == "rlimit") if self.info.drop_uid else None
@@ -523,13 +545,11 @@ class Sandbox:
                     all_dirs.append(sub)
         to_close: list[int] = []
         pass_fds: list[int] = []
-        side_r = side_w = None
+        channel = Channel() if talk is not None else None
         host_dir = None
         try:
-            if side_channel:
-                side_r, side_w = os.pipe()
-                to_close += [side_r, side_w]
-                pass_fds.append(side_w)
+            if channel is not None:
+                pass_fds += channel.child_fds()
             limits = self._limits(timeout_s)
             prog = list(argv)
             if prog[0] in ("python", "python3") and len(prog) > 1 and not prog[1].startswith("-"):
@@ -538,8 +558,8 @@ class Sandbox:
                 if prog[0] in ("python", "python3"):
                     prog[0] = self._inner_python()
                 env = self._env(SANDBOX_WORKDIR, "/tmp")
-                if side_w is not None:
-                    env["MESHRL_SIDE_FD"] = str(side_w)
+                if channel is not None:
+                    env.update(channel.child_env())
                 file_fds = []
                 for name, data in norm_files.items():
                     fd = os.memfd_create("sbxfile")
@@ -570,8 +590,8 @@ class Sandbox:
                         for fn in filenames:
                             os.chown(os.path.join(dirpath, fn), uid, gid)
                 env = self._env(host_dir, tmp)
-                if side_w is not None:
-                    env["MESHRL_SIDE_FD"] = str(side_w)
+                if channel is not None:
+                    env.update(channel.child_env())
                 popen_env = env
                 cmd = [self.info.python, "-B", "-s", "-c", _WRAPPER, limits, *prog]
                 cwd = host_dir
@@ -595,15 +615,24 @@ class Sandbox:
             except OSError as e:
                 return ExecResult("", f"sandbox: failed to start: {e}", None, False, None,
                                   time.monotonic() - t0, self.layer, False, "sandbox_error")
-            if side_w is not None:
-                os.close(side_w)
-                to_close.remove(side_w)
-                side_w = None
             for fd, _ in (file_fds if self.layer == "bwrap" else []):
                 os.close(fd)
                 to_close.remove(fd)
-            res = self._communicate(proc, stdin_bytes, side_r, timeout_s, uid)
-            out, err, side, timed_out, truncated, output_limited, status, cpu_s = res
+            failure: list[BaseException] = []
+            talker = None
+            if channel is not None:
+                channel.child_started()
+                talker = threading.Thread(target=_talk, args=(talk, channel, failure), name="sandbox-talk", daemon=True)
+                talker.start()
+            try:
+                res = self._communicate(proc, stdin_bytes, channel, timeout_s, uid)
+            finally:
+                if talker is not None:
+                    channel.eof()
+                    talker.join()
+            if failure:
+                raise failure[0]
+            out, err, timed_out, truncated, output_limited, stopped, status, cpu_s = res
             wall = time.monotonic() - t0
             exit_code, sig = _decode_status(status, self.layer == "bwrap")
             err_text = err.decode("utf-8", "replace")
@@ -618,6 +647,8 @@ class Sandbox:
             )
             if self.layer == "bwrap" and exit_code == 1 and err_text.startswith("bwrap:"):
                 kind = "sandbox_error"
+            if stopped and kind == "crash":
+                kind = None  # killed on the conversation's request: it says what went wrong
             return ExecResult(
                 stdout=out.decode("utf-8", "replace"),
                 stderr=err_text,
@@ -630,9 +661,11 @@ class Sandbox:
                 error_kind=kind,
                 cpu_s=cpu_s,
                 output_limited=output_limited,
-                side_channel=side.decode("utf-8", "replace"),
+                stopped=stopped,
             )
         finally:
+            if channel is not None:
+                channel.close()
             for fd in to_close:
                 try:
                     os.close(fd)
@@ -672,25 +705,26 @@ class Sandbox:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _communicate(self, proc: subprocess.Popen, stdin_bytes: bytes | None, side_r: int | None,
+    def _communicate(self, proc: subprocess.Popen, stdin_bytes: bytes | None, channel: Channel | None,
                      timeout_s: float, uid: int | None):
-        """Feed stdin, collect capped stdout/stderr/side channel, enforce the wall clock and the
-        output cap, and reap. The execution ends when its main process exits: whatever it left
-        running is killed then (bwrap does this by tearing down the pid namespace)."""
+        """Feed stdin, collect capped stdout/stderr, pass the channel's replies on, enforce the
+        wall clock, the output cap and the channel's stop, and reap. The execution ends when its
+        main process exits: whatever it left running is killed then (bwrap does this by tearing
+        down the pid namespace)."""
         cap = self.cfg.max_output_bytes
-        side_cap = 4 << 20
         deadline = time.monotonic() + timeout_s
         sel = selectors.DefaultSelector()
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         bufs: dict[int, bytearray] = {}
         caps: dict[int, int] = {}
-        for fd, c in ((out_fd, cap), (err_fd, cap), (side_r, side_cap)):
-            if fd is None:
-                continue
+        for fd in (out_fd, err_fd):
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ, "pipe")
             bufs[fd] = bytearray()
-            caps[fd] = c
+            caps[fd] = cap
+        if channel is not None:
+            sel.register(channel.reply_r, selectors.EVENT_READ, "pipe")
+            sel.register(channel.wake_r, selectors.EVENT_READ, "wake")
         pending = memoryview(stdin_bytes or b"")
         if proc.stdin is not None:
             if pending:
@@ -704,7 +738,7 @@ class Sandbox:
             sel.register(pidfd, selectors.EVENT_READ, "exit")
         except (AttributeError, OSError):
             pidfd = None  # old kernel: poll instead
-        timed_out = truncated = output_limited = killed = False
+        timed_out = truncated = output_limited = killed = stopped = False
         stop_reading_at = None  # after a kill or the main process's exit: drain briefly, then stop
         status = None
         cpu_s = None
@@ -736,6 +770,9 @@ class Sandbox:
                 if status is None and now >= deadline and not killed:
                     timed_out = True
                     kill(now)
+                elif status is None and not killed and channel is not None and channel.should_kill(now):
+                    stopped = True
+                    kill(now)
                 elif status is None and killed and stop_reading_at is not None and now >= stop_reading_at:
                     kill(now)  # again: a fork may have raced the first kill
                 if status is not None and stop_reading_at is not None and now >= stop_reading_at:
@@ -748,6 +785,9 @@ class Sandbox:
                     fd = key.fd
                     if key.data == "exit":
                         sel.unregister(fd)
+                        continue
+                    if key.data == "wake":
+                        channel.drain_wake()
                         continue
                     if key.data == "stdin":
                         try:
@@ -769,16 +809,22 @@ class Sandbox:
                         data = b""
                     if not data:
                         sel.unregister(fd)
+                        if channel is not None and fd == channel.reply_r:
+                            channel.eof()
+                        continue
+                    if channel is not None and fd == channel.reply_r:
+                        if not channel.feed(data) and not killed:
+                            output_limited = True
+                            kill(time.monotonic())
                         continue
                     buf = bufs[fd]
                     room = caps[fd] - len(buf)
                     if len(data) > room:
                         buf += data[: max(room, 0)]
-                        if fd != side_r:
-                            truncated = True
-                            if self.cfg.kill_on_output_limit and not killed:
-                                output_limited = True
-                                kill(time.monotonic())
+                        truncated = True
+                        if self.cfg.kill_on_output_limit and not killed:
+                            output_limited = True
+                            kill(time.monotonic())
                     else:
                         buf += data
                 if status is None and reap():
@@ -805,13 +851,23 @@ class Sandbox:
         return (
             bytes(bufs[out_fd]),
             bytes(bufs[err_fd]),
-            bytes(bufs[side_r]) if side_r is not None else b"",
             timed_out,
             truncated,
             output_limited,
+            stopped,
             status,
             cpu_s,
         )
+
+
+def _talk(talk: Callable[[Channel], None], channel: Channel, failure: list[BaseException]) -> None:
+    """The conversation's thread: run it, keep its exception for the caller, then close the channel."""
+    try:
+        talk(channel)
+    except BaseException as e:  # noqa: BLE001 -- raised again on the caller's thread
+        failure.append(e)
+    finally:
+        channel.finish()
 
 
 def _write_all(fd: int, data: bytes) -> None:

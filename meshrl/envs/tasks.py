@@ -93,17 +93,6 @@ class CodeTask:
         if self.difficulty is not None and self.difficulty not in (1, 2, 3):
             raise ValueError(f"task {self.task_id}: difficulty must be 1, 2 or 3")
 
-    def harness_spec(self, test_timeout: float, solution: str = "solution.py") -> dict[str, Any]:
-        """What the in-sandbox harness needs -- and nothing more (no reference)."""
-        return {
-            "solution": solution,
-            "entry_point": self.entry_point,
-            "preamble": self.preamble,
-            "test_setup": self.test_setup,
-            "tests": [t.to_spec() for t in self.tests],
-            "test_timeout": test_timeout,
-        }
-
     def to_dict(self, with_reference: bool = True) -> dict[str, Any]:
         d = asdict(self)
         d["tests"] = [t.to_spec() for t in self.tests]

@@ -84,7 +84,7 @@ def resolve_gpus(cfg: RunConfig, gpus: int, colocate: bool = True) -> GpuChoice:
     if others and gpus:
         reasons.append(f"{', '.join(others)}: on the CPU (auto gives GPUs to the learner and generator only)")
     try:  # the decided layout meets every rule an explicit one meets
-        resolved = RunConfig.model_validate(resolved.model_dump())
+        resolved = type(cfg).model_validate(resolved.model_dump())  # an SFT run keeps its `sft` section
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, f"the automatic GPU layout ({'; '.join(reasons)})")) from None
     return GpuChoice(resolved, tuple(reasons))
