@@ -16,6 +16,9 @@ from __future__ import annotations
 import pytest
 
 from meshrl.envs.grading import ANOMALIES, grade
+
+# The attacks reach every descriptor they have (from /proc/self/fd): the grader's pipes keep the
+# numbers they had in the host process, which are high in a process with many files open.
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.tasks import task_by_id
 
@@ -33,7 +36,7 @@ def _forged():
     lines += [{"id": "%016x" % i, "ok": True, "value": True} for i in range(64)]
     return "".join(json.dumps(x) + "\n" for x in lines).encode()
 def _spray():
-    for fd in range(3, 256):
+    for fd in [int(x) for x in __import__("os").listdir("/proc/self/fd") if int(x) > 2]:
         try:
             os.write(fd, _forged())
         except OSError:
@@ -110,7 +113,7 @@ os._exit(0)
     "forge_reports_at_exit": (FACT, _FORGE + r'''
 import atexit
 _kept = []  # copies of every descriptor, so they are still open when the interpreter exits
-for fd in range(3, 64):
+for fd in [int(x) for x in __import__("os").listdir("/proc/self/fd") if int(x) > 2]:
     try:
         _kept.append(os.dup(fd))
     except OSError:
@@ -133,7 +136,7 @@ def factorial(n):
     "hijack_request_pipe": (FACT, r'''
 import fcntl, json, os, threading
 def _pipes(mode):
-    for fd in range(3, 64):
+    for fd in [int(x) for x in __import__("os").listdir("/proc/self/fd") if int(x) > 2]:
         try:
             if os.readlink("/proc/self/fd/%d" % fd).startswith("pipe:") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == mode:
                 yield fd
@@ -153,7 +156,7 @@ def factorial(n):
     "deep_nesting_reply": (FACT, r'''
 import os
 def factorial(n):
-    for fd in range(3, 64):
+    for fd in [int(x) for x in __import__("os").listdir("/proc/self/fd") if int(x) > 2]:
         try:
             os.write(fd, b"[" * 200000 + b"\n")
         except OSError:
@@ -187,7 +190,7 @@ def factorial(n):
     "close_reply_pipe_and_exit": (FACT, r'''
 import os, sys
 def factorial(n):
-    for fd in range(3, 64):
+    for fd in [int(x) for x in __import__("os").listdir("/proc/self/fd") if int(x) > 2]:
         try:
             os.close(fd)
         except OSError:
