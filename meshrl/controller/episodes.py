@@ -9,7 +9,8 @@ its error (kind, the environment's hint and error text; None for a turn with no 
 failed episode the error kind and hint of its last turn, and how many of its turns tampered with
 grading (`grading_anomalies`; the step counts them as `reward/grading_anomalies`). An episode the
 environment failed (`env_error`), or whose late reward never came, is left out of its group and
-counted; a late reward that came is added to its episode's return.
+counted; a late reward that came is added to its episode's return. A batch during which a served
+environment server died (and was restarted) is played again once, with the same seeds.
 """
 
 from __future__ import annotations
@@ -104,14 +105,15 @@ class EpisodeRollout:
         out = {ep.id: value for r, items in by_rank.items() for (ep, _), value in zip(items, replies[r])}
         return [out[ep.id] for ep, _ in per_episode]
 
-    def _play(self, tasks: list, group_size: int, request: SampleRequest,
-              tag: str) -> tuple[list[Trajectory], list[dict], dict[str, float]]:
+    def _play(self, tasks: list, group_size: int, request: SampleRequest, tag: str,
+              replay: bool = True) -> tuple[list[Trajectory], list[dict], dict[str, float]]:
         """Play the episodes; their trajectories, the env's records, and the prompts each generator
         replica served and the generators' engine time (over all turns)."""
         ranks = self.client.procs(ENV)
         episodes = [_Episode(f"{tag}-{g}-{k}", g, task, (g * group_size + k) % ranks)
                     for g, task in enumerate(tasks) for k in range(group_size)]
         initial = self._env("reset", [(ep, (ep.id, ep.task)) for ep in episodes])
+        restarted = any(o.get("server_restarted") for o in initial)
         limit = self.max_model_len - request.max_tokens
         active = []
         for ep, opened in zip(episodes, initial):
@@ -141,6 +143,7 @@ class EpisodeRollout:
                 ep.version = min(ep.version, c.meta.get("version", self.client.version))
                 actions.append((ep, (ep.id, c.text)))
             results = self._env("step", actions)
+            restarted |= any(r.get("server_restarted") for r in results)
             still = []
             for ep, result in zip(active, results):
                 ep.turns[-1][0] = result["context"]
@@ -161,6 +164,10 @@ class EpisodeRollout:
             turn += 1
         env_counts: Counter = Counter()
         closed = self._env("finish", [(ep, ep.id) for ep in episodes], env_counts)
+        if restarted and replay:  # a served server died under the batch: played again on its replacement
+            log.warning("%s: the environment server was restarted during the batch; playing it again", tag)
+            kept, records, extra = self._play(tasks, group_size, request, tag + ".r", replay=False)
+            return kept, records, {**extra, "episodes/batches_replayed": 1.0}
         dropped = Counter()
         kept = []
         for ep, end in zip(episodes, closed):

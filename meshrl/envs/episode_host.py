@@ -6,7 +6,8 @@ An environment can fail an episode but never the step: a reset or step that rais
 deadline, an observation that does not validate (not an Observation, text over the limit, a reward
 that is not a finite number, a role the chat cannot take) ends that episode with termination
 `env_error` and one line naming the environment and the field; a served server found dead is
-restarted for the episodes that follow. Every record is plain data (picklable, JSON-able).
+restarted for the episodes that follow, and the episodes that failed with it are flagged
+(`server_restarted`) so that the controller plays their batch again. Every record is plain data (picklable, JSON-able).
 
 What the controller gets per step (`step`): the observation's message, reward, done, termination,
 success, the error-site markers (`error_kind`, `hint_template_key`, `hint`, `error_text`) and the
@@ -149,6 +150,7 @@ class EpisodeHost:
             return env, messages
 
         out = []
+        restarts = self.counts.get("env/server_restarts", 0)
         done = self._run([lambda e=e, s=s: one(e, s) for e, s in episodes], self.rules.reset_timeout_s)
         for (episode_id, _), (result, error) in zip(episodes, done):
             if error is not None:
@@ -157,7 +159,16 @@ class EpisodeHost:
             env, messages = result
             self.live[episode_id] = _Live(env, list(messages))
             out.append({"messages": messages})
-        return out
+        return self._mark_restart(out, restarts)
+
+    def _mark_restart(self, records: list[dict], restarts_before: int) -> list[dict]:
+        """Flag the call's failed episodes when their server died and was restarted during it (the
+        controller plays such a batch again)."""
+        if self.counts.get("env/server_restarts", 0) > restarts_before:
+            for r in records:
+                if "error" in r or r.get("termination") == "env_error":
+                    r["server_restarted"] = True
+        return records
 
     def step(self, actions: list[tuple[str, str]]) -> list[dict]:
         """Advance each (episode_id, reply text) by one turn, concurrently; one record per action."""
@@ -170,6 +181,7 @@ class EpisodeHost:
             return obs, self._context(ep)
 
         out = []
+        restarts = self.counts.get("env/server_restarts", 0)
         done = self._run([lambda e=e, t=t: one(e, t) for e, t in actions], self.rules.step_timeout_s)
         for (episode_id, text), (result, error) in zip(actions, done):
             ep = self.live[episode_id]
@@ -182,7 +194,7 @@ class EpisodeHost:
                 continue
             obs, context = result
             out.append(self._record(ep, text, obs, context))
-        return out
+        return self._mark_restart(out, restarts)
 
     def _context(self, ep: _Live) -> list[dict]:
         """What the agent saw before its last action: the environment's own history (`state_at`),

@@ -182,7 +182,7 @@ def create_app(factory: Callable[[], Environment], action_cls: type[Action] = Te
         try:
             return {"messages": env.state_at(t)}
         except (IndexError, NotImplementedError) as e:
-            raise HTTPException(404, str(e)) from None
+            raise HTTPException(404, f"{type(e).__name__}: {e}") from None
 
     @app.get("/trajectory")
     def trajectory(session_id: str) -> dict:
@@ -323,9 +323,14 @@ class RemoteEnv(Environment):
         return State.model_validate(self._ws_call("state")["data"])
 
     def state_at(self, t: int) -> list[dict[str, str]]:
-        if self._http is not None:
-            return self._get("/state_at", session_id=self.session_id, t=t)["messages"]
-        return self._ws_call("state_at", {"t": t})["data"]["messages"]
+        try:
+            if self._http is not None:
+                return self._get("/state_at", session_id=self.session_id, t=t)["messages"]
+            return self._ws_call("state_at", {"t": t})["data"]["messages"]
+        except RemoteEnvError as e:  # the served environment keeps no history: as a local one says it
+            if "NotImplementedError:" in str(e):
+                raise NotImplementedError(str(e)) from None
+            raise
 
     def trajectory(self) -> dict[str, Any]:
         if self._http is not None:
