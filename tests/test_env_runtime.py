@@ -38,6 +38,7 @@ def _teachers(url):
     return "replay.teachers.teachers=[" + ", ".join(entries) + "]"
 
 
+@pytest.mark.slow  # about a minute: the default suite's budget is kept for the faster checks
 @pytest.mark.timeout(900)  # a 3-step run with both channels, then two fine-tuning runs on its files
 def test_a_class_environment_trains_on_all_three_channels_and_keeps_its_data(tiny_run_config, tiny_session, tmp_path):
     """`VowelChatEnv` (a meshrl class, no history of its own) in the env mesh's processes: its

@@ -37,6 +37,7 @@ def _sft(tmp_path, name, session, *overrides):
     return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
 
 
+@pytest.mark.slow  # over a minute: the default suite's budget is kept for the faster checks
 @pytest.mark.timeout(900)  # a 4-step run with teachers, then two fine-tuning runs
 def test_an_arithmetic_run_keeps_its_trajectories_and_pairs_and_sft_and_dpo_train_on_them(tiny_run_config,
                                                                                           tiny_session, tmp_path):
