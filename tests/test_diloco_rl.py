@@ -133,6 +133,7 @@ def test_a_killed_diloco_learner_rejoins_its_round_and_reproduces_the_uninterrup
         return read_metrics(run_dir / "metrics.jsonl")
 
     clean = run("clean")
+    caplog.clear()  # only the killed run's joins (an earlier test may have left meshrl's logger at INFO)
     with caplog.at_level(logging.INFO, logger="meshrl.controller.diloco_link"):
         faulty = run("killed", "faults.inject=[{mesh: learner, at_step: 4, action: kill, during: train, seconds: 0}]")
     joins = [r.getMessage() for r in caplog.records if "joined run" in r.getMessage()]
