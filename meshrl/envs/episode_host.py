@@ -24,6 +24,7 @@ import logging
 import math
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -93,10 +94,7 @@ class EpisodeHost:
         self.live: dict[str, _Live] = {}
         self.pool = cf.ThreadPoolExecutor(max_workers=self.rules.max_parallel)
         self.hung = 0
-        self.counts: dict[str, int] = {}
-
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+        self.counts: Counter[str] = Counter()
 
     def _run(self, calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[Any, BaseException | None]]:
         """Each call in the pool; (result, None) or (None, the exception; TimeoutError past the deadline)."""
@@ -122,12 +120,12 @@ class EpisodeHost:
         found dead is restarted for the episodes that follow."""
         if isinstance(error, EnvOutputError):
             line = str(error)
-            self._count("env/invalid_output")
+            self.counts["env/invalid_output"] += 1
         else:
             line = f"env {self.rules.label}: {what} {_one_line(error)}"
-            self._count(f"env/{what}_timeouts" if isinstance(error, TimeoutError) else f"env/{what}_errors")
+            self.counts[f"env/{what}_timeouts" if isinstance(error, TimeoutError) else f"env/{what}_errors"] += 1
         if self.source.recover():
-            self._count("env/server_restarts")
+            self.counts["env/server_restarts"] += 1
         log.warning("episode %s failed: %s", episode_id, line)
         return line
 
@@ -261,7 +259,7 @@ class EpisodeHost:
             if ep.reward_pending:
                 late = self._poll_reward(ep.env)
                 if late is None:
-                    self._count("env/delayed_reward_dropped")
+                    self.counts["env/delayed_reward_dropped"] += 1
                     out["reward_dropped"] = (f"env {self.rules.label}: no reward within "
                                              f"task.env.reward_deadline_s={self.rules.reward_deadline_s:g}s")
                 else:

@@ -164,7 +164,6 @@ class ServerSource:
     def __init__(self, cfg: EnvTaskConfig):
         self.cfg, self.rules = cfg, _rules(cfg)
         self.server = None
-        self.restarts = 0
         self._lock = threading.Lock()
         self._action_field: str | None = None
         self.url = cfg.url
@@ -217,7 +216,6 @@ class ServerSource:
             log.warning("env %s: the environment server (pid %d) died with %s; restarting it", self.cfg.label,
                         self.server.proc.pid, self.server.proc.returncode)
             self._start()
-            self.restarts += 1
             return True
 
     def close(self) -> None:
