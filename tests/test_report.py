@@ -2,6 +2,7 @@
 overlay of two runs, the one-line errors, and the TensorBoard and W&B mirrors of `MetricsLogger`."""
 
 import json
+import time
 
 import pytest
 
@@ -190,7 +191,11 @@ def test_wandb_mirror(tmp_path, monkeypatch):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 4
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
-    rows = _wandb_history(run_files[0])
+    # wandb's service process writes the transaction log on its own: on a loaded machine the history
+    # records may land a moment after `finish` returned
+    deadline = time.monotonic() + 30
+    while not (rows := _wandb_history(run_files[0])) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [(row["_step"], round(row["reward/mean"], 6)) for row in rows if "reward/mean" in row] == \
         [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert any(row.get("eval/accuracy") == 0.25 and row["_step"] == 0 for row in rows)
