@@ -173,10 +173,41 @@ def test_bodies_are_bounded_while_they_are_read_and_inflated(served):
     headers = {"Content-Type": "application/x-protobuf"}
     _refused(served.post("forward_backward", KEY_A, content=b"\0" * (2 << 20), headers=headers), 413,
              "serve.limits.max_body_bytes")
-    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # a few kB that inflate to 64 MiB
+    # a few kB that inflate to 64 MiB, naming the sender's own model first
+    bomb = zstandard.ZstdCompressor().compress(_model_id_field(served.model) + b"\0" * (64 << 20))
     assert len(bomb) < (1 << 20)
     _refused(served.post("forward_backward", KEY_A, content=bomb, headers=headers | {"Content-Encoding": "zstd"}),
              413, "inflates past 2097152 bytes (serve.limits.max_decompressed_bytes)")
+    served.neighbour_works()
+
+
+def _model_id_field(model_id: str) -> bytes:
+    """A ForwardBackwardRequest's model_id as its serialiser writes it first: tag, length, bytes."""
+    data = model_id.encode()
+    assert len(data) < 128
+    return bytes([0x0A, len(data)]) + data
+
+
+def test_ownership_is_checked_before_a_body_is_inflated(served):
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    # tenant B's bomb naming tenant A's model: refused for ownership (403), never inflated (not a 413)
+    bomb = zstandard.ZstdCompressor().compress(_model_id_field(served.model) + b"\0" * (64 << 20))
+    _refused(served.post("forward_backward", KEY_B, content=bomb, headers=headers), 403,
+             f"model_id {served.model!r} belongs to another tenant")
+    # a body that does not start with model_id cannot be checked before it is decoded: refused
+    msg = _forward_backward_proto(served, [ce_datum([1, 2, 3])])
+    model_last = msg.SerializeToString()[len(_model_id_field(served.model)):] + _model_id_field(served.model)
+    _refused(served.post("forward_backward", KEY_A, content=model_last,
+                         headers={"Content-Type": "application/x-protobuf"}), 400, "must start with model_id")
+    # the SDK's own body (model_id first) passes the early check and is served
+    outcome = served.result(served.post("forward_backward", KEY_A, content=msg.SerializeToString(),
+                                        headers={"Content-Type": "application/x-protobuf"}))
+    assert "error" not in outcome, outcome
+    # B's own model first and A's model again later (the parser keeps the last): the check of the decoded
+    # body still refuses it
+    twice = _model_id_field(served.tc.model_id) + msg.SerializeToString()
+    _refused(served.post("forward_backward", KEY_B, content=twice, headers={"Content-Type": "application/x-protobuf"}),
+             403, "belongs to another tenant")
     served.neighbour_works()
 
 

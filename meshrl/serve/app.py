@@ -516,12 +516,15 @@ Handler = Callable[[TinkerServer, Call], Any]
 Parser = Callable[[Request], Awaitable[Any]]
 
 
-def _forward_backward_body(cfg: ServeConfig) -> Parser:
+def _forward_backward_body(cfg: ServeConfig, admit: Callable[[Request, Mapping[str, str]], None]) -> Parser:
     async def parse(request: Request) -> Any:
         """The protobuf body, inflated and parsed on a worker thread (up to the limits' sizes: a
-        large one keeps the event loop, and the other tenants' requests, waiting for nothing)."""
+        large one keeps the event loop, and the other tenants' requests, waiting for nothing), once
+        the model it names (read from its first bytes) is the caller's own."""
         body = await _raw_body(request, cfg)
-        return await asyncio.to_thread(wire.forward_backward_request, body, request.headers.get("content-encoding"),
+        encoding = request.headers.get("content-encoding")
+        admit(request, {"model_id": wire.leading_model_id(body, encoding)})
+        return await asyncio.to_thread(wire.forward_backward_request, body, encoding,
                                        cfg.limits.max_decompressed_bytes)
     return parse
 
@@ -628,7 +631,12 @@ def build_app(service: Any, cfg: ServeConfig) -> FastAPI:
     post("session_heartbeat", sdk.SessionHeartbeatRequest, lambda s, r: heartbeat(s, r.session_id))
     post("create_model", sdk.CreateModelRequest, TinkerServer.create_model)
     post("get_info", sdk.GetInfoRequest, lambda s, r: s.training.info(r.model_id))
-    route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body(cfg))
+    def admit_early(request: Request, named: Mapping[str, str]) -> None:
+        """The ownership check of a body's leading ids, before the body is decoded (the route
+        checks every id again once it is)."""
+        holder["server"].admit(request.state.tenant, named)
+
+    route("POST", "forward_backward", lambda s, c: s.forward_backward(c.body), _forward_backward_body(cfg, admit_early))
     post("create_custom_loss", sdk.CreateCustomLossRequest, TinkerServer.create_custom_loss)
     post("optim_step", sdk.OptimStepRequest, TinkerServer.optim_step)
     post("save_weights", sdk.SaveWeightsRequest, TinkerServer.save_weights)

@@ -65,11 +65,19 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None, l
     return bytes(body)
 
 
+ZstdError = zstandard.ZstdError
+
+
+def zstd_reader(body: bytes):
+    """A reader of ``body``'s zstd stream that inflates only as much as is read from it."""
+    return zstandard.ZstdDecompressor().stream_reader(body)
+
+
 def inflate(body: bytes, limit: int, where: str) -> bytes:
     """A zstd body inflated chunk by chunk, refused (413) as soon as the output passes ``limit``."""
     out = bytearray()
     try:
-        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+        with zstd_reader(body) as reader:
             while chunk := reader.read(_INFLATE_CHUNK):
                 out += chunk
                 if len(out) > limit:

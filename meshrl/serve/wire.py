@@ -37,6 +37,48 @@ _NUMPY_DTYPES = {
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
+_MODEL_ID_TAG = 0x0A  # field 1 (model_id), length-delimited: what the SDK's serialiser writes first
+_MAX_MODEL_ID_BYTES = 1024
+_PEEK_BYTES = _MAX_MODEL_ID_BYTES + 8
+
+
+def leading_model_id(body: bytes, content_encoding: str | None) -> str:
+    """The ``model_id`` of a `/forward_backward` body, read from its first bytes only (at most
+    ``_PEEK_BYTES`` inflated, whatever the body's size), so that ownership is checked before the
+    body is inflated and parsed. The SDK serialises fields in order, so model_id (field 1) comes
+    first; a body that does not start with it is refused (UserError)."""
+    if content_encoding == "zstd":
+        try:
+            with limits.zstd_reader(body) as reader:
+                head = b""
+                while len(head) < _PEEK_BYTES and (chunk := reader.read(_PEEK_BYTES - len(head))):
+                    head += chunk
+        except limits.ZstdError as exc:
+            raise UserError(f"forward_backward body: not valid zstd ({exc})") from None
+    elif content_encoding in (None, "", "identity"):
+        head = body[:_PEEK_BYTES]
+    else:
+        raise UserError(f"forward_backward body: unsupported Content-Encoding {content_encoding!r}")
+    size, pos = 0, 1
+    if head[:1] == bytes([_MODEL_ID_TAG]):
+        for shift in (0, 7):  # the length: a varint of at most 2 bytes (model ids of at most 1024 bytes)
+            byte = head[pos] if pos < len(head) else 0x80
+            pos += 1
+            size |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+        else:
+            size = 0
+    model_id = head[pos:pos + size]
+    if 0 < size <= _MAX_MODEL_ID_BYTES and len(model_id) == size:
+        try:
+            return model_id.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    raise UserError("forward_backward body: must start with model_id (protobuf field 1, 1 to "
+                    f"{_MAX_MODEL_ID_BYTES} bytes of UTF-8, as the tinker SDK writes it)")
+
+
 def forward_backward_request(body: bytes, content_encoding: str | None,
                              max_decompressed_bytes: int) -> pb.ForwardBackwardRequest:
     """Parse a `/forward_backward` body (protobuf, zstd-compressed when the header says so, inflated
