@@ -364,3 +364,35 @@ def test_sampler_handles_and_logprob_options_are_served(srv):
     message = sdk_user_error(srv.sampler.sample(image, 1, PARAMS), timeout=30)
     assert "image chunk; only encoded_text is supported" in message
 
+
+
+def test_a_tenants_finished_sessions_are_forgotten_past_the_limit_unless_they_own_a_checkpoint():
+    async def scenario() -> tuple[TinkerServer, list[str], str, str]:
+        fake = FakeService()
+        server = TinkerServer(fake, ServeConfig(limits=ServeLimits(max_finished_sessions_per_tenant=2)),
+                              ModelCatalogue(fake.get_server_capabilities(), {}, None))
+        other = server.create_session("other")["session_id"]
+        server.finish_session(other)
+        sessions, saver, kept_model = [], "", ""
+        for n in range(40):
+            session_id = server.create_session(OPEN_TENANT, user_metadata={"n": str(n)})["session_id"]
+            request_id, model_id = server.training.create(session_id, 0, LoraSpec("fake-model", 1))
+            await server.futures.wait(request_id, 5)
+            if n == 1:  # this session saves a checkpoint: it owns it, so it is kept
+                saved = server.save_weights(T.SaveWeightsRequest(model_id=model_id, path="keep", seq_id=1))
+                assert isinstance(await server.futures.wait(saved["request_id"], 5), JsonResult)
+                saver, kept_model = session_id, model_id
+            server.finish_session(session_id)
+            sessions.append(session_id)
+        server.close()
+        return server, sessions, saver, kept_model
+
+    server, sessions, saver, kept_model = asyncio.run(scenario())
+    mine = [sid for sid, s in server.sessions.items() if s.tenant == OPEN_TENANT]
+    # two finished sessions kept: the checkpoint's owner (never forgotten) and the newest
+    assert mine == [saver, sessions[-1]]
+    assert {run.session_id for run in server.training.runs.values()} == {saver, sessions[-1]}
+    assert server.owner("path", f"tinker://{kept_model}/weights/keep") == OPEN_TENANT
+    assert [s.tenant for s in server.sessions.values()].count("other") == 1  # another tenant's are its own
+    with pytest.raises(UserError, match="unknown session_id"):
+        server.get_session(sessions[0])

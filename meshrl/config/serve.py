@@ -66,6 +66,11 @@ class ServeLimits(Section):
     max_sessions_per_tenant: int = Field(64, ge=1)
     """Most open (unfinished) sessions one tenant may hold."""
 
+    max_finished_sessions_per_tenant: int = Field(256, ge=0)
+    """Most finished sessions one tenant's records keep (with their training runs, for the
+    listings); past it the oldest finished sessions that no saved checkpoint still needs are
+    forgotten, so a tenant that opens and finishes sessions in a loop holds bounded memory."""
+
     max_models_per_tenant: int = Field(16, ge=1)
     """Most training models one tenant's open sessions may hold."""
 

@@ -109,6 +109,7 @@ class _Session:
     display_name: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+    finished_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -398,10 +399,24 @@ class TinkerServer:
         session = self.sessions[session_id]
         if session.finished:
             return
-        session.finished = True
+        session.finished, session.finished_at = True, time.monotonic()
         self.training.close_session(session_id)
         self.samplers.close_session(session_id)
         self.custom_losses.close_session(session_id)
+        self._forget_finished(session.tenant)
+
+    def _forget_finished(self, tenant: str) -> None:
+        """Forget ``tenant``'s oldest finished sessions past `max_finished_sessions_per_tenant`, with
+        their training runs; a session that saved a checkpoint still kept is kept (it owns it)."""
+        finished = sorted((s.finished_at, sid) for sid, s in self.sessions.items() if s.tenant == tenant and s.finished)
+        excess = len(finished) - self.limits.max_finished_sessions_per_tenant
+        for _, session_id in finished:
+            if excess <= 0:
+                break
+            if not self.training.saved_by(session_id):
+                del self.sessions[session_id]
+                self.training.forget_session(session_id)
+                excess -= 1
 
     async def create_sampling_session(self, req: sdk.CreateSamplingSessionRequest) -> dict:
         self.session(req.session_id)

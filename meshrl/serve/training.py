@@ -265,6 +265,17 @@ class TrainingModels:
             model.worker.submit(model.close_client)  # on the worker: after its creation and queued calls
             model.worker.shutdown(wait=False)
 
+    def forget_session(self, session_id: str) -> None:
+        """Drop the run records of a finished session that saved no checkpoint still kept."""
+        for model_id in [m for m, run in self.runs.items() if run.session_id == session_id]:
+            del self.runs[model_id]
+            self._creations.pop(model_id, None)
+
+    def saved_by(self, session_id: str) -> bool:
+        """Whether a checkpoint still kept was saved by a model of ``session_id``."""
+        return any(self.runs[saved.model_id].session_id == session_id for saved in self.checkpoints.values()
+                   if saved.model_id in self.runs)
+
     def close_all(self) -> None:
         for session_id in {model.session_id for model in self._models.values()}:
             self.close_session(session_id)
