@@ -107,7 +107,7 @@ def test_meshrl_train_on_a_missing_module_exits_2_before_anything_spawns(tmp_pat
     ("huge_text", "observation.text.content has 1000000 characters, over task.env.max_observation_chars=16000"),
     ("nan_reward", "observation.reward is nan, not a finite number"),
     ("not_observation", "the observation is a dict, not an Observation"),
-    ("bad_role", "observation.text is not a {role: user|tool|system, content: str} message"),
+    ("bad_role", "observation.text is not a {role: user|tool|ipython|system, content: str} message"),
 ])
 def test_a_bad_step_fails_its_own_episode_in_one_line(mode, field, caplog):
     _, steps, _, counts = _play(_faulty(mode))
