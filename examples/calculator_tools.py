@@ -5,7 +5,8 @@ chat family's format (`<tool_call>` JSON for ChatML) and then answers with the n
 `MultiplyEnv` is an ordinary meshrl `Environment` that declares its tool (`tools()`): meshrl wraps
 it in `ToolEnv` (meshrl.envs.tools), which puts the tool list into the system prompt, answers each
 turn with calls with the tools' results (tool turns appended token-in/token-out), and passes the
-first turn without a call (the answer) to `step`. The episode starts with one worked example (a
+first turn without a call (the answer) to `step`. With `own_tool: false` the calculator comes from
+`task.env.tools` instead (a Python function, or the MCP server of examples/calculator_mcp_server.py). The episode starts with one worked example (a
 question, the call, the tool's response, the answer), which shows the tiny model the format.
 Reward 1.0 for the right product, 0 otherwise; a wrong answer is an error site (`wrong_answer`,
 `hint_template_key` `calc.wrong_answer`) for SDPO.
@@ -63,13 +64,15 @@ class MultiplyEnv(Environment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, low: int = 100, high: int = 999, worked_example: bool = True):
-        self.low, self.high, self.worked_example = low, high, worked_example
+    def __init__(self, low: int = 100, high: int = 999, worked_example: bool = True, own_tool: bool = True):
+        self.low, self.high, self.worked_example, self.own_tool = low, high, worked_example, own_tool
         self.a = self.b = None
         self._state = State()
 
     def tools(self) -> list:
-        return [calculator]
+        """The calculator, unless it comes from `task.env.tools` (`own_tool: false`: e.g. the MCP
+        server of examples/calculator_mcp_server.py)."""
+        return [calculator] if self.own_tool else []
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, split: str = "train", **kwargs) -> Observation:
         if kwargs:
