@@ -6,8 +6,9 @@ chat family's format (`<tool_call>` JSON for ChatML) and then answers with the n
 it in `ToolEnv` (meshrl.envs.tools), which puts the tool list into the system prompt, answers each
 turn with calls with the tools' results (tool turns appended token-in/token-out), and passes the
 first turn without a call (the answer) to `step`. With `own_tool: false` the calculator comes from
-`task.env.tools` instead (a Python function, or the MCP server of examples/calculator_mcp_server.py). The episode starts with one worked example (a
-question, the call, the tool's response, the answer), which shows the tiny model the format.
+`task.env.tools` instead (a Python function, or the MCP server of examples/calculator_mcp_server.py).
+The episode starts with one worked example (`example`: a question, the call, the tool's response,
+the answer), which shows the tiny model the format.
 Reward 1.0 for the right product, 0 otherwise; a wrong answer is an error site (`wrong_answer`,
 `hint_template_key` `calc.wrong_answer`) for SDPO.
 
@@ -52,9 +53,6 @@ def calculator(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-EXAMPLE = (317, 482)
-
-
 def _call_text(a: int, b: int) -> str:
     return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
 
@@ -64,8 +62,10 @@ class MultiplyEnv(Environment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, low: int = 100, high: int = 999, worked_example: bool = True, own_tool: bool = True):
+    def __init__(self, low: int = 100, high: int = 999, worked_example: bool = True, own_tool: bool = True,
+                 example: tuple[int, int] = (317, 482)):
         self.low, self.high, self.worked_example, self.own_tool = low, high, worked_example, own_tool
+        self.example = tuple(example)
         self.a = self.b = None
         self._state = State()
 
@@ -85,7 +85,7 @@ class MultiplyEnv(Environment):
         question = f"What is {self.a} * {self.b}?"
         messages = [{"role": "user", "content": question}]
         if self.worked_example:
-            a, b = EXAMPLE
+            a, b = self.example
             messages = [{"role": "user", "content": f"What is {a} * {b}?"},
                         {"role": "assistant", "content": _call_text(a, b)},
                         {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
