@@ -51,8 +51,11 @@ class MCPTools:
 
     def _connect(self) -> None:
         """Start the server (a command), connect, and list its tools; RuntimeError in one line."""
-        from fastmcp import Client
-        from fastmcp.client.transports import StdioTransport
+        try:
+            from fastmcp import Client
+            from fastmcp.client.transports import StdioTransport
+        except ImportError:
+            raise RuntimeError(f"{self.label}: MCP tools need fastmcp (pip install 'meshrl[mcp]')") from None
 
         deadline = time.monotonic() + self.start_timeout_s
         if self.command and self.url:
