@@ -7,8 +7,10 @@ it in `ToolEnv` (meshrl.envs.tools), which puts the tool list into the system pr
 turn with calls with the tools' results (tool turns appended token-in/token-out), and passes the
 first turn without a call (the answer) to `step`. With `own_tool: false` the calculator comes from
 `task.env.tools` instead (a Python function, or the MCP server of examples/calculator_mcp_server.py).
-The episode starts with one worked example (`example`: a question, the call, the tool's response,
-the answer), which shows the tiny model the format.
+The episode starts with worked examples (`examples`, three by default: a question, the call, the
+tool's response, the answer), which show the tiny model the format: with three of them (and
+sampling temperature 0.7) it calls the calculator in about one episode in ten at step 0, with one it
+never did in 32 samples.
 Reward 1.0 for the right product, 0 otherwise; a wrong answer is an error site (`wrong_answer`,
 `hint_template_key` `calc.wrong_answer`) for SDPO.
 
@@ -62,10 +64,10 @@ class MultiplyEnv(Environment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, low: int = 100, high: int = 999, worked_example: bool = True, own_tool: bool = True,
-                 example: tuple[int, int] = (317, 482)):
-        self.low, self.high, self.worked_example, self.own_tool = low, high, worked_example, own_tool
-        self.example = tuple(example)
+    def __init__(self, low: int = 100, high: int = 999, own_tool: bool = True,
+                 examples: list[tuple[int, int]] = ((317, 482), (905, 276), (648, 131))):
+        self.low, self.high, self.own_tool = low, high, own_tool
+        self.examples = [tuple(pair) for pair in examples]
         self.a = self.b = None
         self._state = State()
 
@@ -83,13 +85,13 @@ class MultiplyEnv(Environment):
         self.a, self.b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
         self._state = State(episode_id=episode_id, step_count=0)
         question = f"What is {self.a} * {self.b}?"
-        messages = [{"role": "user", "content": question}]
-        if self.worked_example:
-            a, b = self.example
-            messages = [{"role": "user", "content": f"What is {a} * {b}?"},
-                        {"role": "assistant", "content": _call_text(a, b)},
-                        {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
-                        {"role": "assistant", "content": f"{a} * {b} = {a * b}"}] + messages
+        messages = []
+        for a, b in self.examples:
+            messages += [{"role": "user", "content": f"What is {a} * {b}?"},
+                         {"role": "assistant", "content": _call_text(a, b)},
+                         {"role": "user", "content": f"<tool_response>\n{a * b}\n</tool_response>"},
+                         {"role": "assistant", "content": f"The answer is {a * b}."}]
+        messages.append({"role": "user", "content": question})
         return Observation(text=question, metadata={"messages": messages, "answer": self.a * self.b})
 
     def step(self, action: TextAction, timeout_s: float | None = None, **kwargs) -> Observation:

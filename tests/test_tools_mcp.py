@@ -34,7 +34,7 @@ def _call(name, **arguments):
 
 
 def _host(mcp: dict, **tools) -> EpisodeHost:
-    cfg = EnvTaskConfig(factory="calculator_tools:MultiplyEnv", kwargs={"worked_example": False, "own_tool": False},
+    cfg = EnvTaskConfig(factory="calculator_tools:MultiplyEnv", kwargs={"examples": [], "own_tool": False},
                         python_path=[str(ROOT / "examples")], max_turns=4,
                         tools={"mcp": {**mcp, "start_timeout_s": 60}, "call_timeout_s": 1.0, **tools})
     return EpisodeHost(FactorySource(cfg))

@@ -23,7 +23,7 @@ def test_a_tool_calling_episode_through_the_real_renderer_and_generator(tmp_path
         f"output.dir={tmp_path}", "output.name=tools", "trainer.steps=1", "trainer.prompts_per_step=2",
         "trainer.group_size=2", "trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.progress=false",
         "trainer.checkpoint.every=0", "trainer.checkpoint.export_final=false", "generator.sampling.temperature=0.1",
-        "task.env.kwargs={low: 317, high: 317, example: [317, 317]}"])
+        "task.env.kwargs={low: 317, high: 317, examples: [[317, 317]]}"])
     run_dir = make_run_dir(cfg, overwrite=True)
     run_training(cfg, run_dir)
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
