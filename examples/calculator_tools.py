@@ -7,10 +7,10 @@ it in `ToolEnv` (meshrl.envs.tools), which puts the tool list into the system pr
 turn with calls with the tools' results (tool turns appended token-in/token-out), and passes the
 first turn without a call (the answer) to `step`. With `own_tool: false` the calculator comes from
 `task.env.tools` instead (a Python function, or the MCP server of examples/calculator_mcp_server.py).
-The episode starts with worked examples (`examples`, three by default: a question, the call, the
-tool's response, the answer), which show the tiny model the format: with three of them (and
-sampling temperature 0.7) it calls the calculator in about one episode in ten at step 0, with one it
-never did in 32 samples.
+The episode starts with worked examples (`examples`, two by default: a question, the call, the
+tool's response, the answer), which show the tiny model the format. Sampled at temperature 0.7, the
+135M model called the calculator in 0 of 32 episodes with one example, 2 of 20 with two (and then
+answered right; most other replies write a `<tool_response>` of their own), 9 of 10 with three.
 Reward 1.0 for the right product, 0 otherwise; a wrong answer is an error site (`wrong_answer`,
 `hint_template_key` `calc.wrong_answer`) for SDPO.
 
@@ -65,7 +65,7 @@ class MultiplyEnv(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self, low: int = 100, high: int = 999, own_tool: bool = True,
-                 examples: list[tuple[int, int]] = ((317, 482), (905, 276), (648, 131))):
+                 examples: list[tuple[int, int]] = ((317, 482), (905, 276))):
         self.low, self.high, self.own_tool = low, high, own_tool
         self.examples = [tuple(pair) for pair in examples]
         self.a = self.b = None

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from meshrl.envs.base import Environment, Observation, State, TextAction
-from meshrl.envs.episode_host import EnvOutputError, check_observation, observation_messages
+from meshrl.envs.episode_host import FIRST_ROLES, EnvOutputError, check_observation, observation_messages
 from meshrl.envs.tools import FunctionTools, ToolBox, ToolEnv, ToolRules, function_schema
 from meshrl.renderers import get_renderer
 from meshrl.renderers.tools import ChatMLTools, Llama3Tools, ToolCall, ToolCallError
@@ -271,10 +271,12 @@ def test_host_checks_every_message_of_a_step():
     limit = 20
     ok = Observation(text="a", metadata={"messages": [{"role": "user", "content": "a"}, {"role": "ipython", "content": "b"}]})
     assert observation_messages(check_observation(ok, "t", limit), "t", limit)[1] == {"role": "ipython", "content": "b"}
-    for messages, words in [([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], r"messages\[1\]"),
-                            ([{"role": "user", "content": "x" * 30}], "over"), ([], "non-empty")]:
+    worked = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert observation_messages(Observation(text="a", metadata={"messages": worked}), "t", limit, FIRST_ROLES) == worked
+    for messages, words in [(worked, r"messages\[1\]"), ([{"role": "user", "content": "x" * 30}], "over"),
+                            ([], "non-empty")]:
         with pytest.raises(EnvOutputError, match=words):
-            check_observation(Observation(text="a", metadata={"messages": messages}), "t", limit)
+            observation_messages(Observation(text="a", metadata={"messages": messages}), "t", limit)
 
 
 def test_tool_calls_run_concurrently_across_episodes():
