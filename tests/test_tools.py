@@ -291,3 +291,31 @@ def test_tool_calls_run_concurrently_across_episodes():
     for t in threads:
         t.join()
     assert time.monotonic() - t0 < 1.5 and box.counts["tools/calls"] == 4
+
+
+def test_the_rollout_appends_tool_turns_token_in_token_out(smollm_tokenizer):
+    """EpisodeRollout over a real env host with the calculator example: the scripted first turn calls
+    the tool, its result is appended as the template's tool turn (bridge, mask 0), the second turn
+    answers; the step's metrics carry the env process's tool counters."""
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.controller.rollout import Counters
+    from meshrl.engines import SampleRequest
+    from meshrl.envs.task_sets import EpisodeSpec
+    from meshrl.renderers import renderer_for_tokenizer
+    from tests.test_env_task import _Client
+
+    cfg = load_config(RunConfig, "configs/env-tools.yaml", ["task.env.kwargs={low: 2, high: 2, examples: []}"])
+    renderer = renderer_for_tokenizer(smollm_tokenizer)
+    call = _call("calculator", expression="2 * 2")
+    rollout = EpisodeRollout(_Client(cfg, [call, "The answer is 4."]), renderer, 4096, Counters())
+    trajectories, step = rollout.collect([EpisodeSpec("s0", {"seed": 0})], 2, SampleRequest(max_tokens=64), "t")
+    assert [t.reward for t in trajectories] == [1.0, 1.0] and step["tools/calls"] == 2.0
+    t = trajectories[0]
+    (_, _, s0, e0), (_, _, s1, e1) = t.info["turns"]
+    assert t.tokens[s0:e0] == [ord(c) for c in call] and all(t.mask[s0:e0]) and not any(t.mask[e0:s1])
+    assert smollm_tokenizer.decode(t.tokens[e0:s1]) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    system = smollm_tokenizer.decode(t.prompt_tokens).split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools") and '"calculator"' in system
