@@ -319,3 +319,33 @@ def test_the_rollout_appends_tool_turns_token_in_token_out(smollm_tokenizer):
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     system = smollm_tokenizer.decode(t.prompt_tokens).split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools") and '"calculator"' in system
+
+
+def test_config_functions_become_tools_and_bad_ones_are_one_line_errors():
+    from types import SimpleNamespace
+
+    from meshrl.config.base import ConfigError, load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.envs.episode_host import EpisodeHost
+    from meshrl.envs.hosting import EnvSourceError, env_source
+    from meshrl.envs.task_sets import EpisodeSpec
+
+    base = ["task.env.kwargs={own_tool: false, examples: []}"]
+    cfg = load_config(RunConfig, "configs/env-tools.yaml", base + ["task.env.tools.functions=[calculator_tools:calculator]"])
+    host = EpisodeHost(env_source(cfg.task.env))
+    try:
+        first = host.reset([("e", EpisodeSpec("s", {"seed": 3}))])[0]["messages"]
+        assert '"name": "calculator"' in first[0]["content"]
+        assert host.step([("e", _call("calculator", expression="6 * 7"))])[0]["messages"][0]["content"] == (
+            "<tool_response>\n42\n</tool_response>")
+    finally:
+        host.close()
+    for functions, words in [("[calculator_tools:nope]", "task.env.tools.functions: module 'calculator_tools' has no function 'nope'"),
+                             ("[no_such_module:f]", "task.env.tools.functions: cannot import module 'no_such_module'")]:
+        bad = load_config(RunConfig, "configs/env-tools.yaml", base + [f"task.env.tools.functions={functions}"])
+        with pytest.raises(EnvSourceError, match=words):
+            env_source(bad.task.env)
+    session = SimpleNamespace(renderer=SimpleNamespace(name="llama3"))
+    with pytest.raises(ConfigError, match="task.env.tools.format is 'chatml' but the model's chat template is 'llama3'"):
+        EpisodeRollout.spawn(session, cfg)
