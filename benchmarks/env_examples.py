@@ -79,7 +79,7 @@ def summarise(env: str, arm: str, args) -> dict:
                    "turns": r.get("episodes/mean_turns"), "step_s": r["timing/step_s"],
                    "sdpo_jsd": r.get("loss/sdpo_jsd"), "replay_dpo": r.get("loss/replay_dpo")} for r in train],
         "mean_step_s": sum(r["timing/step_s"] for r in train) / len(train),
-        "final_counters": {k: last[k] for k in sorted(last) if k.startswith(("sdpo/", "replay/", "env/", "episodes/"))
+        "final_counters": {k: last[k] for k in sorted(last) if k.startswith(("sdpo/", "replay/", "env/", "episodes/", "tools/"))
                            and isinstance(last[k], (int, float))},
         "faults": [f"{r['mesh']} lost at step {r['step']}" for r in records if r["kind"] == "fault"],
     }
