@@ -84,3 +84,28 @@ def test_an_http_mcp_server_killed_mid_episode_is_restarted_and_the_episode_fail
     finally:
         host.close()
     assert not psutil.pid_exists(restarted)  # the restarted server stopped with the host
+
+
+def _stdio_server_pids() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if any("calculator_mcp_server.py" in part for part in p.cmdline())]
+
+
+def test_a_stdio_mcp_server_killed_mid_episode_is_started_again():
+    host = _host({"command": [sys.executable, SERVER]})
+    try:
+        host.reset([("e0", EpisodeSpec("s0", {"seed": 0}))])
+        assert host.step([("e0", _call("calculator", expression="2 * 21"))])[0]["messages"][0]["content"].count("42") == 1
+        (pid,) = _stdio_server_pids()
+        os.kill(pid, signal.SIGKILL)
+        dead = host.step([("e0", _call("calculator", expression="1 + 1"))])[0]
+        assert dead["termination"] == "env_error" and dead["server_restarted"]
+        assert host.all_counts()["tools/mcp_restarts"] == 1
+        (restarted,) = _stdio_server_pids()
+        assert restarted != pid
+        host.reset([("e1", EpisodeSpec("s1", {"seed": 1}))])
+        assert host.step([("e1", _call("calculator", expression="6 * 7"))])[0]["messages"][0]["content"].count("42") == 1
+        host.finish(["e0", "e1"])
+    finally:
+        host.close()
+    assert not _stdio_server_pids()
