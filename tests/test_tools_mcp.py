@@ -1,6 +1,7 @@
 """MCP tools with a real fastmcp server process (examples/calculator_mcp_server.py): listed at start,
-called under a deadline, over stdio and streamable HTTP; the HTTP server SIGKILLed by its PID in the
-middle of an episode, the episode failed (counted), the server restarted, the next episodes served."""
+called under a deadline, over stdio and streamable HTTP; the server (HTTP, and stdio) SIGKILLed by its
+PID in the middle of an episode, the episode failed (counted), the server restarted, the next
+episodes served, and no server process left after the host closes."""
 
 import json
 import os
