@@ -1,0 +1,290 @@
+"""Black-box agents (meshrl.agents, meshrl.controller.agents) without meshes: request validation,
+rendering with substitution, segment assembly, the endpoint over real HTTP with the real `openai`
+client and a scripted sampler, the program runs' deadlines, and the rollout strategy's accounting
+over a fake generator client. The run against the real generator is tests/test_agents_runtime.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+
+import openai
+import pytest
+
+from meshrl.agents.programs import Outcome, read_result, reward_of, run_callable, run_command
+from meshrl.agents.requests import BadRequest, validate
+from meshrl.agents.server import AgentEndpoint, AgentServer
+from meshrl.agents.transcript import EpisodeLog, ServedCall, assemble, extends, render_prompt
+from meshrl.engines import Completion, Sampled
+from meshrl.renderers import get_renderer
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm_tokenizer):
+    return get_renderer("chatml", smollm_tokenizer)
+
+
+# ---- request validation ---------------------------------------------------------------------------
+@pytest.mark.parametrize("body, field", [
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": HELLO, "max_tokens": 10 ** 9}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HELLO, "max_completion_tokens": 500}, "max_completion_tokens"),
+    ({"messages": HELLO, "max_tokens": "8"}, "max_tokens"),
+    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "stream": True}, "stream"),
+    ({"messages": HELLO, "stop": ["\n"]}, "stop"),
+    ({"messages": HELLO, "temperature": float("nan")}, "temperature"),
+    ({"messages": HELLO, "temperature": 7}, "temperature"),
+    ({"messages": HELLO, "top_p": -1}, "top_p"),
+    ({"messages": HELLO, "logprobs": "yes"}, "logprobs"),
+    ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": HELLO, "frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"messages": HELLO, "logit_bias": {"5": 100}}, "logit_bias"),
+    ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": HELLO, "best_of": 3}, "best_of"),
+    ({"messages": HELLO, "model": 3}, "model"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [*HELLO, {"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[1].role"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+    ({"messages": ["hello"]}, "messages[0]"),
+])
+def test_a_request_meshrl_cannot_serve_exactly_is_refused_naming_its_field(body, field):
+    with pytest.raises(BadRequest) as e:
+        validate(body, max_tokens_limit=32)
+    assert e.value.param == field and e.value.status == 400
+    assert field.split("[")[0].split(".")[0] in str(e.value)
+
+
+def test_a_valid_request_keeps_its_messages_and_defaults_to_the_runs_limit():
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"},
+                                        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                        {"role": "assistant", "content": "c", "refusal": None, "tool_calls": None}],
+            "temperature": 0.7, "seed": 3, "user": "x", "logprobs": True, "top_logprobs": 2, "n": 1}
+    req = validate(body, max_tokens_limit=32)
+    assert req.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": "c"}]
+    assert (req.max_tokens, req.logprobs, req.top_logprobs, req.model) == (32, True, 2, "m")
+    assert validate({"messages": HELLO, "max_tokens": 8}, 32).max_tokens == 8
+
+
+# ---- assembly and substitution ---------------------------------------------------------------------
+def call(prompt, tokens, version=3, text="t", finish="stop"):
+    return ServedCall(messages=[], prompt=list(prompt), tokens=list(tokens), logprobs=[-0.5] * len(tokens),
+                      text=text, finish_reason=finish, version=version)
+
+
+def test_a_prompt_that_extends_the_previous_call_continues_its_segment():
+    first = call([1, 2, 3], [10, 11], version=5)
+    second = call([1, 2, 3, 10, 11, 20, 21], [30], version=4)  # the bridge 20 21 is the agent's turn
+    [seg] = assemble([first, second])
+    assert seg.prompt == [1, 2, 3]
+    assert seg.tokens == [10, 11, 20, 21, 30]
+    assert seg.mask == [1, 1, 0, 0, 1]
+    assert seg.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert seg.version == 4  # the oldest version that sampled any of it
+    assert [(s, e) for _, _, s, e in seg.turns] == [(0, 2), (4, 5)]
+
+
+def test_a_prompt_that_does_not_extend_starts_a_new_segment_and_a_later_one_can_return():
+    a = call([1, 2], [10])
+    b = call([1, 9, 9], [11])  # rewrote history: a new segment
+    c = call([1, 2, 10, 7], [12])  # continues the first conversation
+    d = call([1, 2, 10], [13])  # equals, does not extend: a new segment
+    segs = assemble([a, b, c, d])
+    assert [s.prompt for s in segs] == [[1, 2], [1, 9, 9], [1, 2, 10]]
+    assert segs[0].tokens == [10, 7, 12] and segs[0].mask == [1, 0, 1]
+    assert not extends([1, 2], [1, 2]) and extends([1, 2, 3], [1, 2]) and not extends([1, 3, 4], [1, 2])
+
+
+def test_an_assistant_message_equal_to_a_served_reply_renders_as_its_sampled_tokens(renderer):
+    tok = renderer.tokenizer
+    messages = [{"role": "user", "content": "What is 40 + 2?"}]
+    prompt = render_prompt(renderer, messages, [])
+    assert prompt == renderer.build_generation_prompt(messages)
+    # the policy sampled "Hello" in two pieces, a split the tokenizer itself never makes
+    sampled = renderer.encode("Hel") + renderer.encode("lo") + renderer.get_stop_sequences()
+    assert tok.decode(sampled[:-1]) == "Hello" and renderer.encode("Hello") != sampled[:-1]
+    served = call(prompt, sampled, text="Hello")
+    follow = messages + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Sure?"}]
+    substituted = render_prompt(renderer, follow, [served])
+    assert substituted[:len(prompt) + len(sampled)] == prompt + sampled and len(substituted) > len(prompt) + len(sampled)
+    assert tok.decode(substituted) == tok.decode(renderer.build_generation_prompt(follow))
+    # re-tokenised (the content differs from what was served), the history would not extend
+    plain = render_prompt(renderer, follow, [call(prompt, sampled, text="Hello!")])
+    assert plain == renderer.build_generation_prompt(follow) and not extends(plain, prompt + sampled)
+    [seg] = assemble([served, call(substituted, [5])])
+    n = len(sampled)
+    assert seg.mask == [1] * n + [0] * (len(substituted) - len(prompt) - n) + [1]
+
+
+def test_a_truncated_reply_is_closed_with_the_stop_token_when_substituted(renderer):
+    tok = renderer.tokenizer
+    prompt = render_prompt(renderer, HELLO, [])
+    sampled = renderer.encode("Hi there")  # hit max_tokens: no stop token
+    served = call(prompt, sampled, text="Hi there", finish="length")
+    nxt = render_prompt(renderer, HELLO + [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "x"}], [served])
+    assert extends(nxt, prompt + sampled)
+    assert nxt[len(prompt) + len(sampled)] == renderer.get_stop_sequences()[0]
+    assert tok.decode(nxt).count("<|im_end|>") == 4  # system, user, assistant, user
+
+
+# ---- the endpoint over HTTP, with the real openai client ----------------------------------------------
+class ScriptedSampler:
+    """Replies "42" (stop) to everything, stamped with ``version``; records each prompt."""
+
+    def __init__(self, renderer, version=7):
+        self.renderer, self.version, self.prompts = renderer, version, []
+
+    def __call__(self, key, index, prompt, max_tokens, top):
+        self.prompts.append(list(prompt))
+        tokens = self.renderer.encode("42")[:max_tokens] + self.renderer.get_stop_sequences()
+        topk = ([[t, t + 1] for t in tokens], [[-0.1, -3.0] for _ in tokens]) if top else None
+        return Completion(tokens, [-0.25] * len(tokens), "stop", meta={"version": self.version}, topk=topk)
+
+
+@pytest.fixture
+def endpoint(renderer):
+    ep = AgentEndpoint(renderer, ScriptedSampler(renderer), max_new_tokens=16, max_model_len=256)
+    with AgentServer(ep) as server:
+        yield ep, server
+
+
+def test_the_endpoint_serves_the_openai_client_and_records_every_completion(endpoint, renderer):
+    ep, server = endpoint
+    log = EpisodeLog(max_calls=3)
+    ep.open("key-a", log)
+    client = openai.OpenAI(base_url=server.base_url, api_key="key-a", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "What is 40 + 2?"}]
+    r = client.chat.completions.create(model="policy", messages=messages, logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.content == "42" and r.choices[0].finish_reason == "stop"
+    assert r.system_fingerprint == "meshrl-policy-v7"
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == "42" and all(t.logprob == -0.25 for t in content)
+    assert len(content[0].top_logprobs) == 2 and content[0].top_logprobs[0].logprob == pytest.approx(-0.1)
+    messages += [r.choices[0].message, {"role": "user", "content": "Sure?"}]  # the reply object, echoed back
+    r2 = client.chat.completions.create(model="policy", messages=messages)
+    assert r2.choices[0].logprobs is None
+    calls = log.served()
+    assert [c.version for c in calls] == [7, 7] and calls[0].text == "42"
+    assert extends(calls[1].prompt, calls[0].prompt + calls[0].tokens)
+    assert r2.usage.prompt_tokens == len(calls[1].prompt)
+    client.chat.completions.create(model="policy", messages=HELLO)
+    with pytest.raises(openai.RateLimitError, match="max_completions"):  # out of completions
+        client.chat.completions.create(model="policy", messages=HELLO)
+    log.close()
+    with pytest.raises(openai.APIStatusError, match="episode is over") as e:
+        client.chat.completions.create(model="policy", messages=HELLO)
+    assert e.value.status_code == 409 and len(log.served()) == 3
+
+
+def test_the_endpoint_refuses_unknown_keys_bad_fields_and_prompts_past_the_context(endpoint):
+    ep, server = endpoint
+    ep.open("key-b", EpisodeLog(max_calls=8))
+    bad = openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="policy", messages=HELLO)
+    client = openai.OpenAI(base_url=server.base_url, api_key="key-b", max_retries=0, timeout=30)
+    for kwargs, field in [({"max_tokens": 100000}, "max_tokens"), ({"n": 3}, "n"),
+                          ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "tools")]:
+        with pytest.raises(openai.BadRequestError, match=field) as e:
+            client.chat.completions.create(model="policy", messages=HELLO, **kwargs)
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError, match="model.max_model_len"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "word " * 400}])
+    assert ep.episodes["key-b"].served() == [] and ep.episodes["key-b"].requested == 0
+    assert ep.counts["rejected"] == 5  # the unknown key, three fields, the context
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="policy", prompt="x")
+
+
+# ---- program runs ------------------------------------------------------------------------------------
+def test_a_command_gets_the_endpoint_and_episode_and_its_last_line_is_the_result(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        spec = json.loads(sys.stdin.read())
+        assert spec == json.loads(os.environ["MESHRL_EPISODE"])
+        print("some log line")
+        print(json.dumps({"reward": spec["seed"] / 10, "success": True, "url": os.environ["OPENAI_BASE_URL"],
+                          "key": os.environ["OPENAI_API_KEY"]}))
+    """))
+    out = run_command(["python", str(script)], "http://127.0.0.1:1/v1", "k1", {"seed": 5}, 30, [])
+    assert out.status == "ok" and out.result == {"reward": 0.5, "success": True, "url": "http://127.0.0.1:1/v1", "key": "k1"}
+    assert reward_of(out.result) == (0.5, True)
+
+
+def test_a_command_past_its_deadline_is_killed_with_everything_it_started(tmp_path):
+    marker = tmp_path / "child.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        open({str(marker)!r}, "w").write(str(child.pid))
+        time.sleep(300)
+    """))
+    started = time.monotonic()
+    out = run_command(["python", str(script)], "http://x/v1", "k", {}, 3, [])
+    assert out.status == "timed_out" and "task.agent.timeout_s" in out.detail
+    assert time.monotonic() - started < 20
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child), "the program's child outlived the kill"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("code, status, detail", [
+    ("import sys; print('boom', file=sys.stderr); sys.exit(3)", "crashed", "exit status 3: boom"),
+    ("print('not json')", "bad_result", "not JSON"),
+    ("pass", "bad_result", "no result line"),
+    ("print('x' * 10_000_000); print(1.5)", "ok", ""),
+])
+def test_a_commands_exit_and_output_decide_its_outcome(tmp_path, code, status, detail):
+    (tmp_path / "a.py").write_text(code)
+    out = run_command([sys.executable, str(tmp_path / "a.py")], "http://x/v1", "k", {}, 30, [])
+    assert out.status == status and detail in out.detail
+    assert run_command(["/no/such/program"], "http://x/v1", "k", {}, 5, []).status == "crashed"
+
+
+def test_a_callable_runs_with_a_client_and_is_abandoned_past_its_deadline():
+    seen = {}
+
+    def ok(client, episode):
+        seen.update(url=str(client.base_url), key=client.api_key, episode=episode)
+        return 1
+
+    assert run_callable(ok, "http://127.0.0.1:9/v1", "k9", {"seed": 1}, 10) == Outcome("ok", 1)
+    assert seen == {"url": "http://127.0.0.1:9/v1/", "key": "k9", "episode": {"seed": 1}}
+    assert run_callable(lambda c, e: time.sleep(30), "http://x/v1", "k", {}, 0.5).status == "timed_out"
+    crash = run_callable(lambda c, e: 1 / 0, "http://x/v1", "k", {}, 5)
+    assert crash.status == "crashed" and "ZeroDivisionError" in crash.detail
+    assert run_callable(lambda c, e: object(), "http://x/v1", "k", {}, 5).status == "bad_result"
+
+
+@pytest.mark.parametrize("result", [None, "1", True, float("inf"), {"reward": "1"}, {"score": 1},
+                                    {"reward": 1, "success": "yes"}])
+def test_a_result_that_is_no_reward_is_refused(result):
+    with pytest.raises(ValueError):
+        reward_of(result)
+    assert reward_of(2) == (2.0, None) and read_result("0.25") == Outcome("ok", 0.25)
