@@ -288,3 +288,124 @@ def test_a_result_that_is_no_reward_is_refused(result):
     with pytest.raises(ValueError):
         reward_of(result)
     assert reward_of(2) == (2.0, None) and read_result("0.25") == Outcome("ok", 0.25)
+
+
+# ---- the rollout strategy over a fake generator client -----------------------------------------------
+class FakeClient:
+    """`MeshClient.sample` answered by a scripted "reply N" per call, each call stamped with the next
+    policy version (so the oldest version of an episode is its first call's)."""
+
+    def __init__(self, renderer):
+        self.renderer, self.step, self.calls, self._lock = renderer, 3, [], threading.Lock()
+        self.version = 10
+
+    def sample(self, prompt, request, scoring):
+        with self._lock:
+            self.calls.append((list(prompt), request))
+            version = self.version
+            self.version += 1
+        tokens = self.renderer.encode(f"reply {version}") + self.renderer.get_stop_sequences()
+        return Sampled([Completion(tokens, [-1.0] * len(tokens), "stop", meta={"version": version})])
+
+
+def agent_rollout(renderer, **agent):
+    from meshrl.config.agent_task import AgentTaskConfig
+    from meshrl.controller.agents import AgentRollout
+    from meshrl.controller.rollout import Counters
+
+    cfg = AgentTaskConfig(**{"callable": "meshrl.testing.agents:scripted", "timeout_s": 5, **agent})
+    client = FakeClient(renderer)
+    return AgentRollout.bound(cfg)(client, renderer, 512, Counters()), client
+
+
+def spec(**kwargs):
+    from meshrl.envs.task_sets import EpisodeSpec
+
+    return EpisodeSpec(f"e{kwargs}", kwargs)
+
+
+def test_the_strategy_assembles_each_episode_from_exactly_what_was_sampled(renderer):
+    from meshrl.engines import SampleRequest
+
+    strategy, client = agent_rollout(renderer)
+    request = SampleRequest(max_tokens=16, temperature=1.0, seed=100, stop_token_ids=(2,))
+    trajectories, metrics = strategy.collect([spec(mode="good", seed=1), spec(mode="rewrite", seed=2)], 2, request, "t")
+    good = [t for t in trajectories if t.group == 0]
+    assert len(good) == 2 and all(t.info["segments"] == 1 and t.reward == 1.0 and t.info["correct"] for t in good)
+    for t in good:
+        sampled = [c for c in client.calls if t.prompt_tokens == c[0][:len(t.prompt_tokens)]]
+        assert len(sampled) >= 2
+        sequence = t.prompt_tokens + t.tokens
+        first, second = t.info["turns"]
+        # the second call's prompt is the first's sequence plus the user turn, token for token
+        assert any(p == sequence[:len(p)] and len(p) == len(t.prompt_tokens) + second[2] for p, _ in client.calls)
+        assert [t.tokens[i] for i in range(len(t.mask)) if t.mask[i]] == \
+            t.tokens[first[2]:first[3]] + t.tokens[second[2]:second[3]]
+        assert t.version == int(renderer.tokenizer.decode(t.tokens[first[2]:first[3] - 1]).split()[-1])
+    rewrites = [t for t in trajectories if t.group == 1]
+    assert len(rewrites) == 4 and {t.info["segment"] for t in rewrites} == {0, 1}  # two segments per episode
+    assert all(t.reward == 0.5 and not t.info["correct"] for t in rewrites)
+    assert metrics["agents/segments"] == 6 and metrics["agents/calls"] == 8
+    assert metrics["episodes/success"] == 0.5
+    # each call sampled with the batch's parameters, seeded per episode and call; the step kept
+    requests = [r for _, r in client.calls]
+    assert {(r.temperature, r.max_tokens, r.stop_token_ids, r.n) for r in requests} == {(1.0, 16, (2,), 1)}
+    assert len({r.seed for r in requests}) == 8 and client.step == 3
+    assert [r["agent_status"] for r in strategy.episode_records] == ["ok"] * 4
+
+
+def test_failed_programs_are_dropped_and_counted_never_a_hung_batch(renderer):
+    from meshrl.engines import SampleRequest
+
+    strategy, _ = agent_rollout(renderer, timeout_s=1.0)
+    modes = ["crash", "hang", "no_calls", "garbage", "good"]
+    started = time.monotonic()
+    trajectories, metrics = strategy.collect([spec(mode=m) for m in modes], 1, SampleRequest(max_tokens=8), "t")
+    assert time.monotonic() - started < 10
+    assert [t.group for t in trajectories] == [4]
+    assert {k: v for k, v in metrics.items() if k in ("agents/crashed", "agents/timed_out", "agents/no_calls",
+                                                      "agents/bad_result")} == \
+        {"agents/crashed": 1, "agents/timed_out": 1, "agents/no_calls": 1, "agents/bad_result": 1}
+    statuses = Counter(r["agent_status"] for r in strategy.episode_records)
+    assert statuses == Counter(crashed=1, timed_out=1, no_calls=1, bad_result=1, ok=1)
+
+
+def test_a_grader_gives_the_reward_and_a_failing_grader_is_counted(renderer):
+    from meshrl.engines import SampleRequest
+
+    strategy, _ = agent_rollout(renderer, grader="meshrl.testing.agents:first_reply_length", success_reward=100)
+    trajectories, metrics = strategy.collect([spec(mode="good"), spec(mode="garbage")], 1, SampleRequest(max_tokens=8), "t")
+    assert [t.reward for t in trajectories] == [8.0, 8.0]  # len("reply 10") for both: graded, not the result
+    assert not any(t.info["correct"] for t in trajectories)  # below success_reward
+    failing, _ = agent_rollout(renderer, grader="meshrl.testing.agents:first_reply_length")
+    _, metrics = failing.collect([spec(mode="rewrite")], 1, SampleRequest(max_tokens=8), "t")
+    assert metrics.get("agents/grader_errors") is None  # rewrite still has a first reply
+    failing.grader = lambda episode, transcript: float("nan")
+    trajectories, metrics = failing.collect([spec(mode="good")], 1, SampleRequest(max_tokens=8), "t")
+    assert trajectories == [] and metrics["agents/grader_errors"] == 1
+
+
+def test_the_task_kind_is_checked_before_anything_is_spawned(tmp_path):
+    from meshrl.config.base import ConfigError, load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.envs.task_sets import make_task
+
+    def cfg(*overrides):
+        return load_config(RunConfig, None, ["task.kind=agent", *overrides])
+
+    with pytest.raises(ConfigError, match="task.agent"):
+        cfg()
+    with pytest.raises(ConfigError, match="exactly one of command"):
+        cfg("task.agent.callable=a:b", "task.agent.command=[python,x.py]")
+    with pytest.raises(ConfigError, match="sdpo.alpha"):
+        cfg("task.agent.callable=meshrl.testing.agents:scripted", "sdpo.alpha=0.1")
+    with pytest.raises(ConfigError, match="task.agent.callable: module 'meshrl.testing.agents' has no function 'nope'"):
+        make_task(cfg("task.agent.callable=meshrl.testing.agents:nope").task)
+    with pytest.raises(ConfigError, match="no script 'missing.py'"):
+        make_task(cfg("task.agent.command=[python,missing.py]").task)
+    with pytest.raises(ConfigError, match="task.agent.heldout shares"):
+        make_task(cfg("task.agent.callable=meshrl.testing.agents:scripted", "task.agent.heldout.seeds=[0,5]").task)
+    task = make_task(cfg("task.agent.callable=meshrl.testing.agents:scripted").task)
+    from meshrl.controller.rollout import strategy_for
+
+    assert strategy_for(task).agent is task.agent and task.heldout(2)[1].kwargs == {"seed": 1000001}
