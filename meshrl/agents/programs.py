@@ -164,8 +164,8 @@ def run_callable(fn: Callable, base_url: str, api_key: str, episode: dict, timeo
 
     def target() -> None:
         try:
-            client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
-            box["result"] = fn(client, dict(episode))
+            with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s) as client:
+                box["result"] = fn(client, dict(episode))
         except BaseException as e:  # noqa: BLE001 - the agent's failure, counted
             box["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
