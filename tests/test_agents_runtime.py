@@ -47,22 +47,23 @@ def test_an_openai_client_agent_trains_on_exactly_what_the_generator_sampled(tin
     records = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     trajectories = [r for r in records if r["kind"] == "trajectory"]
     assert len(trajectories) == 8 and len(sampled) == 16
-    by_prompt = {tuple(p): c for p, c in sampled}
+    unmatched = list(sampled)  # each completion the generator sampled is trained exactly once
     for r in trajectories:
         tokens, mask, logprobs = r["prompt_tokens"] + r["tokens"], [0] * len(r["prompt_tokens"]) + r["mask"], \
             [0.0] * len(r["prompt_tokens"]) + r["logprobs"]
         spans = [(s + len(r["prompt_tokens"]), e + len(r["prompt_tokens"])) for _, _, s, e in r["info"]["turns"]]
-        assert len(spans) == 2
-        for start, end in spans:  # each sampled span is one completion of the generator, in its own context
-            completion = by_prompt[tuple(tokens[:start])]
-            assert tokens[start:end] == completion.tokens and logprobs[start:end] == completion.logprobs
-            assert mask[start:end] == [1] * (end - start)
-            assert completion.meta["version"] == r["step"] - 1
-        assert sum(mask) == sum(e - s for s, e in spans)  # nothing else is trained
-        assert r["version"] == r["step"] - 1
         served = json.loads((logs / f"{r['id']}.json").read_text())
-        for (start, end), turn in zip(spans, served):  # and it is what the agent was served
-            completion = by_prompt[tuple(tokens[:start])]
+        assert len(spans) == 2 == len(served)
+        for (start, end), turn in zip(spans, served):
+            # the span is one completion of the generator, sampled in exactly this context
+            [match] = [i for i, (p, c) in enumerate(unmatched)
+                       if p == tokens[:start] and c.tokens == tokens[start:end] and c.logprobs == logprobs[start:end]]
+            _, completion = unmatched.pop(match)
+            assert mask[start:end] == [1] * (end - start) and completion.meta["version"] == r["step"] - 1
+            # and it is what the agent was served
             content = completion.tokens[:-1] if completion.finish_reason == "stop" else completion.tokens
             assert turn["logprobs"] == completion.logprobs[:len(content)] and len(turn["tokens"]) == len(content)
             assert turn["fingerprint"] == f"meshrl-policy-v{r['step'] - 1}"
+        assert sum(mask) == sum(e - s for s, e in spans)  # nothing else is trained
+        assert r["version"] == r["step"] - 1
+    assert unmatched == []
