@@ -210,6 +210,30 @@ def test_the_endpoint_refuses_unknown_keys_bad_fields_and_prompts_past_the_conte
         client.completions.create(model="policy", prompt="x")
 
 
+def test_every_episode_of_a_batch_may_call_at_once(endpoint):
+    """A batch's programs connect together: none is refused a connection (the listen backlog)."""
+    ep, server = endpoint
+    keys = [f"k{i}" for i in range(96)]
+    for key in keys:
+        ep.open(key, EpisodeLog(max_calls=1))
+    barrier, errors = threading.Barrier(len(keys)), []
+
+    def one(key):
+        with openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60) as client:
+            barrier.wait()
+            try:
+                client.chat.completions.create(model="policy", messages=HELLO)
+            except openai.APIError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and all(len(ep.episodes[k].served()) == 1 for k in keys)
+
+
 # ---- program runs ------------------------------------------------------------------------------------
 def test_a_command_gets_the_endpoint_and_episode_and_its_last_line_is_the_result(tmp_path):
     script = tmp_path / "agent.py"

@@ -83,14 +83,18 @@ class AgentEndpoint:
                                len(c.tokens), version, logprobs)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 1024  # every episode of a batch may connect at once (the default backlog is 5)
+
+
 class AgentServer:
     """`endpoint` served on 127.0.0.1 (an ephemeral port) by a thread until `close()`."""
 
     def __init__(self, endpoint: AgentEndpoint, request_timeout_s: float = 30.0):
         handler = _handler(endpoint, request_timeout_s)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
-        self.httpd.block_on_close = False
+        self.httpd = _Server(("127.0.0.1", 0), handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="agent-endpoint", daemon=True)
         self._thread.start()
