@@ -234,6 +234,30 @@ def test_every_episode_of_a_batch_may_call_at_once(endpoint):
     assert errors == [] and all(len(ep.episodes[k].served()) == 1 for k in keys)
 
 
+def test_the_server_refuses_bodies_it_will_not_read(endpoint):
+    import http.client
+
+    ep, server = endpoint
+    ep.open("k", EpisodeLog(max_calls=4))
+    port = int(server.base_url.split(":")[2].split("/")[0])
+
+    def post(body: bytes, length: str | None = None, path="/v1/chat/completions"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.putrequest("POST", path)
+        conn.putheader("Authorization", "Bearer k")
+        conn.putheader("Content-Length", length if length is not None else str(len(body)))
+        conn.endheaders()
+        conn.send(body[:1000])
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+
+    status, body = post(b"", str(64 << 20))
+    assert status == 413 and "Content-Length" in body["error"]["message"]
+    assert post(b"{not json")[0] == 400 and post(b"[1, 2]")[0] == 400
+    assert post(b"{}", path="/v1/completions")[0] == 404
+    assert ep.episodes["k"].requested == 0
+
+
 # ---- program runs ------------------------------------------------------------------------------------
 def test_a_command_gets_the_endpoint_and_episode_and_its_last_line_is_the_result(tmp_path):
     script = tmp_path / "agent.py"
