@@ -315,6 +315,12 @@ def test_a_commands_exit_and_output_decide_its_outcome(tmp_path, code, status, d
     assert run_command(["/no/such/program"], "http://x/v1", "k", {}, 5, []).status == "crashed"
 
 
+def test_a_command_that_never_reads_a_large_spec_cannot_block(tmp_path):
+    (tmp_path / "a.py").write_text("print(2)")
+    out = run_command(["python", str(tmp_path / "a.py")], "http://x/v1", "k", {"blob": "x" * (4 << 20)}, 30, [])
+    assert out == Outcome("ok", 2)
+
+
 def test_a_callable_runs_with_a_client_and_is_abandoned_past_its_deadline():
     seen = {}
 

@@ -1,7 +1,7 @@
 """Running an agent program for one episode, always within a deadline, and reading its result.
 
 A subprocess (`task.agent.command`) runs in a process group of its own, gets `OPENAI_BASE_URL`,
-`OPENAI_API_KEY` and the episode spec (JSON, on stdin and in `MESHRL_EPISODE`), and prints its
+`OPENAI_API_KEY` and the episode spec (JSON, on stdin, and in `MESHRL_EPISODE` up to 32 KiB), and prints its
 result as the last line of its output; past the deadline the whole group is killed. Its output goes
 to a file and only its tail is read, so a flood of output costs no memory. A callable
 (`task.agent.callable`) runs in a daemon thread with an `openai.OpenAI` client; past the deadline
@@ -30,6 +30,7 @@ from meshrl.config.agent_task import AgentTaskConfig
 from meshrl.config.base import ConfigError
 
 TAIL_BYTES = 64 << 10
+ENV_SPEC_BYTES = 32 << 10
 
 
 class AgentSourceError(ConfigError):
@@ -114,20 +115,17 @@ def run_command(argv: list[str], base_url: str, api_key: str, episode: dict, tim
         argv = [sys.executable, *argv[1:]]
     spec = json.dumps(episode)
     paths = [os.path.abspath(p) for p in python_path] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "MESHRL_EPISODE": spec,
-           "PYTHONPATH": os.pathsep.join(paths)}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key, "PYTHONPATH": os.pathsep.join(paths)}
+    if len(spec) <= ENV_SPEC_BYTES:  # the kernel refuses longer variables (E2BIG): stdin carries any size
+        env["MESHRL_EPISODE"] = spec
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        stdin.write(spec.encode())  # from a file: a program that never reads its spec cannot block meshrl
+        stdin.seek(0)
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=out, stderr=err, env=env, start_new_session=True)
         except OSError as e:
             return Outcome("crashed", detail=f"cannot start {argv[0]!r} ({type(e).__name__}: {e})")
         try:
-            try:
-                proc.stdin.write(spec.encode())
-                proc.stdin.close()
-            except OSError:  # it exited without reading its spec: its exit status tells
-                pass
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return Outcome("timed_out", detail=f"no result within {timeout_s:g}s (task.agent.timeout_s)")

@@ -16,9 +16,9 @@ class AgentTaskConfig(Section):
     command: list[str] | None = None
     """The program as a subprocess, one per episode, e.g. `[python, examples/agent_program.py]`: it
     gets `OPENAI_BASE_URL` and `OPENAI_API_KEY` (the episode's own key), the episode spec as JSON on
-    stdin and in `MESHRL_EPISODE`, and prints its result as the last line of its output (a JSON
-    number, the reward, or an object with `reward` and optionally `success`). A first word `python` is
-    the interpreter meshrl runs under. Set this or `callable`."""
+    stdin (and in `MESHRL_EPISODE` when at most 32 KiB), and prints its result as the last line of its
+    output (a JSON number, the reward, or an object with `reward` and optionally `success`). A first
+    word `python` is the interpreter meshrl runs under. Set this or `callable`."""
 
     callable: str | None = None
     """`package.module:fn`, called once per episode in a thread of the controller as
