@@ -42,4 +42,4 @@ class EnvActor(MeshrlActor):
     @endpoint
     def finish(self, episode_ids: list[str]) -> dict:
         """Close episodes: their records (and late rewards), and this process's env counters."""
-        return {"episodes": self.host.finish(episode_ids), "counts": dict(self.host.counts)}
+        return {"episodes": self.host.finish(episode_ids), "counts": self.host.all_counts()}

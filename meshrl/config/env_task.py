@@ -43,6 +43,67 @@ class EpisodeSetConfig(Section):
         return self
 
 
+class MCPToolsConfig(Section):
+    """An MCP server whose tools the agent may call (fastmcp's client; `pip install fastmcp`)."""
+
+    url: str | None = None
+    """A streamable-HTTP MCP server (e.g. `http://127.0.0.1:8765/mcp`): one the user runs, or the one
+    `command` starts."""
+
+    command: list[str] = []
+    """A server meshrl starts in each env process and restarts when it dies: over stdio (without
+    `url`), or an HTTP server listening at `url` (e.g. `[python, examples/calculator_mcp_server.py]`)."""
+
+    env: dict[str, str] = {}
+    """Environment variables added for `command`."""
+
+    start_timeout_s: float = Field(60.0, gt=0)
+    """Limit of starting (or reaching) the server and listing its tools."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "MCPToolsConfig":
+        if self.url is None and not self.command:
+            raise ValueError("set url (a streamable-HTTP MCP server) or command (a server meshrl starts)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+
+class ToolsConfig(Section):
+    """Tools the agent may call (OpenAI function schemas), on top of the environment's own
+    (`Environment.tools()`): a turn with tool calls gets the results back as tool turns, the turn
+    without one is the agent's answer to the environment (meshrl.envs.tools)."""
+
+    functions: list[str] = []
+    """Python callables `package.module:function` (imported after `task.env.python_path`); each
+    one's schema comes from its signature and docstring unless `schemas` gives it."""
+
+    schemas: dict[str, dict[str, Any]] = {}
+    """Explicit OpenAI-format schemas by function name (`{type: function, function: {name,
+    description, parameters}}`), replacing the derived ones."""
+
+    mcp: MCPToolsConfig | None = None
+    """An MCP server providing tools; None = none."""
+
+    format: Literal["chatml", "llama3"] = "chatml"
+    """How tools are shown and calls are written: the model family's format (the renderer's name,
+    checked against the model's chat template at start): `chatml` = Qwen2.5's `<tool_call>` JSON,
+    `llama3` = Llama 3.1's JSON calls and `ipython` results."""
+
+    call_timeout_s: float = Field(10.0, gt=0)
+    """Deadline of one tool call; past it the tool turn says the call timed out (`tools/timed_out`)."""
+
+    max_calls_per_turn: int = Field(4, ge=1)
+    """A turn with more calls is a `wrong_format` error (none of them runs)."""
+
+    max_result_chars: int = Field(4000, ge=1)
+    """A tool result longer than this is cut (and says so)."""
+
+    system_prompt: str = "You are a helpful assistant."
+    """The system prompt the tool list is added to when the environment's first turn is not a
+    system message."""
+
+
 class EnvTaskConfig(Section):
     """An environment of your own: where it comes from, its episodes, and the rules meshrl applies to
     what it returns."""
@@ -109,6 +170,10 @@ class EnvTaskConfig(Section):
 
     server_start_timeout_s: float = Field(120.0, gt=0)
     """Limit of starting a served environment server (`serve: true`) until it answers its health check."""
+
+    tools: ToolsConfig | None = None
+    """Tools the agent may call during an episode (Python callables, an MCP server); None = only the
+    environment's own (`Environment.tools()`), if any."""
 
     @model_validator(mode="after")
     def _check(self) -> "EnvTaskConfig":

@@ -1,6 +1,7 @@
 """The multi-turn rollout strategy, token-in/token-out: the generator samples a turn, the env mesh runs it
 (the code task's sandbox, or an environment of the user's own), the feedback message is appended to
-the episode's token sequence with the renderer's bridge (history is never re-tokenised), and so on
+the episode's token sequence with the renderer's bridge (history is never re-tokenised; a step may
+add several, e.g. one tool turn per call), and so on
 until the episode ends.
 
 Every episode becomes one Trajectory whose `mask` is 1 exactly on the policy's sampled tokens.
@@ -75,6 +76,12 @@ class EpisodeRollout:
         from meshrl.actors.env_actor import EnvActor
         from meshrl.envs.task_sets import env_spec
 
+        tools = cfg.task.env.tools if cfg.task.kind == "env" else None
+        if tools is not None and tools.format != session.renderer.name:
+            from meshrl.config.base import ConfigError
+
+            raise ConfigError(f"task.env.tools.format is {tools.format!r} but the model's chat template is "
+                              f"{session.renderer.name!r}: set task.env.tools.format={session.renderer.name}")
         spec = cfg.meshes.rewarder
         session.spawn(ENV, EnvActor, env_spec(cfg.task), procs=spec.procs, colocate_with=spec.colocate_with)
 
@@ -154,7 +161,7 @@ class EpisodeRollout:
                 if result["done"]:
                     ep.termination = result["termination"]
                     continue
-                bridge = self.renderer.bridge(ep.prompt + ep.tokens, [result["message"]])
+                bridge = self.renderer.bridge(ep.prompt + ep.tokens, result.get("messages") or [result["message"]])
                 if len(ep.prompt) + len(ep.tokens) + len(bridge) > limit:
                     ep.termination = "context_limit"
                     continue

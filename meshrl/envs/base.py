@@ -113,6 +113,12 @@ class Environment(abc.ABC):
         replay). Environments without chat history raise NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} keeps no message history")
 
+    def tools(self) -> list:
+        """Tools this environment offers its agent: Python callables (their signature and docstring
+        give the schema) or tool providers (meshrl.envs.tools); [] = none. With tools, every turn
+        with tool calls is answered with their results and only the turn without one reaches `step`."""
+        return []
+
     def trajectory(self) -> dict[str, Any]:
         """A JSON-serialisable record of the episode so far."""
         st = self.state

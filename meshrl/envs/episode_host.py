@@ -9,7 +9,8 @@ that is not a finite number, a role the chat cannot take) ends that episode with
 restarted for the episodes that follow, and the episodes that failed with it are flagged
 (`server_restarted`) so that the controller plays their batch again. Every record is plain data (picklable, JSON-able).
 
-What the controller gets per step (`step`): the observation's message, reward, done, termination,
+What the controller gets per step (`step`): the observation's message (and `messages`, the turns it
+adds: several when the environment answered with several, e.g. one per tool call), reward, done, termination,
 success, the error-site markers (`error_kind`, `hint_template_key`, `hint`, `error_text`) and the
 context the agent saw before the action (`state_at`, or the messages this host recorded when the
 environment keeps no history), for the SDPO and trace-replay channels. An episode that ends with
@@ -32,7 +33,7 @@ from meshrl.envs.base import Environment, Observation, TextAction
 
 log = logging.getLogger(__name__)
 
-ROLES = ("user", "tool", "system")
+ROLES = ("user", "tool", "ipython", "system")
 _KIND = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -52,7 +53,7 @@ class _Live:
 
 def _check_message(label: str, where: str, msg: Any, limit: int) -> dict:
     if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in ROLES:
-        raise EnvOutputError(f"env {label}: {where} is not a {{role: user|tool|system, content: str}} message")
+        raise EnvOutputError(f"env {label}: {where} is not a {{role: {'|'.join(ROLES)}, content: str}} message")
     if len(msg["content"]) > limit:
         raise EnvOutputError(f"env {label}: {where}.content has {len(msg['content'])} characters, over "
                              f"task.env.max_observation_chars={limit}")
@@ -65,11 +66,23 @@ def _number(label: str, where: str, value: Any) -> float:
     return float(value)
 
 
+def observation_messages(obs: Observation, label: str, limit: int) -> list[dict]:
+    """The turns an observation adds to the chat, checked: `metadata['messages']` when it lists
+    several (e.g. one per tool call), else its one message."""
+    given = obs.metadata.get("messages")
+    if given is None:
+        return [obs.message]
+    if not isinstance(given, list) or not given:
+        raise EnvOutputError(f"env {label}: observation.metadata.messages is not a non-empty list of messages")
+    return [_check_message(label, f"observation.metadata.messages[{i}]", m, limit) for i, m in enumerate(given)]
+
+
 def check_observation(obs: Any, label: str, limit: int) -> Observation:
     """``obs`` if it is usable, else EnvOutputError naming the field."""
     if not isinstance(obs, Observation):
         raise EnvOutputError(f"env {label}: the observation is a {type(obs).__name__}, not an Observation")
     _check_message(label, "observation.text", obs.message, limit)
+    observation_messages(obs, label, limit)
     if obs.reward is not None:
         _number(label, "observation.reward", obs.reward)
     for name in ("error_kind", "hint_template_key"):
@@ -139,9 +152,7 @@ class EpisodeHost:
             env, kwargs = self.source.open(spec)
             try:
                 obs = check_observation(env.reset(episode_id=episode_id, **kwargs), self.rules.label, limit)
-                given = obs.metadata.get("messages")
-                messages = ([_check_message(self.rules.label, f"observation.metadata.messages[{i}]", m, limit)
-                             for i, m in enumerate(given)] if isinstance(given, list) and given else [obs.message])
+                messages = observation_messages(obs, self.rules.label, limit)
             except BaseException:
                 _close(env)
                 raise
@@ -186,7 +197,7 @@ class EpisodeHost:
             if error is not None:
                 line = self._failed("step", episode_id, error)
                 ep.done = True
-                out.append({"message": None, "reward": 0.0, "done": True, "termination": "env_error",
+                out.append({"message": None, "messages": [], "reward": 0.0, "done": True, "termination": "env_error",
                             "env_error": line, "success": False, "error_kind": None, "hint_template_key": None,
                             "hint": None, "error_text": None, "context": ep.seen[-1] if ep.seen else ep.messages})
                 continue
@@ -213,14 +224,15 @@ class EpisodeHost:
         reward = 0.0 if obs.reward is None else float(obs.reward)
         ep.episode_return += reward
         ep.reward_pending, ep.done = pending, done
-        ep.messages += [{"role": "assistant", "content": text}, obs.message]
+        messages = observation_messages(obs, rules.label, rules.max_observation_chars)
+        ep.messages += [{"role": "assistant", "content": text}, *messages]
         success = self._success(meta, ep.episode_return) if done and not pending else False
         error_kind = obs.error_kind
         if error_kind is None and not success and rules.default_error_kind and not meta.get("success"):
             error_kind = rules.default_error_kind
         if done and termination is None:
             termination = "success" if success else "done"
-        return {"message": obs.message, "reward": reward, "done": done, "termination": termination,
+        return {"message": messages[0], "messages": messages, "reward": reward, "done": done, "termination": termination,
                 "success": success, "reward_pending": pending, "error_kind": error_kind,
                 "hint_template_key": obs.hint_template_key, "hint": meta.get("hint"),
                 "error_text": meta.get("error_text") if isinstance(meta.get("error_text"), str) else None,
@@ -286,6 +298,10 @@ class EpisodeHost:
                 return None
             time.sleep(wait)
             wait = min(wait * 2, 0.5)
+
+    def all_counts(self) -> dict[str, int]:
+        """This process's counters: the episodes' and the source's (e.g. its tools')."""
+        return {**self.counts, **getattr(self.source, "counts", {})}
 
     def close(self) -> None:
         for ep in self.live.values():

@@ -141,18 +141,23 @@ class FactorySource:
     def __init__(self, cfg: EnvTaskConfig):
         self.cfg, self.rules = cfg, _rules(cfg)
         self.factory = import_factory(cfg)
+        self.tools = EnvTools(cfg)
+
+    @property
+    def counts(self):
+        return self.tools.counts
 
     def describe(self) -> dict:
-        return {"env": self.cfg.label, "form": "class"}
+        return {"env": self.cfg.label, "form": "class", **self.tools.describe()}
 
     def open(self, spec) -> tuple[Environment, dict]:
-        return adapt(self.factory(**self.cfg.kwargs), self.cfg.label), dict(spec.kwargs)
+        return self.tools.wrap(adapt(self.factory(**self.cfg.kwargs), self.cfg.label)), dict(spec.kwargs)
 
     def recover(self) -> bool:
-        return False
+        return self.tools.recover()
 
     def close(self) -> None:
-        pass
+        self.tools.close()
 
 
 class ServerSource:
@@ -163,6 +168,7 @@ class ServerSource:
 
     def __init__(self, cfg: EnvTaskConfig):
         self.cfg, self.rules = cfg, _rules(cfg)
+        self.tools = EnvTools(cfg)
         self.server = None
         self._lock = threading.Lock()
         self._action_field: str | None = None
@@ -194,22 +200,32 @@ class ServerSource:
 
     def describe(self) -> dict:
         return {"env": self.cfg.label, "form": "served" if self.cfg.serve else "url", "protocol": self.cfg.protocol,
-                "url": self.url, "server_pid": self.server.proc.pid if self.server is not None else None}
+                "url": self.url, "server_pid": self.server.proc.pid if self.server is not None else None,
+                **self.tools.describe()}
+
+    @property
+    def counts(self):
+        return self.tools.counts
 
     def open(self, spec) -> tuple[Environment, dict]:
         if self.cfg.protocol == "meshrl":
             from meshrl.envs.remote import RemoteEnv
 
-            return RemoteEnv(self.url, transport="ws", timeout_s=self.cfg.step_timeout_s), dict(spec.kwargs)
+            return self.tools.wrap(RemoteEnv(self.url, transport="ws", timeout_s=self.cfg.step_timeout_s)), dict(spec.kwargs)
         from meshrl.envs.openenv_adapter import OpenEnvClient
 
         client = OpenEnvClient(self.url, action_field=self._action_field, connect_timeout_s=self.cfg.reset_timeout_s,
                                message_timeout_s=self.cfg.step_timeout_s)
         self._action_field = client.action_field
-        return client, dict(spec.kwargs)
+        return self.tools.wrap(client), dict(spec.kwargs)
 
     def recover(self) -> bool:
-        """Restart the served server when its process has died; True if it was restarted."""
+        """Restart the served server when its process has died, and the tools' server when it is
+        gone; True if either was restarted."""
+        tools = self.tools.recover()
+        return self._recover_server() or tools
+
+    def _recover_server(self) -> bool:
         with self._lock:
             if self.server is None or self.server.proc.poll() is None:
                 return False
@@ -219,8 +235,81 @@ class ServerSource:
             return True
 
     def close(self) -> None:
+        self.tools.close()
         if self.server is not None:
             self.server.close()
+
+
+class EnvTools:
+    """The tools of an env process (`task.env.tools`: callables, an MCP server) and their counters;
+    `wrap` gives an environment them (and its own `tools()`) through `ToolEnv`."""
+
+    def __init__(self, cfg: EnvTaskConfig):
+        from collections import Counter
+
+        from meshrl.config.env_task import ToolsConfig
+        from meshrl.envs.tools import FunctionTools, MCPTools, ToolBox, ToolRules
+
+        self.cfg, self.counts, self.mcp = cfg, Counter(), None
+        tcfg = cfg.tools or ToolsConfig()
+        providers = []
+        if tcfg.functions or tcfg.schemas:
+            _add_python_path(cfg.python_path)
+            try:
+                providers.append(FunctionTools([_import_callable(f) for f in tcfg.functions], tcfg.schemas))
+            except (TypeError, ValueError) as e:
+                raise EnvSourceError(f"task.env.tools: {e}") from None
+        if tcfg.mcp is not None:
+            m = tcfg.mcp
+            try:
+                self.mcp = MCPTools(m.url, m.command or None, m.env, m.start_timeout_s, label=f"env {cfg.label} mcp")
+            except RuntimeError as e:
+                raise EnvSourceError(f"task.env.tools.mcp: {e}") from None
+            providers.append(self.mcp)
+        rules = ToolRules(tcfg.format, tcfg.call_timeout_s, tcfg.max_calls_per_turn, tcfg.max_result_chars,
+                          tcfg.system_prompt)
+        try:
+            self.box = ToolBox(providers, rules, self.counts)
+        except ValueError as e:
+            raise EnvSourceError(f"task.env.tools: {e}") from None
+
+    def describe(self) -> dict:
+        if not self.box.by_name:
+            return {}
+        return {"tools": sorted(self.box.by_name), "mcp_pid": self.mcp.pid if self.mcp is not None else None}
+
+    def wrap(self, env: Environment) -> Environment:
+        """``env`` with the configured tools and its own (`ToolEnv`), or as it is when there are none."""
+        own = env.tools() if isinstance(env, Environment) else []
+        if not own and not self.box.by_name:
+            return env
+        from meshrl.envs.tools import FunctionTools, ToolEnv
+
+        callables = [t for t in own if not hasattr(t, "schemas")]
+        providers = [t for t in own if hasattr(t, "schemas")] + ([FunctionTools(callables)] if callables else [])
+        return ToolEnv(env, self.box.with_providers(providers))
+
+    def recover(self) -> bool:
+        """Restart the MCP server when it is gone (counted `tools/mcp_restarts`)."""
+        if self.mcp is None or not self.mcp.recover():
+            return False
+        self.counts["tools/mcp_restarts"] += 1
+        return True
+
+    def close(self) -> None:
+        if self.mcp is not None:
+            self.mcp.close()
+
+
+def _import_callable(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ImportError as e:
+        raise EnvSourceError(f"task.env.tools.functions: cannot import module '{module}' ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise EnvSourceError(f"task.env.tools.functions: module '{module}' has no function '{name}'")
+    return fn
 
 
 #: sessions an OpenEnv server started by meshrl accepts at once (one per live episode)

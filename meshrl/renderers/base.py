@@ -169,6 +169,27 @@ class Renderer(ABC):
             out += self.generation_header()
         return out
 
+    # ------------------------------------------------------------------ tool calling (meshrl.renderers.tools)
+    def tools_system_text(self, tools: list[dict]) -> str:
+        """The tool list (OpenAI function schemas) as this family puts it in the system prompt."""
+        return self.tool_format.tools_system_text(tools)
+
+    def parse_tool_calls(self, text: str):
+        """(content without the calls, every call) of a sampled assistant turn's text; a malformed
+        call raises ToolCallError (kind `wrong_format`)."""
+        return self.tool_format.parse_tool_calls(text)
+
+    def tool_result_message(self, call, content: str) -> Message:
+        """The result of ``call`` as this family's tool turn."""
+        return self.tool_format.tool_result_message(call, content)
+
+    @property
+    def tool_format(self):
+        """This family's tool format (meshrl.renderers.tools)."""
+        from meshrl.renderers.tools import tool_format
+
+        return tool_format(self.name)
+
     def _separator_after_stop(self) -> list[int]:
         """Separator the template places after an assistant turn's stop token."""
         return self.render_turn({"role": "assistant", "content": ""}, is_first=False).separator
