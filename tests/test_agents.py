@@ -51,13 +51,22 @@ def renderer(smollm_tokenizer):
     ({"messages": HELLO, "frequency_penalty": 1.0}, "frequency_penalty"),
     ({"messages": HELLO, "logit_bias": {"5": 100}}, "logit_bias"),
     ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": HELLO, "tools": ["f"]}, "tools[0]"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]}, "messages[1].tool_calls[0]"),
     ({"messages": HELLO, "best_of": 3}, "best_of"),
     ({"messages": HELLO, "model": 3}, "model"),
     ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
-    ({"messages": [*HELLO, {"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[1].role"),
+    ({"messages": [*HELLO, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": [*HELLO, {"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[1].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
     ({"messages": ["hello"]}, "messages[0]"),
 ])
@@ -143,14 +152,16 @@ def test_a_truncated_reply_is_closed_with_the_stop_token_when_substituted(render
 
 # ---- the endpoint over HTTP, with the real openai client ----------------------------------------------
 class ScriptedSampler:
-    """Replies "42" (stop) to everything, stamped with ``version``; records each prompt."""
+    """Replies ``replies`` in turn (then the last again, "42" by default; ending on the stop token),
+    stamped with ``version``; records each prompt."""
 
-    def __init__(self, renderer, version=7):
-        self.renderer, self.version, self.prompts = renderer, version, []
+    def __init__(self, renderer, version=7, replies=("42",)):
+        self.renderer, self.version, self.prompts, self.replies = renderer, version, [], replies
 
     def __call__(self, key, index, prompt, max_tokens, top):
+        reply = self.replies[min(len(self.prompts), len(self.replies) - 1)]
         self.prompts.append(list(prompt))
-        tokens = self.renderer.encode("42")[:max_tokens] + self.renderer.get_stop_sequences()
+        tokens = self.renderer.encode(reply)[:max_tokens] + self.renderer.get_stop_sequences()
         topk = ([[t, t + 1] for t in tokens], [[-0.1, -3.0] for _ in tokens]) if top else None
         return Completion(tokens, [-0.25] * len(tokens), "stop", meta={"version": self.version}, topk=topk)
 
@@ -198,7 +209,8 @@ def test_the_endpoint_refuses_unknown_keys_bad_fields_and_prompts_past_the_conte
         bad.chat.completions.create(model="policy", messages=HELLO)
     client = openai.OpenAI(base_url=server.base_url, api_key="key-b", max_retries=0, timeout=30)
     for kwargs, field in [({"max_tokens": 100000}, "max_tokens"), ({"n": 3}, "n"),
-                          ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "tools")]:
+                          ({"tools": [{"type": "function", "function": {"name": "calc"}}], "tool_choice": "required"},
+                           "tool_choice")]:
         with pytest.raises(openai.BadRequestError, match=field) as e:
             client.chat.completions.create(model="policy", messages=HELLO, **kwargs)
         assert e.value.body["param"] == field
@@ -256,6 +268,48 @@ def test_the_server_refuses_bodies_it_will_not_read(endpoint):
     assert post(b"{not json")[0] == 400 and post(b"[1, 2]")[0] == 400
     assert post(b"{}", path="/v1/completions")[0] == 404
     assert ep.episodes["k"].requested == 0
+
+
+CALC = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def test_tool_calls_are_served_and_their_results_extend_the_conversation(renderer):
+    replies = ['<tool_call>\n{"name": "add", "arguments": {"a": 40, "b": 2}}\n</tool_call>', "It is 42.",
+               "<tool_call>\n{not json}\n</tool_call>"]
+    sampler = ScriptedSampler(renderer, replies=replies)
+    ep = AgentEndpoint(renderer, sampler, max_new_tokens=64, max_model_len=1024)
+    log = EpisodeLog(max_calls=4)
+    ep.open("k", log)
+    with AgentServer(ep) as server, openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+        messages = [{"role": "user", "content": "What is 40 + 2?"}]
+        choice = client.chat.completions.create(model="policy", messages=messages, tools=CALC).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [tc] = choice.message.tool_calls
+        assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 40, "b": 2}
+        text = renderer.tokenizer.decode(sampler.prompts[0])
+        # the family's tool list, after the template's default system prompt
+        assert text.startswith(f"<|im_start|>system\n{renderer.default_system_prompt}\n\n# Tools")
+        assert json.dumps(CALC[0]) in text
+        messages += [choice.message, {"role": "tool", "tool_call_id": tc.id, "content": "42"}]
+        second = client.chat.completions.create(model="policy", messages=messages, tools=CALC).choices[0]
+        assert second.message.content == "It is 42." and second.finish_reason == "stop"
+        first, then = log.served()
+        assert extends(then.prompt, first.prompt + first.tokens)  # the call's own tokens, replayed
+        between = renderer.tokenizer.decode(then.prompt[len(first.prompt) + len(first.tokens):])
+        assert between == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        # an echo whose calls were changed, or a result for a call never served, cannot be rendered exactly
+        forged = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": tc.id, "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+        with pytest.raises(openai.BadRequestError, match="messages\\[1\\]: an assistant message with tool_calls"):
+            client.chat.completions.create(model="policy", messages=[messages[0], forged, messages[2]], tools=CALC)
+        with pytest.raises(openai.BadRequestError, match="names no tool call served"):
+            client.chat.completions.create(model="policy", tools=CALC, messages=[
+                *messages[:2], {"role": "tool", "tool_call_id": "call_9_9", "content": "42"}])
+        # a call that cannot be parsed is served as text (and counted)
+        third = client.chat.completions.create(model="policy", messages=messages[:1], tools=CALC).choices[0]
+        assert third.message.tool_calls is None and third.message.content == replies[2]
+    assert ep.counts["malformed_tool_calls"] == 1 and len(log.served()) == 3
 
 
 # ---- program runs ------------------------------------------------------------------------------------

@@ -2,6 +2,10 @@
 untrusted, so anything meshrl cannot serve exactly is refused with a `BadRequest` naming the field
 (HTTP 400), never guessed at.
 
+With `tools` (OpenAI function schemas) the family's tool list goes into the system prompt, the
+reply's calls are parsed from the sampled text (meshrl.renderers.tools) and returned as
+`tool_calls`; `tool` messages become the family's tool-result turns.
+
 Sampling parameters that decide the distribution sampled from (`temperature`, `top_p`, `seed`) are
 checked for type and range but not applied: the run's sampling (`generator.sampling`, greedy during
 evaluation) governs every completion, since the policy is trained on its own distribution.
@@ -14,12 +18,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+from meshrl.renderers.tools import ToolCall, tool_name
+
+ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+MAX_TOOLS = 64
 # fields the official client may send that change nothing meshrl serves (None, or a no-op value)
 _INERT = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 # message keys the official client echoes back with None when an agent appends a reply object
 _MESSAGE_NONE_KEYS = ("refusal", "audio", "function_call", "tool_calls", "annotations", "name")
+_MESSAGE_KEYS = {"system": ("role", "content"), "user": ("role", "content"),
+                 "assistant": ("role", "content", "tool_calls"), "tool": ("role", "content", "tool_call_id")}
 
 
 class BadRequest(ValueError):
@@ -34,9 +43,11 @@ class BadRequest(ValueError):
 class ChatRequest:
     """What meshrl serves of a validated request."""
 
-    messages: list[dict[str, str]]
-    """The conversation, each message `{role, content}` with string content."""
+    messages: list[dict]
+    """The conversation, each message `{role, content}` with string content; an assistant message
+    with calls also has `tool_calls` (`ToolCall`s), a tool message its `tool_call_id`."""
     max_tokens: int
+    tools: list[dict] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
     model: str = "policy"
@@ -105,17 +116,62 @@ def _messages(body: dict, max_messages: int) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise BadRequest(where, f"{where} must be an object, got {type(m).__name__}")
         role = m.get("role")
-        if role == "tool" or m.get("tool_calls"):
-            raise BadRequest(f"{where}.role" if role == "tool" else f"{where}.tool_calls",
-                             f"{where}: tool messages and tool calls need `tools`, which this endpoint does not serve")
         if role not in ROLES:
             raise BadRequest(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        extra = sorted(k for k, v in m.items() if k not in ("role", "content")
-                       and not (k in _MESSAGE_NONE_KEYS and v is None))
+        allowed = _MESSAGE_KEYS[role]
+        extra = sorted(k for k, v in m.items() if k not in allowed and not (k in _MESSAGE_NONE_KEYS and v is None))
         if extra:
-            raise BadRequest(f"{where}.{extra[0]}", f"{where}.{extra[0]} is not supported (a message is role and content)")
-        out.append({"role": role, "content": _content(m, where)})
+            raise BadRequest(f"{where}.{extra[0]}", f"{where}.{extra[0]} is not supported in a {role} message "
+                             f"(it has {', '.join(allowed)})")
+        message = {"role": role, "content": _content(m, where)}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise BadRequest(f"{where}.tool_call_id", f"{where}.tool_call_id must be the id of the call it answers")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[ToolCall]:
+    """An assistant message's calls in OpenAI's shape: `{id, type: function, function: {name, arguments}}`,
+    the arguments a JSON object in a string."""
+    if not isinstance(calls, list):
+        raise BadRequest(where, f"{where} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(c.get("id"), str) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise BadRequest(f"{where}[{j}]", f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{where}[{j}].function.arguments", f"{where}[{j}].function.arguments must be a JSON object")
+        out.append(ToolCall(fn["name"], arguments, c["id"]))
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise BadRequest("tools", f"tools must be a list of 1 to {MAX_TOOLS} function schemas")
+    names = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise BadRequest(f"tools[{j}]", f"tools[{j}] must be an object (an OpenAI function schema)")
+        try:
+            names.append(tool_name(tool))
+        except ValueError as e:
+            raise BadRequest(f"tools[{j}]", f"tools[{j}]: {e}") from None
+    if len(set(names)) < len(names):
+        raise BadRequest("tools", "tools: two tools have the same name")
+    return tools
 
 
 def validate(body: dict, max_tokens_limit: int, max_messages: int = 256) -> ChatRequest:
@@ -130,9 +186,10 @@ def validate(body: dict, max_tokens_limit: int, max_messages: int = 256) -> Chat
     model = body.get("model", "policy")
     if not isinstance(model, str):
         raise BadRequest("model", f"model must be a string, got {type(model).__name__}")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        key = "tools" if body.get("tools") else "tool_choice"
-        raise BadRequest(key, f"{key}: tool calling is not served by this endpoint (send no tools)")
+    tools = _tools(body)
+    if body.get("tool_choice") not in (None, "auto"):
+        raise BadRequest("tool_choice", "tool_choice must be auto: the model decides whether to call a tool "
+                         "(constrained decoding is not served)")
     if body.get("stream"):
         raise BadRequest("stream", "stream must be false: streamed responses are not served")
     _integer(body, "n", 1, 1, " (one completion per request)")
@@ -159,7 +216,7 @@ def validate(body: dict, max_tokens_limit: int, max_messages: int = 256) -> Chat
     if top and not logprobs:
         raise BadRequest("top_logprobs", "top_logprobs needs logprobs: true")
     return ChatRequest(messages=_messages(body, max_messages), max_tokens=max_tokens or max_tokens_limit,
-                       logprobs=bool(logprobs), top_logprobs=top, model=model)
+                       tools=tools, logprobs=bool(logprobs), top_logprobs=top, model=model)
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -18,10 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from meshrl.agents.requests import BadRequest, check_fits, parse_body, validate
-from meshrl.agents.transcript import EpisodeLog, ServedCall, render_prompt, reply_tokens
+from meshrl.agents.transcript import EpisodeLog, ServedCall, plain, render_prompt, reply_tokens
 from meshrl.agents.wire import completion_body, error_body, logprobs_content
 from meshrl.engines import Completion
 from meshrl.renderers import Renderer
+from meshrl.renderers.tools import ToolCall, ToolCallError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,9 @@ Sampler = Callable[[str, int, list[int], int, int], Completion]
 
 class AgentEndpoint:
     """What the endpoint serves, without HTTP: the episodes by key, validation, rendering with
-    substitution, sampling and recording. ``counts``: `rejected` (4xx answers), `sample_errors`."""
+    substitution, sampling and recording. ``counts``: `rejected` (4xx answers), `sample_errors`,
+    `malformed_tool_calls` (replies to requests with tools whose calls could not be parsed: served as
+    plain text)."""
 
     def __init__(self, renderer: Renderer, sample: Sampler, max_new_tokens: int, max_model_len: int):
         self.renderer, self.sample = renderer, sample
@@ -63,7 +66,7 @@ class AgentEndpoint:
         if episode is None:
             raise BadRequest(None, "unknown API key: use the OPENAI_API_KEY meshrl gave this episode", 401)
         request = validate(parse_body(raw), self.max_new_tokens)
-        prompt = render_prompt(self.renderer, request.messages, episode.served())
+        prompt = render_prompt(self.renderer, request.messages, episode.served(), request.tools)
         check_fits(len(prompt), request.max_tokens, self.max_model_len)
         if not episode.admit():
             if episode.closed:
@@ -74,13 +77,28 @@ class AgentEndpoint:
         c = self.sample(key, index, prompt, request.max_tokens, request.top_logprobs)
         content = reply_tokens(self.renderer, c.tokens)
         text = self.renderer.tokenizer.decode(content, skip_special_tokens=False)
+        text, tool_calls = self._tool_calls(text, index) if request.tools else (text, ())
         version = int(c.meta["version"])
-        call = ServedCall(request.messages, prompt, list(c.tokens), list(c.logprobs), text, c.finish_reason, version)
+        call = ServedCall(plain(request.messages), prompt, list(c.tokens), list(c.logprobs), text, c.finish_reason, version,
+                          tool_calls)
         if not episode.record(call):
             raise BadRequest(None, "this episode is over: its program's run ended while the completion was sampled", 409)
         logprobs = logprobs_content(self.renderer.tokenizer, c, content, request.top_logprobs) if request.logprobs else None
         return completion_body(f"chatcmpl-{key[:8]}-{index}", request.model, text, c.finish_reason, len(prompt),
-                               len(c.tokens), version, logprobs)
+                               len(c.tokens), version, logprobs, tool_calls)
+
+    def _tool_calls(self, text: str, index: int) -> tuple[str, tuple[ToolCall, ...]]:
+        """(content, calls) of a reply to a request with tools, each call's id unique in the episode;
+        a reply whose calls cannot be parsed is plain text (counted)."""
+        try:
+            content, calls = self.renderer.parse_tool_calls(text)
+        except ToolCallError:
+            with self._lock:
+                self.counts["malformed_tool_calls"] += 1
+            return text, ()
+        if not calls:
+            return text, ()
+        return content, tuple(ToolCall(c.name, c.arguments, f"call_{index}_{j}") for j, c in enumerate(calls))
 
 
 class _Server(ThreadingHTTPServer):

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Sequence
 
 from meshrl.engines import Completion
+from meshrl.renderers.tools import ToolCall
 
 
 def _token(tokenizer, token_id: int) -> dict:
@@ -28,13 +30,22 @@ def logprobs_content(tokenizer, completion: Completion, content: Sequence[int], 
 
 
 def completion_body(completion_id: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, version: int, logprobs: list[dict] | None) -> dict:
-    """A `chat.completion` object; `system_fingerprint` names the policy version that sampled it."""
+                    completion_tokens: int, version: int, logprobs: list[dict] | None,
+                    tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """A `chat.completion` object; `system_fingerprint` names the policy version that sampled it. A
+    reply with calls has `tool_calls` (its content null when it said nothing else) and finish reason
+    `tool_calls`."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None,
+                   "tool_calls": [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                  for c in tool_calls]}
+    reason = "length" if finish_reason == "length" else "tool_calls" if tool_calls else "stop"
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": f"meshrl-policy-v{version}",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": "length" if finish_reason == "length" else "stop",
+        "choices": [{"index": 0, "message": message, "finish_reason": reason,
                      "logprobs": None if logprobs is None else {"content": logprobs}}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},

@@ -50,8 +50,8 @@ class AgentTaskConfig(Section):
 
     grader: str | None = None
     """`package.module:fn(episode, transcript) -> float`: the episode's reward from the episode spec and
-    its transcript (`calls`: the messages and reply of every completion served, `result`: what the
-    program returned); None = the program's own result is the reward."""
+    its transcript (`calls`: the messages, reply and tool calls of every completion served, `result`:
+    what the program returned); None = the program's own result is the reward."""
 
     success_reward: float | None = None
     """An episode is a success when its result says so (`success`), else when its reward reaches this

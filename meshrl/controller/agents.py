@@ -140,7 +140,9 @@ class AgentRollout:
         when either is unusable."""
         if self.grader is None:
             return reward_of(result)
-        transcript = {"calls": [{"messages": c.messages, "reply": c.text} for c in calls], "result": result}
+        transcript = {"calls": [{"messages": c.messages, "reply": c.text,
+                                 "tool_calls": [{"name": t.name, "arguments": t.arguments} for t in c.tool_calls]}
+                                for c in calls], "result": result}
         try:
             value = self.grader(dict(spec.kwargs), transcript)
         except Exception as e:  # noqa: BLE001 - the grader's failure, counted
