@@ -513,7 +513,10 @@ def test_the_task_kind_is_checked_before_anything_is_spawned(tmp_path):
         make_task(cfg("task.agent.command=[python,missing.py]").task)
     with pytest.raises(ConfigError, match="task.agent.heldout shares"):
         make_task(cfg("task.agent.callable=meshrl.testing.agents:scripted", "task.agent.heldout.seeds=[0,5]").task)
-    task = make_task(cfg("task.agent.callable=meshrl.testing.agents:scripted").task)
+    run = cfg("task.agent.callable=meshrl.testing.agents:scripted")
+    task = make_task(run.task)
     from meshrl.controller.rollout import strategy_for
+    from meshrl.meshes.placement import run_slots
 
     assert strategy_for(task).agent is task.agent and task.heldout(2)[1].kwargs == {"seed": 1000001}
+    assert [s.name for s in run_slots(run)] == ["learner", "generator"]  # the programs need no mesh
