@@ -270,6 +270,37 @@ def test_the_server_refuses_bodies_it_will_not_read(endpoint):
     assert ep.episodes["k"].requested == 0
 
 
+def test_concurrent_calls_of_one_episode_get_their_own_index_and_a_failed_sample_is_a_503(renderer):
+    indices = []
+
+    def sample(key, index, prompt, max_tokens, top):
+        indices.append(index)
+        if index == 5:
+            raise RuntimeError("generator.sample: the generator was replaced")
+        return Completion([5, 2], [-1.0, -1.0], "stop", meta={"version": 1})
+
+    ep = AgentEndpoint(renderer, sample, max_new_tokens=8, max_model_len=256)
+    ep.open("k", EpisodeLog(max_calls=8))
+    with AgentServer(ep) as server:
+        errors = []
+
+        def one():
+            with openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0, timeout=30) as client:
+                try:
+                    client.chat.completions.create(model="policy", messages=HELLO)
+                except openai.InternalServerError as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert sorted(indices) == list(range(8))
+    assert len(errors) == 1 and errors[0].status_code == 503 and "generator was replaced" in str(errors[0])
+    assert ep.counts == Counter(sample_errors=1) and len(ep.episodes["k"].served()) == 7
+
+
 CALC = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 

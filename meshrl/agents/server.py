@@ -53,13 +53,8 @@ class AgentEndpoint:
             return 200, self._serve(key, raw)
         except BadRequest as e:
             with self._lock:
-                self.counts["rejected"] += 1
+                self.counts["rejected" if e.status < 500 else "sample_errors"] += 1
             return e.status, error_body(str(e), e.param, e.status)
-        except Exception as e:  # noqa: BLE001 - the generator failed this request: the agent is told
-            with self._lock:
-                self.counts["sample_errors"] += 1
-            log.warning("agent endpoint: sampling failed: %s", e)
-            return 503, error_body(f"sampling failed: {e}", None, 503)
 
     def _serve(self, key: str | None, raw: bytes) -> dict:
         episode = self.episodes.get(key or "")
@@ -68,13 +63,18 @@ class AgentEndpoint:
         request = validate(parse_body(raw), self.max_new_tokens)
         prompt = render_prompt(self.renderer, request.messages, episode.served(), request.tools)
         check_fits(len(prompt), request.max_tokens, self.max_model_len)
-        if not episode.admit():
+        index = episode.admit()
+        if index is None:
             if episode.closed:
                 raise BadRequest(None, "this episode is over: its program's run has ended", 409)
             raise BadRequest(None, f"this episode has used its {episode.max_calls} completions "
                              "(task.agent.max_completions)", 429)
-        index = episode.requested - 1
-        c = self.sample(key, index, prompt, request.max_tokens, request.top_logprobs)
+        try:
+            c = self.sample(key, index, prompt, request.max_tokens, request.top_logprobs)
+        except Exception as e:  # noqa: BLE001 - the generator failed this request: the agent is told
+            log.warning("agent endpoint: sampling failed: %s", e)
+            raise BadRequest(None, f"sampling failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                             503) from None
         content = reply_tokens(self.renderer, c.tokens)
         text = self.renderer.tokenizer.decode(content, skip_special_tokens=False)
         text, tool_calls = self._tool_calls(text, index) if request.tools else (text, ())
@@ -164,6 +164,11 @@ def _handler(endpoint: AgentEndpoint, request_timeout_s: float) -> type:
             raw = self.rfile.read(int(length))
             auth = self.headers.get("Authorization", "")
             key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None
-            self._reply(*endpoint.handle(key, raw))
+            try:
+                status, body = endpoint.handle(key, raw)
+            except Exception as e:  # noqa: BLE001 - a fault of the endpoint's own: logged, answered 500
+                log.exception("agent endpoint: request failed")
+                status, body = 500, error_body(f"internal error: {type(e).__name__}", None, 500)
+            self._reply(status, body)
 
     return Handler

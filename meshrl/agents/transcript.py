@@ -189,13 +189,14 @@ class EpisodeLog:
         self.closed = False
         self._lock = threading.Lock()
 
-    def admit(self) -> bool:
-        """Count one more request; False when the episode is over or out of completions."""
+    def admit(self) -> int | None:
+        """Count one more request: its index in the episode; None when the episode is over or out of
+        completions."""
         with self._lock:
             if self.closed or self.requested >= self.max_calls:
-                return False
+                return None
             self.requested += 1
-            return True
+            return self.requested - 1
 
     def served(self) -> list[ServedCall]:
         with self._lock:
