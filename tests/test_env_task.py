@@ -107,7 +107,7 @@ def test_meshrl_train_on_a_missing_module_exits_2_before_anything_spawns(tmp_pat
     ("huge_text", "observation.text.content has 1000000 characters, over task.env.max_observation_chars=16000"),
     ("nan_reward", "observation.reward is nan, not a finite number"),
     ("not_observation", "the observation is a dict, not an Observation"),
-    ("bad_role", "observation.text is not a {role: user|tool|system, content: str} message"),
+    ("bad_role", "observation.text is not a {role: user|tool|ipython|system, content: str} message"),
 ])
 def test_a_bad_step_fails_its_own_episode_in_one_line(mode, field, caplog):
     _, steps, _, counts = _play(_faulty(mode))
@@ -207,7 +207,7 @@ def test_a_served_openenv_server_that_dies_fails_its_episodes_and_is_restarted()
 
 
 def test_the_example_configs_load():
-    for name in ("env-tutor", "env-openenv"):
+    for name in ("env-tutor", "env-tools", "env-openenv"):
         cfg = load_config(RunConfig, f"configs/{name}.yaml", [])
         assert cfg.task.kind == "env" and cfg.task.env.python_path == ["examples"]
     assert json.loads(json.dumps(cfg.task.env.model_dump()))["serve"] is True
@@ -230,7 +230,7 @@ class _Client:
 
     def per_rank(self, mesh, endpoint, args_by_rank):
         return {0: getattr(self.host, endpoint)(args_by_rank[0]) if endpoint != "finish"
-                else {"episodes": self.host.finish(args_by_rank[0]), "counts": dict(self.host.counts)}}
+                else {"episodes": self.host.finish(args_by_rank[0]), "counts": self.host.all_counts()}}
 
     def generate(self, prompts, request, timings):
         from meshrl.engines import Completion

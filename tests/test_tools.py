@@ -1,11 +1,12 @@
 """Tool calling: each family's format (prompt text, parsing, result turns), the bridge of tool turns
 against the chat template's tokenisation, tool providers and `ToolEnv`'s turns and error sites.
 
-ChatML: SmolLM2's own template has no tool support, so the ChatML tool format is checked against
-Qwen2.5's template (tests/qwen_tool_template.py, written out by hand) applied with
-`apply_chat_template(messages, tools=...)` on a copy of the SmolLM2 tokenizer. Llama 3: no Llama 3.1
-tokenizer is available offline; its format is checked for parsing and its bridge against the
-renderer's own full rendering only.
+SmolLM2's own template has no tool support, and no Qwen or Llama 3.1 tokenizer is available
+offline: the ChatML tool format is checked against Qwen2.5's template (tests/qwen_tool_template.py)
+and the Llama one against Llama 3.1's (tests/llama31_tool_template.py), both written out by hand and
+applied with `apply_chat_template(messages, tools=...)` on a copy of the SmolLM2 tokenizer (with
+Llama 3's special tokens added for the latter). They prove the text and the token-in/token-out
+bridge; they do not prove anything about Qwen's or Llama's own BPE merges.
 """
 
 import copy
@@ -17,10 +18,11 @@ from collections import Counter
 import pytest
 
 from meshrl.envs.base import Environment, Observation, State, TextAction
-from meshrl.envs.episode_host import EnvOutputError, check_observation, observation_messages
+from meshrl.envs.episode_host import FIRST_ROLES, EnvOutputError, check_observation, observation_messages
 from meshrl.envs.tools import FunctionTools, ToolBox, ToolEnv, ToolRules, function_schema
 from meshrl.renderers import get_renderer
 from meshrl.renderers.tools import ChatMLTools, Llama3Tools, ToolCall, ToolCallError
+from llama31_tool_template import LLAMA31_TEMPLATE
 from qwen_tool_template import QWEN25_TEMPLATE
 
 CALC = {"type": "function", "function": {
@@ -71,8 +73,8 @@ def test_llama3_parses_json_calls():
     with pytest.raises(ToolCallError, match="not valid JSON") as e:
         fmt.parse_tool_calls('{"name": "f", "parameters": {}')
     assert e.value.kind == "wrong_format"
-    assert fmt.tool_results_messages([(ToolCall("f", {}, "call_0"), "4"), (ToolCall("f", {}, "call_1"), "5")]) == [
-        {"role": "ipython", "content": "4"}, {"role": "ipython", "content": "5"}]
+    assert fmt.tool_results_messages([(ToolCall("f", {}, "call_0"), "4"), (ToolCall("f", {}, "call_1"), "a\nb")]) == [
+        {"role": "ipython", "content": '"4"'}, {"role": "ipython", "content": '"a\\nb"'}]
     system = fmt.system_with_tools("Be brief.", [CALC])
     assert system.startswith("You have access to the following functions.") and system.endswith("}\n\nBe brief.")
     assert json.loads(system.split("variables.\n\n")[1].rsplit("\n\nBe brief.")[0]) == CALC
@@ -118,24 +120,36 @@ def test_chatml_tool_turns_match_the_qwen_template_token_for_token(qwen_tokenize
     assert renderer.tool_result_message(calls[0], "408") == {"role": "user", "content": "<tool_response>\n408\n</tool_response>"}
 
 
-def test_llama3_bridge_of_ipython_turns_equals_the_full_rendering(smollm_tokenizer):
+LLAMA31_PREAMBLE = "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+
+
+def test_llama3_tool_turns_match_the_llama31_template_token_for_token(smollm_tokenizer):
     tok = copy.deepcopy(smollm_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": [
         "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.bos_token = "<|begin_of_text|>"
+    tok.chat_template = LLAMA31_TEMPLATE
     renderer = get_renderer("llama3", tok)
     fmt = renderer.tool_format
-    history = [{"role": "system", "content": fmt.system_with_tools("Be brief.", [CALC])},
-               {"role": "user", "content": "12*34 and 5+6?"}]
-    sampled = '{"name": "calculator", "parameters": {"expression": "12*34"}}; {"name": "calculator", "parameters": {"expression": "5+6"}}'
+    sampled = '{"name": "calculator", "parameters": {"expression": "12*34"}}'
     _, calls = renderer.parse_tool_calls(sampled)
-    results = fmt.tool_results_messages(list(zip(calls, ["408", "11"])))
-    prompt = renderer.build_generation_prompt(history)
-    turn = renderer.encode(sampled) + renderer.get_stop_sequences()
-    full = renderer.render(history + [{"role": "assistant", "content": sampled}, *results], add_generation_prompt=True)
-    bridge = renderer.bridge(prompt + turn, results)
-    # the tool turns are appended as rendered, never re-rendering the history before them
-    assert full == renderer.render(history + [{"role": "assistant", "content": sampled}]) + bridge
-    assert tok.decode(full).count("<|start_header_id|>ipython<|end_header_id|>") == 2
+    results = fmt.tool_results_messages([(calls[0], "408")])
+    assert results == [{"role": "ipython", "content": '"408"'}]
+    # the renderer writes no Llama 3.1 date preamble: the environment's system text carries it here
+    ours = [{"role": "system", "content": LLAMA31_PREAMBLE + fmt.system_with_tools("Be brief.", [CALC])},
+            {"role": "user", "content": "12*34?"}]
+    theirs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12*34?"},
+              {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                  "name": "calculator", "arguments": {"expression": "12*34"}}}]},
+              {"role": "tool", "content": "408"}]
+    text = tok.apply_chat_template(theirs, tools=[CALC], tokenize=False, add_generation_prompt=True,
+                                   tools_in_user_message=False)
+    expected = list(tok.encode(text, add_special_tokens=False))
+    assert renderer.render(ours + [{"role": "assistant", "content": sampled}, *results], add_generation_prompt=True) == expected
+    # the result turns are appended after the sampled turn as they are (this tokenizer merges "\n\n{",
+    # so the sampled turn is compared as the template tokenises it)
+    history = renderer.render(ours + [{"role": "assistant", "content": sampled}])
+    assert history + renderer.bridge(history, results) == expected
 
 
 # ----------------------------------------------------------------------------- providers
@@ -271,10 +285,12 @@ def test_host_checks_every_message_of_a_step():
     limit = 20
     ok = Observation(text="a", metadata={"messages": [{"role": "user", "content": "a"}, {"role": "ipython", "content": "b"}]})
     assert observation_messages(check_observation(ok, "t", limit), "t", limit)[1] == {"role": "ipython", "content": "b"}
-    for messages, words in [([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], r"messages\[1\]"),
-                            ([{"role": "user", "content": "x" * 30}], "over"), ([], "non-empty")]:
+    worked = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert observation_messages(Observation(text="a", metadata={"messages": worked}), "t", limit, FIRST_ROLES) == worked
+    for messages, words in [(worked, r"messages\[1\]"), ([{"role": "user", "content": "x" * 30}], "over"),
+                            ([], "non-empty")]:
         with pytest.raises(EnvOutputError, match=words):
-            check_observation(Observation(text="a", metadata={"messages": messages}), "t", limit)
+            observation_messages(Observation(text="a", metadata={"messages": messages}), "t", limit)
 
 
 def test_tool_calls_run_concurrently_across_episodes():
@@ -289,3 +305,61 @@ def test_tool_calls_run_concurrently_across_episodes():
     for t in threads:
         t.join()
     assert time.monotonic() - t0 < 1.5 and box.counts["tools/calls"] == 4
+
+
+def test_the_rollout_appends_tool_turns_token_in_token_out(smollm_tokenizer):
+    """EpisodeRollout over a real env host with the calculator example: the scripted first turn calls
+    the tool, its result is appended as the template's tool turn (bridge, mask 0), the second turn
+    answers; the step's metrics carry the env process's tool counters."""
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.controller.rollout import Counters
+    from meshrl.engines import SampleRequest
+    from meshrl.envs.task_sets import EpisodeSpec
+    from meshrl.renderers import renderer_for_tokenizer
+    from tests.test_env_task import _Client
+
+    cfg = load_config(RunConfig, "configs/env-tools.yaml", ["task.env.kwargs={low: 2, high: 2, examples: []}"])
+    renderer = renderer_for_tokenizer(smollm_tokenizer)
+    call = _call("calculator", expression="2 * 2")
+    rollout = EpisodeRollout(_Client(cfg, [call, "The answer is 4."]), renderer, 4096, Counters())
+    trajectories, step = rollout.collect([EpisodeSpec("s0", {"seed": 0})], 2, SampleRequest(max_tokens=64), "t")
+    assert [t.reward for t in trajectories] == [1.0, 1.0] and step["tools/calls"] == 2.0
+    t = trajectories[0]
+    (_, _, s0, e0), (_, _, s1, e1) = t.info["turns"]
+    assert t.tokens[s0:e0] == [ord(c) for c in call] and all(t.mask[s0:e0]) and not any(t.mask[e0:s1])
+    assert smollm_tokenizer.decode(t.tokens[e0:s1]) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    system = smollm_tokenizer.decode(t.prompt_tokens).split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools") and '"calculator"' in system
+
+
+def test_config_functions_become_tools_and_bad_ones_are_one_line_errors():
+    from types import SimpleNamespace
+
+    from meshrl.config.base import ConfigError, load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.controller.episodes import EpisodeRollout
+    from meshrl.envs.episode_host import EpisodeHost
+    from meshrl.envs.hosting import EnvSourceError, env_source
+    from meshrl.envs.task_sets import EpisodeSpec
+
+    base = ["task.env.kwargs={own_tool: false, examples: []}"]
+    cfg = load_config(RunConfig, "configs/env-tools.yaml", base + ["task.env.tools.functions=[calculator_tools:calculator]"])
+    host = EpisodeHost(env_source(cfg.task.env))
+    try:
+        first = host.reset([("e", EpisodeSpec("s", {"seed": 3}))])[0]["messages"]
+        assert '"name": "calculator"' in first[0]["content"]
+        assert host.step([("e", _call("calculator", expression="6 * 7"))])[0]["messages"][0]["content"] == (
+            "<tool_response>\n42\n</tool_response>")
+    finally:
+        host.close()
+    for functions, words in [("[calculator_tools:nope]", "task.env.tools.functions: module 'calculator_tools' has no function 'nope'"),
+                             ("[no_such_module:f]", "task.env.tools.functions: cannot import module 'no_such_module'")]:
+        bad = load_config(RunConfig, "configs/env-tools.yaml", base + [f"task.env.tools.functions={functions}"])
+        with pytest.raises(EnvSourceError, match=words):
+            env_source(bad.task.env)
+    session = SimpleNamespace(renderer=SimpleNamespace(name="llama3"))
+    with pytest.raises(ConfigError, match="task.env.tools.format is 'chatml' but the model's chat template is 'llama3'"):
+        EpisodeRollout.spawn(session, cfg)

@@ -34,6 +34,8 @@ from meshrl.envs.base import Environment, Observation, TextAction
 log = logging.getLogger(__name__)
 
 ROLES = ("user", "tool", "ipython", "system")
+FIRST_ROLES = ROLES + ("assistant",)
+"""Roles of the messages a reset may open an episode with (worked examples are assistant turns)."""
 _KIND = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
@@ -51,9 +53,9 @@ class _Live:
     done: bool = False
 
 
-def _check_message(label: str, where: str, msg: Any, limit: int) -> dict:
-    if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in ROLES:
-        raise EnvOutputError(f"env {label}: {where} is not a {{role: {'|'.join(ROLES)}, content: str}} message")
+def _check_message(label: str, where: str, msg: Any, limit: int, roles: tuple[str, ...] = ROLES) -> dict:
+    if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in roles:
+        raise EnvOutputError(f"env {label}: {where} is not a {{role: {'|'.join(roles)}, content: str}} message")
     if len(msg["content"]) > limit:
         raise EnvOutputError(f"env {label}: {where}.content has {len(msg['content'])} characters, over "
                              f"task.env.max_observation_chars={limit}")
@@ -66,15 +68,15 @@ def _number(label: str, where: str, value: Any) -> float:
     return float(value)
 
 
-def observation_messages(obs: Observation, label: str, limit: int) -> list[dict]:
+def observation_messages(obs: Observation, label: str, limit: int, roles: tuple[str, ...] = ROLES) -> list[dict]:
     """The turns an observation adds to the chat, checked: `metadata['messages']` when it lists
-    several (e.g. one per tool call), else its one message."""
+    several (a reset's opening turns, one tool turn per call), else its one message."""
     given = obs.metadata.get("messages")
     if given is None:
         return [obs.message]
     if not isinstance(given, list) or not given:
         raise EnvOutputError(f"env {label}: observation.metadata.messages is not a non-empty list of messages")
-    return [_check_message(label, f"observation.metadata.messages[{i}]", m, limit) for i, m in enumerate(given)]
+    return [_check_message(label, f"observation.metadata.messages[{i}]", m, limit, roles) for i, m in enumerate(given)]
 
 
 def check_observation(obs: Any, label: str, limit: int) -> Observation:
@@ -82,7 +84,6 @@ def check_observation(obs: Any, label: str, limit: int) -> Observation:
     if not isinstance(obs, Observation):
         raise EnvOutputError(f"env {label}: the observation is a {type(obs).__name__}, not an Observation")
     _check_message(label, "observation.text", obs.message, limit)
-    observation_messages(obs, label, limit)
     if obs.reward is not None:
         _number(label, "observation.reward", obs.reward)
     for name in ("error_kind", "hint_template_key"):
@@ -152,7 +153,7 @@ class EpisodeHost:
             env, kwargs = self.source.open(spec)
             try:
                 obs = check_observation(env.reset(episode_id=episode_id, **kwargs), self.rules.label, limit)
-                messages = observation_messages(obs, self.rules.label, limit)
+                messages = observation_messages(obs, self.rules.label, limit, FIRST_ROLES)
             except BaseException:
                 _close(env)
                 raise
@@ -187,6 +188,7 @@ class EpisodeHost:
             ep = self.live[episode_id]
             ep.seen.append([dict(m) for m in ep.messages])
             obs = check_observation(ep.env.step(TextAction(text=text)), self.rules.label, limit)
+            observation_messages(obs, self.rules.label, limit)
             return obs, self._context(ep)
 
         out = []

@@ -8,7 +8,7 @@ turns. Pure text in, text out; the renderer appends the result turns token-in/to
   (the template merges consecutive tool messages so).
 - `Llama3Tools` (Llama 3.1 JSON tool calling): the tools as indented JSON in the system prompt;
   a call is the JSON object `{"name": ..., "parameters": {...}}` (several separated by `;` or new
-  lines); each result is an `ipython` turn of its own.
+  lines); each result is an `ipython` turn of its own, its text JSON-quoted as the template writes it.
 
 Tools are JSON schemas in the OpenAI function format:
 `{"type": "function", "function": {"name", "description", "parameters"}}`.
@@ -152,7 +152,8 @@ class Llama3Tools:
         return "", calls
 
     def tool_result_message(self, call: ToolCall, content: str) -> Message:
-        return {"role": "ipython", "content": content}
+        # the template writes a result through `tojson` (a string is iterable in Jinja): quoted
+        return {"role": "ipython", "content": json.dumps(content, ensure_ascii=False)}
 
     def tool_results_messages(self, results: Sequence[tuple[ToolCall, str]]) -> list[Message]:
         """One `ipython` turn per result."""

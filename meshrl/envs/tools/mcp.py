@@ -51,15 +51,18 @@ class MCPTools:
 
     def _connect(self) -> None:
         """Start the server (a command), connect, and list its tools; RuntimeError in one line."""
-        from fastmcp import Client
-        from fastmcp.client.transports import StdioTransport
+        try:
+            from fastmcp import Client
+            from fastmcp.client.transports import StdioTransport
+        except ImportError:
+            raise RuntimeError(f"{self.label}: MCP tools need fastmcp (pip install 'meshrl[mcp]')") from None
 
         deadline = time.monotonic() + self.start_timeout_s
         if self.command and self.url:
             self.proc = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         transport = self.url if self.url else StdioTransport(self.command[0], self.command[1:],
-                                                             env={**os.environ, **self.env})
+                                                             env={**os.environ, **self.env}, keep_alive=False)
         last: BaseException | None = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -133,6 +136,7 @@ class MCPTools:
         if client is not None:
             try:
                 self._run(client.__aexit__(None, None, None), 5.0)
+                self._run(client.transport.close(), 5.0)  # a stdio server's process ends with it
             except Exception as e:  # noqa: BLE001 -- a dead connection has nothing left to close
                 log.debug("closing the MCP client: %s", e)
         if self.proc is not None:

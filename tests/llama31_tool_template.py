@@ -1,0 +1,47 @@
+"""The tool-calling parts of Llama 3.1-Instruct's chat template (custom JSON tools, no built-in
+tools), written out by hand from the template in Meta-Llama-3.1-8B-Instruct's tokenizer_config.json
+(no Llama 3.1 tokenizer is available offline). Tests apply it with `tools_in_user_message=False`
+through `apply_chat_template(messages, tools=...)` on a copy of the SmolLM2 tokenizer with Llama 3's
+special tokens added. Its system turn opens with an `Environment: ipython` / date preamble that
+meshrl's llama3 renderer does not write; the tests compare what follows."""
+
+LLAMA31_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}"
+    "{%- if not date_string is defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n' }}"
+    "{{- 'Today Date: ' + date_string + '\\n\\n' }}"
+    "{%- if tools is not none and not tools_in_user_message %}"
+    "{{- 'You have access to the following functions. To call a function, please respond with JSON for a function call.' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}"
+    "{{- 'Do not use variables.\\n\\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{%- endif %}"
+    "{{- system_message }}"
+    "{{- '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}"
+    "{{- '\"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson }}"
+    "{{- '}' }}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
