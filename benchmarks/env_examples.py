@@ -6,9 +6,12 @@ Environments of the user's own kind (docs/environments.md):
 - `openenv`: `RetryArithmeticEnv` (examples/openenv_arithmetic.py, openenv-core's interface only), served
   by openenv-core's own server in a process the env mesh starts; episodes over OpenEnv's WebSocket;
 - `tools`: `MultiplyEnv` (examples/calculator_tools.py), 3-digit multiplication with a `calculator` tool
-  the agent calls in the ChatML `<tool_call>` format (tool turns appended token-in/token-out).
+  the agent calls in the ChatML `<tool_call>` format (tool turns appended token-in/token-out);
+- `agent`: a black-box agent program (examples/agent_program.py) with the official `openai` client and
+  its own loop, trained through meshrl's OpenAI-compatible endpoint (`task.kind: agent`; GRPO only:
+  an agent's episodes carry no error sites or turn contexts for the other channels).
 
-Two arms each: `grpo` (the policy gradient alone) and `full` (GRPO + alpha * SDPO on the environment's
+Two arms each (the agent: `grpo`): `grpo` (the policy gradient alone) and `full` (GRPO + alpha * SDPO on the environment's
 error sites + beta * trace-replay DPO, the oracle teacher answering the environment's turns: it knows
 each sum and is wrong 20 % of the time). Every run evaluates the base model at step 0 on the held-out
 episodes (greedy), then every `--eval-every` steps: success rate and mean return.
@@ -39,7 +42,8 @@ from benchmarks.common import provenance, write_result  # noqa: E402
 RUN_FILES = ROOT / "benchmarks" / "results" / "env_examples"
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8002
-CONFIGS = {"tutor": "configs/env-tutor.yaml", "openenv": "configs/env-openenv.yaml", "tools": "configs/env-tools.yaml"}
+CONFIGS = {"tutor": "configs/env-tutor.yaml", "openenv": "configs/env-openenv.yaml", "tools": "configs/env-tools.yaml",
+           "agent": "configs/agent.yaml"}
 _ORACLE = "{{name: oracle-{0}, base_url: 'http://127.0.0.1:%d/v1', model: oracle, temperature: 0.7, max_tokens: 48}}" % TEACHER_PORT
 CHANNELS = [
     "sdpo.alpha=0.1", "sdpo.alpha_warmup_steps=4", "sdpo.teacher=learner", "sdpo.max_sites_per_step=16",
@@ -49,6 +53,8 @@ CHANNELS = [
 ]
 """The `full` arm's settings over the example's config: the ablation's full step with replay's beta 0.03."""
 ARMS = {"grpo": [], "full": CHANNELS}
+ONLY_ARMS = {"agent": ("grpo",)}
+"""Examples that run only some arms."""
 
 
 def run_name(env: str, arm: str) -> str:
@@ -79,7 +85,8 @@ def summarise(env: str, arm: str, args) -> dict:
                    "turns": r.get("episodes/mean_turns"), "step_s": r["timing/step_s"],
                    "sdpo_jsd": r.get("loss/sdpo_jsd"), "replay_dpo": r.get("loss/replay_dpo")} for r in train],
         "mean_step_s": sum(r["timing/step_s"] for r in train) / len(train),
-        "final_counters": {k: last[k] for k in sorted(last) if k.startswith(("sdpo/", "replay/", "env/", "episodes/", "tools/"))
+        "final_counters": {k: last[k] for k in sorted(last)
+                           if k.startswith(("sdpo/", "replay/", "env/", "episodes/", "tools/", "agents/"))
                            and isinstance(last[k], (int, float))},
         "faults": [f"{r['mesh']} lost at step {r['step']}" for r in records if r["kind"] == "fault"],
     }
@@ -137,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     RUN_FILES.mkdir(parents=True, exist_ok=True)
     for env in args.envs:
-        for arm in args.arms:
+        for arm in (a for a in args.arms if a in ONLY_ARMS.get(env, ARMS)):
             print(f"== {run_name(env, arm)}", flush=True)
             with LoadSampler() as load:
                 if arm == "full":

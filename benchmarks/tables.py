@@ -594,7 +594,9 @@ def render_headline(results: Path) -> str:
 
 ENV_NAMES = {"tutor": "`AdditionTutorEnv`, a class in the env mesh's processes (`configs/env-tutor.yaml`)",
              "openenv": "`RetryArithmeticEnv` on openenv-core's server, over its WebSocket (`configs/env-openenv.yaml`)",
-             "tools": "`MultiplyEnv`, 3-digit multiplication with a `calculator` tool (`configs/env-tools.yaml`)"}
+             "tools": "`MultiplyEnv`, 3-digit multiplication with a `calculator` tool (`configs/env-tools.yaml`)",
+             "agent": "`examples/agent_program.py`, a black-box agent program with the `openai` client, through "
+                      "meshrl's endpoint (`configs/agent.yaml`)"}
 ENV_ARMS = {"grpo": "GRPO alone", "full": "GRPO + SDPO + trace-replay DPO (oracle teacher)"}
 
 

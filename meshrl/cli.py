@@ -48,6 +48,10 @@ def _plan(args: argparse.Namespace):
         from meshrl.envs.hosting import check_env_source
 
         check_env_source(cfg.task.env)  # the environment's class imports, its server answers
+    if cfg.task.agent is not None and cfg.task.kind == "agent":
+        from meshrl.agents.programs import check_agent_source
+
+        check_agent_source(cfg.task.agent)  # the program's callable or command and the grader are there
     remote = remote_host_gpus(cfg.launch)
     if args.host_gpus is not None:
         ids = tuple(str(i) for i in range(args.host_gpus))

@@ -114,6 +114,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_agent_channels(self) -> "RunConfig":
+        """An agent program's episodes name no error sites and keep no per-turn contexts a teacher
+        could answer: SDPO and trace replay need an environment (`task.kind: env`)."""
+        if self.task.kind == "agent" and (self.sdpo.alpha > 0 or self.replay.beta > 0):
+            key = "sdpo.alpha" if self.sdpo.alpha > 0 else "replay.beta"
+            raise ValueError(f"task.kind = agent with {key} > 0 is not supported: an agent program's episodes carry "
+                             "no error sites or turn contexts for SDPO or trace replay (GRPO trains on them)")
+        return self
+
+    @model_validator(mode="after")
     def _check_diloco_role(self) -> "RunConfig":
         """A generation job trains nothing and a learner of shards samples nothing: SDPO, which
         scores the job's own samples with the policy being trained, needs both and is refused

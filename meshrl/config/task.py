@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from meshrl.config.agent_task import AgentTaskConfig
 from meshrl.config.base import Section
 from meshrl.config.env import EnvConfig
 from meshrl.config.env_task import EnvTaskConfig
@@ -64,9 +65,10 @@ class CodeTaskConfig(Section):
 class TaskConfig(Section):
     """Which task feeds the run."""
 
-    kind: Literal["arithmetic", "code", "env"] = "arithmetic"
-    """Task family: single-turn `arithmetic`, multi-turn `code` in a sandbox, or `env`: an
-    environment of your own (`task.env`)."""
+    kind: Literal["arithmetic", "code", "env", "agent"] = "arithmetic"
+    """Task family: single-turn `arithmetic`, multi-turn `code` in a sandbox, `env`: an
+    environment of your own (`task.env`), or `agent`: an agent program of your own playing through an
+    OpenAI-compatible endpoint (`task.agent`)."""
 
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Settings of the arithmetic task."""
@@ -77,8 +79,13 @@ class TaskConfig(Section):
     env: EnvTaskConfig | None = None
     """Your own environment (`kind: env`): a class, an OpenEnv server or a meshrl remote one."""
 
+    agent: AgentTaskConfig | None = None
+    """Your own agent program (`kind: agent`): a command or a callable, its episodes and limits."""
+
     @model_validator(mode="after")
     def _check_env(self) -> "TaskConfig":
         if self.kind == "env" and self.env is None:
             raise ValueError("kind env needs task.env (task.env.factory or task.env.url)")
+        if self.kind == "agent" and self.agent is None:
+            raise ValueError("kind agent needs task.agent (task.agent.command or task.agent.callable)")
         return self

@@ -343,9 +343,9 @@ def _task_id(problem) -> str:
 
 def summary_line(result: dict, target: EvalTarget) -> str:
     """One line: what was evaluated, on how many tasks, with what result."""
-    what = {"arithmetic": "problems", "env": "episodes"}.get(result["task"], "tasks")
+    what = {"arithmetic": "problems", "env": "episodes", "agent": "episodes"}.get(result["task"], "tasks")
     line = f"{target.describe()}: held-out {result['task']}, {result['size']} {what}"
-    if result["greedy"] and result["task"] == "env":  # an environment's own reward: its mean return too
+    if result["greedy"] and result["task"] in ("env", "agent"):  # an episode's own reward: its mean return too
         return line + (f", greedy: success rate {result['eval/accuracy']:.1%}, "
                        f"mean return {result['eval/reward_mean']:.3f}")
     if result["greedy"]:

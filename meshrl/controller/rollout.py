@@ -5,6 +5,8 @@ start (`rollout_for`) and never asks what kind of task it runs.
   generator meshes, score each with the rewarder mesh.
 - `EpisodeRollout` (meshrl.controller.episodes): G multi-turn episodes per task against the env
   mesh, token-in/token-out.
+- `AgentRollout` (meshrl.controller.agents): G runs of an agent program per episode, through an
+  OpenAI-compatible endpoint backed by the generator meshes.
 
 A strategy also spawns the mesh that scores its rollouts (rewarder or env).
 """
@@ -108,7 +110,13 @@ class SingleTurnRollout:
 
 
 def strategy_for(task) -> type:
-    """The strategy class the task asks for (``task.multi_turn``), chosen once per run."""
+    """The strategy class the task asks for (an agent program's, or by ``task.multi_turn``), chosen
+    once per run."""
+    agent = getattr(task, "agent", None)
+    if agent is not None:
+        from meshrl.controller.agents import AgentRollout
+
+        return AgentRollout.bound(agent)
     if task.multi_turn:
         from meshrl.controller.episodes import EpisodeRollout
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshrl.config.agent_task import AgentTaskConfig
 from meshrl.config.base import ConfigError
 from meshrl.config.env_task import EnvTaskConfig, EpisodeSetConfig
 from meshrl.config.task import CodeTaskConfig, TaskConfig
@@ -110,25 +111,46 @@ class EnvTaskSet:
     environment's source (the factory imports, the URL answers) before anything is spawned."""
 
     multi_turn = True
+    key = "task.env"
 
-    def __init__(self, cfg: EnvTaskConfig, data_seed: int = 0):
-        from meshrl.envs.hosting import check_env_source
-
+    def __init__(self, cfg: EnvTaskConfig | AgentTaskConfig, data_seed: int = 0):
         self.cfg = cfg
-        train = _episode_specs(cfg.train, "task.env.train")
-        self.held = _episode_specs(cfg.heldout, "task.env.heldout")
+        train = _episode_specs(cfg.train, f"{self.key}.train")
+        self.held = _episode_specs(cfg.heldout, f"{self.key}.heldout")
         shared = {_key(s) for s in train} & {_key(s) for s in self.held}
         if shared:
-            raise ConfigError(f"task.env.heldout shares {len(shared)} episode(s) with task.env.train "
+            raise ConfigError(f"{self.key}.heldout shares {len(shared)} episode(s) with {self.key}.train "
                               f"(e.g. {sorted(shared)[0]}): held-out episodes must never be trained on")
         self.stream = SeededStream(train, data_seed)
-        check_env_source(cfg)
+        self.check_source()
+
+    def check_source(self) -> None:
+        from meshrl.envs.hosting import check_env_source
+
+        check_env_source(self.cfg)
 
     def train_batch(self, cursor: int, n: int) -> list:
         return [spec for _, spec in self.stream.batch(cursor, n)]
 
     def heldout(self, n: int | None = None) -> list:
         return self.held if n is None else self.held[:n]
+
+
+class AgentTaskSet(EnvTaskSet):
+    """The episode specs an agent program plays (`task.kind: agent`), as for an environment; making
+    it checks that the program can start (its callable and grader import, its command exists)."""
+
+    key = "task.agent"
+
+    @property
+    def agent(self) -> AgentTaskConfig:
+        """The agent program's settings (the rollout strategy is chosen by them)."""
+        return self.cfg
+
+    def check_source(self) -> None:
+        from meshrl.agents.programs import check_agent_source
+
+        check_agent_source(self.cfg)
 
 
 def _key(spec: EpisodeSpec) -> str:
@@ -150,4 +172,6 @@ def make_task(cfg: TaskConfig, data_seed: int = 0):
         return CodeTaskSet(cfg.code, data_seed)
     if cfg.kind == "env":
         return EnvTaskSet(cfg.env, data_seed)
+    if cfg.kind == "agent":
+        return AgentTaskSet(cfg.agent, data_seed)
     raise ValueError(f"task.kind = {cfg.kind!r}: no such task")

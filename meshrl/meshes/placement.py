@@ -151,11 +151,12 @@ def _devices_cell(row: PlacementRow) -> str:
 
 def run_slots(cfg: RunConfig) -> list[Slot]:
     """Every mesh a run spawns, in placement order: learner, generator, the rewarder's slot (the
-    env mesh for the code task), then the SDPO teacher (its own mesh: `sdpo.teacher = mesh`) and the
-    teacher replay pool when enabled."""
+    env mesh for the code task; none for an agent program's, which runs beside the controller), then
+    the SDPO teacher (its own mesh: `sdpo.teacher = mesh`) and the teacher replay pool when enabled."""
     m = cfg.meshes
-    slots = [Slot(LEARNER, "meshes.learner", m.learner), Slot(GENERATOR, "meshes.generator", m.generator),
-             Slot(ENV if cfg.task.kind == "code" else REWARDER, "meshes.rewarder", m.rewarder)]
+    slots = [Slot(LEARNER, "meshes.learner", m.learner), Slot(GENERATOR, "meshes.generator", m.generator)]
+    if cfg.task.kind != "agent":
+        slots.append(Slot(ENV if cfg.task.kind == "code" else REWARDER, "meshes.rewarder", m.rewarder))
     if cfg.sdpo.alpha > 0 and cfg.sdpo.teacher == "mesh":
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
