@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
+from meshrl.config.judge import JudgeConfig
 
 
 class EpisodeSetConfig(Section):
@@ -109,6 +110,10 @@ class EnvTaskConfig(Section):
 
     server_start_timeout_s: float = Field(120.0, gt=0)
     """Limit of starting a served environment server (`serve: true`) until it answers its health check."""
+
+    judge: JudgeConfig | None = None
+    """An LLM judge that grades every episode at its end (its transcript and last answer) and whose
+    score is mixed into the episode's return (`judge.weight`); None = the environment's rewards only."""
 
     @model_validator(mode="after")
     def _check(self) -> "EnvTaskConfig":
