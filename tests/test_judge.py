@@ -273,6 +273,17 @@ def test_a_judge_that_is_down_fails_episodes_not_the_step():
     assert counters["judge/errors"] == 2 and counters["judge/dropped"] == 2
 
 
+def test_a_judge_server_that_is_not_there_is_a_config_error_before_anything_spawns():
+    from meshrl.config.base import ConfigError
+    from meshrl.envs.task_sets import make_task
+
+    with pytest.raises(ConfigError, match=r"^task.env.judge.endpoint.base_url: no judge server answers at "
+                                          r"http://127.0.0.1:9/v1 \(ConnectError"):
+        make_task(_env_cfg("http://127.0.0.1:9/v1").task)
+    with FakeOpenAIServer({"judge": "Score: 1"}) as srv:
+        assert make_task(_env_cfg(srv.base_url).task).heldout(1)
+
+
 def test_the_rollout_trains_on_judged_returns_and_leaves_failed_judgments_out(smollm_tokenizer):
     from meshrl.controller.episodes import EpisodeRollout
     from meshrl.controller.rollout import Counters

@@ -297,7 +297,8 @@ class EpisodeHost:
 
     def counters(self) -> dict[str, float]:
         """This process's env counters and its judge's (totals since the process started)."""
-        return {**{k: float(v) for k, v in self.counts.items()}, **(self.judge.metrics() if self.judge else {})}
+        judge = {"judge/fallbacks": 0.0, "judge/dropped": 0.0, **self.judge.metrics()} if self.judge else {}
+        return {**judge, **{k: float(v) for k, v in self.counts.items()}}
 
     def _close_episode(self, episode_id: str, ep: _Live | None) -> dict:
         if ep is None:

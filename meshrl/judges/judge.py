@@ -37,6 +37,10 @@ Failure = Literal["malformed", "timeout", "error", "budget_exhausted"]
 FAILURE_COUNTERS: dict[str, str] = {"malformed": "judge/malformed", "timeout": "judge/timeouts",
                                     "error": "judge/errors", "budget_exhausted": "judge/budget_exhausted"}
 
+COUNTERS = ("judge/judgments", "judge/calls", "judge/cache_hits", "judge/truncated", "judge/defused",
+            *FAILURE_COUNTERS.values())
+"""The counters ``metrics()`` always reports (0 until counted)."""
+
 LOOP_GRACE_S = 10.0
 """How much longer than ``deadline_s`` a synchronous caller waits for the judge's loop itself."""
 
@@ -117,7 +121,7 @@ class Judge:
     def metrics(self) -> dict[str, float]:
         """The counters and the spend so far (totals since this judge started)."""
         with self._counts_lock:
-            out = {k: float(v) for k, v in self._counts.items()}
+            out = {k: float(self._counts[k]) for k in COUNTERS}
         spend = self.meter.by_teacher.get(self.cfg.endpoint.name)
         out["judge/retries"] = float(self.client.counts["retries"])
         out["judge/spend_prompt_tokens"] = float(spend.prompt_tokens if spend else 0)
