@@ -207,7 +207,7 @@ def test_a_served_openenv_server_that_dies_fails_its_episodes_and_is_restarted()
 
 
 def test_the_example_configs_load():
-    for name in ("env-tutor", "env-openenv"):
+    for name in ("env-tutor", "env-judge", "env-openenv"):
         cfg = load_config(RunConfig, f"configs/{name}.yaml", [])
         assert cfg.task.kind == "env" and cfg.task.env.python_path == ["examples"]
     assert json.loads(json.dumps(cfg.task.env.model_dump()))["serve"] is True
