@@ -279,8 +279,11 @@ class EpisodeHost:
             transcript = ep.messages[ep.opening:]
             answers = [m["content"] for m in transcript if m["role"] == "assistant"]
             items.append((task, transcript, answers[-1] if answers else ""))
+        started = time.monotonic()
+        results = self.judge.score_many(items)
+        self.counts["judge/wait_s"] += time.monotonic() - started
         out = []
-        for ep, result in zip(eps, self.judge.score_many(items)):
+        for ep, result in zip(eps, results):
             if result.ok:
                 total = mix(ep.episode_return, result.reward, cfg.weight)
                 declared = {} if ep.declared_success is None else {"success": ep.declared_success}
@@ -297,7 +300,8 @@ class EpisodeHost:
 
     def counters(self) -> dict[str, float]:
         """This process's env counters and its judge's (totals since the process started)."""
-        judge = {"judge/fallbacks": 0.0, "judge/dropped": 0.0, **self.judge.metrics()} if self.judge else {}
+        judge = ({"judge/fallbacks": 0.0, "judge/dropped": 0.0, "judge/wait_s": 0.0, **self.judge.metrics()}
+                 if self.judge else {})
         return {**judge, **{k: float(v) for k, v in self.counts.items()}}
 
     def _close_episode(self, episode_id: str, ep: _Live | None) -> dict:
