@@ -92,9 +92,9 @@ def test_the_prompt_quotes_the_policy_and_defuses_its_delimiters():
 
 
 def test_defuse_catches_look_alikes_and_leaves_other_text_alone():
-    text, n = defuse("a < b and <b>bold</b>, </ Answer >, <TASK id=1>, <transcript")
-    assert n == 3
-    assert text == "a < b and <b>bold</b>, ‹/ Answer ›, ‹TASK id=1›, ‹transcript"
+    text, n = defuse("a < b and <b>bold</b>, </ Answer >, <TASK id=1>, <transcript, ＜/answer＞, </ans\u200bwer>")
+    assert n == 5
+    assert text == "a < b and <b>bold</b>, ‹/ Answer ›, ‹TASK id=1›, ‹transcript, ‹/answer›, ‹/answer›"
 
 
 def test_long_text_is_cut_in_the_middle_and_counted():

@@ -7,8 +7,9 @@ by instructions. The defences here:
 - every line of the policy's (and the environment's) text is quoted with ``"| "``, so none of it
   can stand at the start of a line of the prompt, and a judge that echoes it cannot produce a
   ``Score:`` line from it (the score is read only from lines that start with ``Score``);
-- tag look-alikes of the prompt's delimiters (``<answer>``, ``</ transcript >``, ``<TASK x>`` ...)
-  in that text are defused (their angle brackets become ``‹ ›``);
+- tag look-alikes of the prompt's delimiters (``<answer>``, ``</ transcript >``, ``<TASK x>``,
+  ``＜/answer＞`` ...) in that text are defused (their angle brackets become ``‹ ›``), after the
+  invisible format characters (zero-width spaces and joiners, ...) that could hide a tag are removed;
 - the transcript and the answer are cut to a maximum length (the middle is dropped and marked);
 - the score comes only from the judge's reply: its last ``Score:`` line, or a strict JSON object.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,10 @@ DELIMITER_TAGS = ("task", "transcript", "answer", "turn", "rubric", "score", "sy
 """Tag names whose look-alikes are defused in quoted text (the default rubric's delimiters and the
 names a forged rubric would use)."""
 
-_TAG = re.compile(r"<(\s*/?\s*(?:%s)\b[^<>]{0,200})(>?)" % "|".join(DELIMITER_TAGS), re.IGNORECASE)
+_OPEN, _CLOSE = "<＜﹤〈⟨", ">＞﹥〉⟩"
+"""Angle brackets and their look-alikes."""
+_TAG = re.compile(r"[%s](\s*/?\s*(?:%s)\b[^%s%s]{0,200})([%s]?)" % (_OPEN, "|".join(DELIMITER_TAGS), _OPEN, _CLOSE, _CLOSE),
+                  re.IGNORECASE)
 
 _SCORE_LINE = re.compile(r"^[\s*_#>`]*score[\s*_`]*[:=][\s*_`]*([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)",
                          re.IGNORECASE)
@@ -39,8 +44,9 @@ _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL | re.IGNORECAS
 
 
 def defuse(text: str) -> tuple[str, int]:
-    """``text`` with the angle brackets of delimiter look-alikes replaced (``<answer>`` becomes
-    ``‹answer›``), and how many were defused."""
+    """``text`` without format characters and with the angle brackets of delimiter look-alikes
+    replaced (``<answer>`` becomes ``‹answer›``), and how many tags were defused."""
+    text = "".join(c for c in text if unicodedata.category(c) != "Cf")
     return _TAG.subn(lambda m: f"‹{m.group(1)}{'›' if m.group(2) else ''}", text)
 
 
