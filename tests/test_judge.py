@@ -327,3 +327,14 @@ def test_the_rollout_trains_on_judged_returns_and_leaves_failed_judgments_out(sm
     assert all(t.info["judge_score"] == pytest.approx(0.8) for t in trajectories)
     assert step["episodes/judge_failed"] == 1.0 and step["judge/malformed"] == 1.0 and step["judge/calls"] == 2.0
     assert math.isclose(step["judge/cache_hits"], 2.0)
+
+
+def test_the_env_mesh_call_deadline_covers_the_judgment():
+    from meshrl.config.meshes import ENV, REWARDER
+    from meshrl.judges.judge import LOOP_GRACE_S
+    from meshrl.meshes.session import call_timeouts
+
+    judged = call_timeouts(_env_cfg("http://127.0.0.1:9/v1", "task.env.judge.deadline_s=200", "rewarder.timeout_s=100"))
+    assert judged[ENV] == 100 + 200 + LOOP_GRACE_S and judged[REWARDER] == 100
+    plain = load_config(RunConfig, None, ["task.kind=env", "task.env.factory=a:B", "rewarder.timeout_s=100"])
+    assert call_timeouts(plain)[ENV] == 100
