@@ -105,6 +105,20 @@ def test_long_text_is_cut_in_the_middle_and_counted():
     assert prompt.truncated == 1 and len(prompt.messages[0]["content"]) < 400
 
 
+def test_the_transcript_shows_roles_content_parts_and_tool_calls():
+    from meshrl.judges.rubric import render_transcript
+
+    text = render_transcript([
+        {"role": "user", "content": [{"type": "text", "text": "add 2 and 3"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}])
+    assert text.split("\n\n") == [
+        "[user]\nadd 2 and 3",
+        '[assistant]\ntool calls: [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\\"a\\": 2, \\"b\\": 3}"}}]',
+        "[tool]\n5"]
+
+
 def test_a_braced_policy_text_cannot_break_the_template():
     prompt = build_prompt("{answer}", "sys", "", [], "{task} {0} {__class__}", 100)
     assert prompt.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "| {task} {0} {__class__}"}]

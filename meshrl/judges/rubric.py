@@ -76,10 +76,22 @@ class Prompt:
     """How many delimiter look-alikes were defused."""
 
 
+def _message_text(message: dict[str, Any]) -> str:
+    """A message's text: its string content, the text parts of a list content (OpenAI's content
+    parts), and its tool calls as JSON."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    text = content if isinstance(content, str) else ""
+    calls = message.get("tool_calls")
+    if calls:
+        text += ("\n" if text else "") + "tool calls: " + json.dumps(calls, ensure_ascii=False, default=str)
+    return text
+
+
 def render_transcript(messages: list[dict[str, Any]]) -> str:
-    """A transcript as role headers and message contents (content not yet quoted)."""
-    return "\n\n".join(f"[{m.get('role', '?')}]\n{m.get('content') if isinstance(m.get('content'), str) else ''}"
-                       for m in messages)
+    """A transcript as role headers and message texts (not yet quoted)."""
+    return "\n\n".join(f"[{m.get('role', '?')}]\n{_message_text(m)}" for m in messages)
 
 
 def build_prompt(rubric: str, system: str, task: str, transcript: list[dict[str, Any]], answer: str,
