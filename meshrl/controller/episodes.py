@@ -11,8 +11,8 @@ grading (`grading_anomalies`; the step counts them as `reward/grading_anomalies`
 environment failed (`env_error`), or whose late reward never came, is left out of its group and
 counted; a late reward that came is added to its episode's return. With an LLM judge, the env host's
 judged return replaces the episode's return, and an episode whose judgment failed is left out of its
-group when `task.env.judge.on_failure` is `drop` (counted, `episodes/judge_failed`). A batch during which a served
-environment server died (and was restarted) is played again once, with the same seeds.
+group when `task.env.judge.on_failure` is `drop` (counted, `episodes/judge_failed`). A batch during
+which a served environment server died (and was restarted) is played again once, with the same seeds.
 """
 
 from __future__ import annotations
