@@ -51,8 +51,10 @@ def defuse(text: str) -> tuple[str, int]:
 
 
 def quote(text: str) -> str:
-    """Every line of ``text`` prefixed with ``QUOTE`` (an empty text is one quoted empty line)."""
-    return "\n".join(QUOTE + line for line in text.split("\n"))
+    """Every line of ``text`` prefixed with ``QUOTE`` (an empty text is one quoted empty line).
+    Lines are split as the score parser splits them (``str.splitlines``: ``\\r``, ``\\x0b``,
+    ``\\u2028`` ... too), so no line break can leave part of the text unquoted."""
+    return "\n".join(QUOTE + line for line in text.splitlines() or [""])
 
 
 def cut_middle(text: str, limit: int) -> tuple[str, bool]:
