@@ -15,7 +15,7 @@ LAYERS = {  # package (a folder, or a module of its own) -> layer
     "meshrl.types": 0, "meshrl.jsonl": 0, "meshrl.config": 0, "meshrl.logprobs": 0, "meshrl.plugins": 0,
     "meshrl.losses": 1, "meshrl.advantages": 1, "meshrl.renderers": 1,
     "meshrl.training": 2, "meshrl.envs": 2, "meshrl.engines": 2, "meshrl.teachers": 2, "meshrl.transport": 2,
-    "meshrl.models": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2, "meshrl.metrics": 2,
+    "meshrl.models": 2, "meshrl.judges": 2, "meshrl.sdpo": 2, "meshrl.replay": 2, "meshrl.diloco": 2, "meshrl.metrics": 2,
     "meshrl.agents": 2,
     "meshrl.actors": 3,
     "meshrl.meshes": 4,

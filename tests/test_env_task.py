@@ -207,7 +207,7 @@ def test_a_served_openenv_server_that_dies_fails_its_episodes_and_is_restarted()
 
 
 def test_the_example_configs_load():
-    for name in ("env-tutor", "env-tools", "env-openenv"):
+    for name in ("env-tutor", "env-tools", "env-judge", "env-openenv"):
         cfg = load_config(RunConfig, f"configs/{name}.yaml", [])
         assert cfg.task.kind == "env" and cfg.task.env.python_path == ["examples"]
     assert json.loads(json.dumps(cfg.task.env.model_dump()))["serve"] is True
@@ -230,7 +230,7 @@ class _Client:
 
     def per_rank(self, mesh, endpoint, args_by_rank):
         return {0: getattr(self.host, endpoint)(args_by_rank[0]) if endpoint != "finish"
-                else {"episodes": self.host.finish(args_by_rank[0]), "counts": self.host.all_counts()}}
+                else {"episodes": self.host.finish(args_by_rank[0]), "counts": self.host.counters()}}
 
     def generate(self, prompts, request, timings):
         from meshrl.engines import Completion

@@ -55,7 +55,7 @@ def test_stdio_mcp_tools_are_listed_in_the_prompt_and_called_with_a_deadline():
         assert final["done"] and final["success"] and final["reward"] == 1.0
         record = host.finish(["e0"])[0]["record"]
         assert [c["name"] for c in record["tool_calls"]] == ["calculator", "wait"]
-        assert host.all_counts()["tools/calls"] == 2 and host.all_counts()["tools/timed_out"] == 1
+        assert host.counters()["tools/calls"] == 2 and host.counters()["tools/timed_out"] == 1
     finally:
         host.close()
 
@@ -73,7 +73,7 @@ def test_an_http_mcp_server_killed_mid_episode_is_restarted_and_the_episode_fail
         os.kill(pid, signal.SIGKILL)  # the server dies in the middle of both episodes
         dead = host.step([("e0", _call("calculator", expression="1 + 1"))])[0]
         assert dead["termination"] == "env_error" and dead["server_restarted"] and "MCP" in dead["env_error"]
-        assert host.all_counts()["tools/mcp_restarts"] == 1 and host.all_counts()["env/step_errors"] == 1
+        assert host.counters()["tools/mcp_restarts"] == 1 and host.counters()["env/step_errors"] == 1
         restarted = mcp.pid
         assert restarted != pid and psutil.pid_exists(restarted)
         # the other live episode and a new one go on with the restarted server
@@ -101,7 +101,7 @@ def test_a_stdio_mcp_server_killed_mid_episode_is_started_again():
         os.kill(pid, signal.SIGKILL)
         dead = host.step([("e0", _call("calculator", expression="1 + 1"))])[0]
         assert dead["termination"] == "env_error" and dead["server_restarted"]
-        assert host.all_counts()["tools/mcp_restarts"] == 1
+        assert host.counters()["tools/mcp_restarts"] == 1
         (restarted,) = _stdio_server_pids()
         assert restarted != pid
         host.reset([("e1", EpisodeSpec("s1", {"seed": 1}))])

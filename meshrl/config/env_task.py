@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from meshrl.config.base import Section
+from meshrl.config.judge import JudgeConfig
 
 
 class EpisodeSetConfig(Section):
@@ -174,6 +175,10 @@ class EnvTaskConfig(Section):
     tools: ToolsConfig | None = None
     """Tools the agent may call during an episode (Python callables, an MCP server); None = only the
     environment's own (`Environment.tools()`), if any."""
+
+    judge: JudgeConfig | None = None
+    """An LLM judge that grades every episode at its end (its transcript and last answer) and whose
+    score is mixed into the episode's return (`judge.weight`); None = the environment's rewards only."""
 
     @model_validator(mode="after")
     def _check(self) -> "EnvTaskConfig":

@@ -10,8 +10,10 @@ its error (kind, the environment's hint and error text; None for a turn with no 
 failed episode the error kind and hint of its last turn, and how many of its turns tampered with
 grading (`grading_anomalies`; the step counts them as `reward/grading_anomalies`). An episode the
 environment failed (`env_error`), or whose late reward never came, is left out of its group and
-counted; a late reward that came is added to its episode's return. A batch during which a served
-environment server died (and was restarted) is played again once, with the same seeds.
+counted; a late reward that came is added to its episode's return. With an LLM judge, the env host's
+judged return replaces the episode's return, and an episode whose judgment failed is left out of its
+group when `task.env.judge.on_failure` is `drop` (counted, `episodes/judge_failed`). A batch during
+which a served environment server died (and was restarted) is played again once, with the same seeds.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Episode:
     text: str = ""
     finish_reason: str = ""
     termination: str | None = None
+    judge_score: float | None = None  # the judge's score in [0, 1], when the episode was judged
     version: int = 1 << 30  # the oldest policy version that sampled any of its turns
 
     def append(self, tokens, logprobs, sampled: bool) -> tuple[int, int]:
@@ -181,8 +184,14 @@ class EpisodeRollout:
             if "delayed_reward" in end:  # a reward that arrived after the episode ended: its own group's
                 ep.reward += end["delayed_reward"]
                 ep.last = {**ep.last, "success": end["success"]}
-            if ep.termination in ("env_error", "prompt_too_long") or "reward_dropped" in end:
-                dropped["reward_dropped" if "reward_dropped" in end else ep.termination] += 1
+            if "judged_return" in end:  # the judge's score mixed with the return above
+                ep.reward, ep.judge_score = end["judged_return"], end["judge_score"]
+                ep.last = {**ep.last, "success": end["success"]}
+            if ep.termination in ("env_error", "prompt_too_long"):
+                dropped[ep.termination] += 1
+                continue
+            if "reward_dropped" in end or "judge_failed" in end:
+                dropped["reward_dropped" if "reward_dropped" in end else "judge_failed"] += 1
                 continue
             kept.append(_trajectory(ep))
         extra = {**served, **{f"episodes/{k}": float(v) for k, v in dropped.items()},
@@ -205,7 +214,7 @@ def _trajectory(ep: _Episode) -> Trajectory:
     success = bool(last.get("success"))
     info = {"correct": success, "termination": ep.termination, "turns": [tuple(t) for t in ep.turns],
             "turn_errors": list(ep.turn_errors), "tests_passed": last.get("tests_passed"),
-            "grading_anomalies": ep.anomalies,
+            "grading_anomalies": ep.anomalies, "judge_score": ep.judge_score,
             "tests_total": last.get("tests_total")}
     if not success and ep.turns:
         # a failed episode whose last turn named no error is still a failure (trace replay selects it)

@@ -16,6 +16,12 @@ context the agent saw before the action (`state_at`, or the messages this host r
 environment keeps no history), for the SDPO and trace-replay channels. An episode that ends with
 reward None gets its reward later: `finish` polls the environment's `state.reward` until
 `reward_deadline_s`.
+
+With a judge (`task.env.judge`), `finish` also has every episode that played a turn judged, all at
+once under the judge's deadline, from what this host recorded: the opening messages are the task,
+the rest the transcript, the last reply the answer. The judge's score is mixed into the return
+(`judged_return`); a failed judgment drops the episode (`judge_failed`) or leaves it with the
+environment's return, as `judge.on_failure` says (both counted).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from meshrl.envs.base import Environment, Observation, TextAction
+from meshrl.judges import Judge, mix
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,9 @@ class _Live:
     episode_return: float = 0.0
     reward_pending: bool = False
     done: bool = False
+    opening: int = 0  # how many of `messages` the environment opened the episode with
+    failed: bool = False  # the environment failed it (env_error)
+    declared_success: bool | None = None  # the last observation's `metadata['success']`
 
 
 def _check_message(label: str, where: str, msg: Any, limit: int, roles: tuple[str, ...] = ROLES) -> dict:
@@ -103,8 +113,8 @@ def _one_line(e: BaseException) -> str:
 class EpisodeHost:
     """Live episodes by id over one `EnvSource`; `reset`, `step` and `finish` take batches."""
 
-    def __init__(self, source):
-        self.source, self.rules = source, source.rules
+    def __init__(self, source, judge: Judge | None = None):
+        self.source, self.rules, self.judge = source, source.rules, judge
         self.live: dict[str, _Live] = {}
         self.pool = cf.ThreadPoolExecutor(max_workers=self.rules.max_parallel)
         self.hung = 0
@@ -167,7 +177,7 @@ class EpisodeHost:
                 out.append({"error": self._failed("reset", episode_id, error)})
                 continue
             env, messages = result
-            self.live[episode_id] = _Live(env, list(messages))
+            self.live[episode_id] = _Live(env, list(messages), opening=len(messages))
             out.append({"messages": messages})
         return self._mark_restart(out, restarts)
 
@@ -198,7 +208,7 @@ class EpisodeHost:
             ep = self.live[episode_id]
             if error is not None:
                 line = self._failed("step", episode_id, error)
-                ep.done = True
+                ep.done = ep.failed = True
                 out.append({"message": None, "messages": [], "reward": 0.0, "done": True, "termination": "env_error",
                             "env_error": line, "success": False, "error_kind": None, "hint_template_key": None,
                             "hint": None, "error_text": None, "context": ep.seen[-1] if ep.seen else ep.messages})
@@ -228,6 +238,7 @@ class EpisodeHost:
         ep.reward_pending, ep.done = pending, done
         messages = observation_messages(obs, rules.label, rules.max_observation_chars)
         ep.messages += [{"role": "assistant", "content": text}, *messages]
+        ep.declared_success = meta["success"] if isinstance(meta.get("success"), bool) else None
         success = self._success(meta, ep.episode_return) if done and not pending else False
         error_kind = obs.error_kind
         if error_kind is None and not success and rules.default_error_kind and not meta.get("success"):
@@ -251,7 +262,8 @@ class EpisodeHost:
     def finish(self, episode_ids: list[str]) -> list[dict]:
         """Close episodes: per id, the environment's own record (`trajectory()`) and, for an episode
         whose reward comes late, that reward (`delayed_reward`, with its `success`) or why it was
-        dropped (`reward_dropped`)."""
+        dropped (`reward_dropped`); with a judge, the judged return (`judged_return`, with its
+        `success` and `judge_score`) or why the episode is dropped (`judge_failed`)."""
         eps = [(i, self.live.pop(i, None)) for i in episode_ids]
         results = self._run([lambda i=i, ep=ep: self._close_episode(i, ep) for i, ep in eps],
                             self.rules.reward_deadline_s + self.rules.step_timeout_s)
@@ -263,7 +275,50 @@ class EpisodeHost:
                            else {"record": {}})
             else:
                 out.append(result)
+        if self.judge is not None:
+            judged = [(ep, end) for (_, ep), end in zip(eps, out)
+                      if ep is not None and ep.seen and not ep.failed and "reward_dropped" not in end]
+            for (ep, end), update in zip(judged, self._judge([ep for ep, _ in judged])):
+                end.update(update)
         return out
+
+    def _judge(self, eps: list[_Live]) -> list[dict]:
+        """The judge's verdicts on finished episodes, judged concurrently: per episode its mixed
+        return (`judged_return`, `success`, `judge_score`), `judge_failed` with a line, or nothing
+        (a failed judgment under `on_failure: verifier`)."""
+        cfg = self.judge.cfg
+        items = []
+        for ep in eps:
+            task = "\n\n".join(m["content"] for m in ep.messages[:ep.opening])
+            transcript = ep.messages[ep.opening:]
+            answers = [m["content"] for m in transcript if m["role"] == "assistant"]
+            items.append((task, transcript, answers[-1] if answers else ""))
+        started = time.monotonic()
+        results = self.judge.score_many(items)
+        self.counts["judge/wait_s"] += time.monotonic() - started
+        out = []
+        for ep, result in zip(eps, results):
+            if result.ok:
+                total = mix(ep.episode_return, result.reward, cfg.weight)
+                declared = {} if ep.declared_success is None else {"success": ep.declared_success}
+                out.append({"judged_return": total, "judge_score": result.reward,
+                            "success": self._success(declared, total)})
+            elif cfg.on_failure == "verifier":
+                self.counts["judge/fallbacks"] += 1
+                out.append({})
+            else:
+                self.counts["judge/dropped"] += 1
+                out.append({"judge_failed": f"env {self.rules.label}: judge {cfg.endpoint.name}: "
+                                            f"{result.failure}: {result.detail}"})
+        return out
+
+    def counters(self) -> dict[str, float]:
+        """This process's counters (totals since the process started): the episodes', the source's
+        (e.g. its tools') and its judge's."""
+        judge = ({"judge/fallbacks": 0.0, "judge/dropped": 0.0, "judge/wait_s": 0.0, **self.judge.metrics()}
+                 if self.judge else {})
+        own = {**self.counts, **getattr(self.source, "counts", {})}  # the episodes' and the source's (its tools')
+        return {**judge, **{k: float(v) for k, v in own.items()}}
 
     def _close_episode(self, episode_id: str, ep: _Live | None) -> dict:
         if ep is None:
@@ -301,16 +356,14 @@ class EpisodeHost:
             time.sleep(wait)
             wait = min(wait * 2, 0.5)
 
-    def all_counts(self) -> dict[str, int]:
-        """This process's counters: the episodes' and the source's (e.g. its tools')."""
-        return {**self.counts, **getattr(self.source, "counts", {})}
-
     def close(self) -> None:
         for ep in self.live.values():
             _close(ep.env)
         self.live.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.source.close()
+        if self.judge is not None:
+            self.judge.close()
 
 
 def _close(env: Environment) -> None:

@@ -9,7 +9,7 @@ every episode.
   OpenEnv's WebSocket client or meshrl's remote client (`task.env.protocol`).
 
 `check_env_source` is the controller's check of a config before anything is spawned: the factory's
-module and name import, the URL answers its health check. Its errors are one line.
+module and name import, the URL answers its health check, a judge's server answers. Its errors are one line.
 """
 
 from __future__ import annotations
@@ -82,14 +82,31 @@ def _healthy(url: str, timeout_s: float) -> str | None:
     return None if r.status_code == 200 else f"/health answered {r.status_code}"
 
 
+def _reachable(url: str, timeout_s: float) -> str | None:
+    """None when a server answers at ``url`` (any HTTP status), else why not (one line)."""
+    import httpx
+
+    try:
+        httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def check_env_source(cfg: EnvTaskConfig, timeout_s: float = 10.0) -> None:
-    """Fail before anything spawns: the factory imports, or the URL's server answers."""
+    """Fail before anything spawns: the factory imports, or the URL's server answers; the judge's
+    server answers."""
     if cfg.factory is not None:
         import_factory(cfg)
     if cfg.url is not None:
         why = _healthy(cfg.url, timeout_s)
         if why is not None:
             raise EnvSourceError(f"task.env.url: no environment server answers at {cfg.url} ({why})")
+    if cfg.judge is not None:
+        url = cfg.judge.endpoint.base_url
+        why = _reachable(f"{url}/models", timeout_s)
+        if why is not None:
+            raise EnvSourceError(f"task.env.judge.endpoint.base_url: no judge server answers at {url} ({why})")
 
 
 def adapt(env: Any, label: str) -> Environment:

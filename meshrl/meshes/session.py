@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from meshrl.config.meshes import ENV, GENERATOR, LEARNER, REWARDER, MESH_NAMES
 from meshrl.config.run import RunConfig
+from meshrl.judges.judge import LOOP_GRACE_S
 from meshrl.meshes.client import MeshClient
 from meshrl.meshes.group import MeshDecl, MeshGroup
 from meshrl.meshes.local import prepare_environment
@@ -32,9 +33,12 @@ log = logging.getLogger("meshrl")
 
 
 def call_timeouts(cfg: RunConfig) -> dict[str, float]:
-    """The deadline of one call on each standard mesh, and `sync` for weight pulls."""
+    """The deadline of one call on each standard mesh, and `sync` for weight pulls. An env mesh
+    whose episodes are judged gets the judge's deadline on top (its `finish` waits for judgments)."""
+    judge = cfg.task.env.judge if cfg.task.kind == "env" and cfg.task.env is not None else None
+    env_s = cfg.rewarder.timeout_s + (judge.deadline_s + LOOP_GRACE_S if judge is not None else 0.0)
     return {GENERATOR: cfg.generator.generate_timeout_s, LEARNER: cfg.learner.call_timeout_s,
-            REWARDER: cfg.rewarder.timeout_s, ENV: cfg.rewarder.timeout_s, "sync": cfg.learner.call_timeout_s}
+            REWARDER: cfg.rewarder.timeout_s, ENV: env_s, "sync": cfg.learner.call_timeout_s}
 
 
 class MeshSession:
