@@ -13,7 +13,6 @@ boolean `success`; with a grader any JSON value is accepted (the grader reads it
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from typing import Any, Callable
 
 from meshrl.config.agent_task import AgentTaskConfig
 from meshrl.config.base import ConfigError
+from meshrl.envs.hosting import import_callable
 
 TAIL_BYTES = 64 << 10
 ENV_SPEC_BYTES = 32 << 10
@@ -49,18 +49,7 @@ class Outcome:
 
 def load_callable(spec: str, key: str, python_path: list[str]) -> Callable:
     """``package.module:fn`` imported after ``python_path``; AgentSourceError naming ``key``."""
-    for path in reversed(python_path):
-        path = os.path.abspath(path)
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except Exception as e:  # noqa: BLE001 - any import failure, in one line
-        raise AgentSourceError(f"{key}: cannot import module '{module}' ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise AgentSourceError(f"{key}: module '{module}' has no function '{name}'")
-    return fn
+    return import_callable(spec, key, python_path, error=AgentSourceError)
 
 
 def check_agent_source(cfg: AgentTaskConfig) -> None:

@@ -57,18 +57,25 @@ def _add_python_path(paths: list[str]) -> None:
             sys.path.insert(0, p)
 
 
-def import_factory(cfg: EnvTaskConfig) -> Callable[..., Any]:
-    """`task.env.factory` imported (after `task.env.python_path`); EnvSourceError in one line."""
-    _add_python_path(cfg.python_path)
-    module, _, name = cfg.factory.partition(":")
+def import_callable(spec: str, key: str, python_path: list[str], what: str = "function",
+                    error: type[ConfigError] = EnvSourceError) -> Callable[..., Any]:
+    """``package.module:name`` (the config's ``key``) imported after ``python_path``: the callable,
+    or ``error`` naming ``key`` in one line (also when the module raises as it is imported)."""
+    _add_python_path(python_path)
+    module, _, name = spec.partition(":")
     try:
         mod = importlib.import_module(module)
-    except ImportError as e:
-        raise EnvSourceError(f"task.env.factory: cannot import module '{module}' ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - any import failure, in one line
+        raise error(f"{key}: cannot import module '{module}' ({type(e).__name__}: {e})") from None
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise EnvSourceError(f"task.env.factory: module '{module}' has no class or function '{name}'")
+        raise error(f"{key}: module '{module}' has no {what} '{name}'")
     return fn
+
+
+def import_factory(cfg: EnvTaskConfig) -> Callable[..., Any]:
+    """`task.env.factory` imported (after `task.env.python_path`); EnvSourceError in one line."""
+    return import_callable(cfg.factory, "task.env.factory", cfg.python_path, "class or function")
 
 
 def _healthy(url: str, timeout_s: float) -> str | None:
@@ -271,9 +278,9 @@ class EnvTools:
         tcfg = cfg.tools or ToolsConfig()
         providers = []
         if tcfg.functions or tcfg.schemas:
-            _add_python_path(cfg.python_path)
             try:
-                providers.append(FunctionTools([_import_callable(f) for f in tcfg.functions], tcfg.schemas))
+                providers.append(FunctionTools([import_callable(f, "task.env.tools.functions", cfg.python_path)
+                                               for f in tcfg.functions], tcfg.schemas))
             except (TypeError, ValueError) as e:
                 raise EnvSourceError(f"task.env.tools: {e}") from None
         if tcfg.mcp is not None:
@@ -316,17 +323,6 @@ class EnvTools:
     def close(self) -> None:
         if self.mcp is not None:
             self.mcp.close()
-
-
-def _import_callable(path: str) -> Callable:
-    module, _, name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name, None)
-    except ImportError as e:
-        raise EnvSourceError(f"task.env.tools.functions: cannot import module '{module}' ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise EnvSourceError(f"task.env.tools.functions: module '{module}' has no function '{name}'")
-    return fn
 
 
 #: sessions an OpenEnv server started by meshrl accepts at once (one per live episode)
