@@ -364,7 +364,23 @@ def serve_abusive_neighbour(d: dict) -> str:
             f"{d['mesh_recoveries']}. Load average {d['load_average_1m_at_start']:.1f} at start, "
             f"{d['load_average_1m']:.1f} at the end (a shared machine: the figures are noisy).\n\n"
             + table(["quiet tenant", "requests", "p50", "p99", "p50 vs alone", "p99 vs alone"], rows)
-            + f"\n\nGoal: within {d['goal_ratio']:g}x of the quiet baseline.")
+            + f"\n\nGoal: within {d['goal_ratio']:g}x of the quiet baseline." + _before_abusive(d))
+
+
+def _before_abusive(d: dict) -> str:
+    """The same arm at an earlier commit, run just before on the same machine (``before``), if any."""
+    runs = d.get("before")
+    if not runs:
+        return ""
+    rows = [[f"{b['commit']} (before)", num(b["alone_p50_s"], 2, " s"), num(b["flooded_p50_s"], 2, " s"),
+             num(b["flooded_p99_s"], 2, " s"), num(b["p50_ratio"], 1, "x"), num(b["p99_ratio"], 1, "x"),
+             num(b["load_average_1m"], 1)] for b in runs]
+    rows.append([f"{d['commit']} (this)", num(d["alone_p50_s"], 2, " s"), num(d["flooded_p50_s"], 2, " s"),
+                 num(d["flooded_p99_s"], 2, " s"), num(d["p50_ratio"], 1, "x"), num(d["p99_ratio"], 1, "x"),
+                 num(d["load_average_1m"], 1)])
+    return ("\n\nAgainst an earlier commit, run back to back with this one on the same machine:\n\n"
+            + table(["commit", "alone p50", "flooded p50", "flooded p99", "p50 vs alone", "p99 vs alone",
+                     "load at the end"], rows))
 
 
 @renders("sandbox_throughput", "python benchmarks/sandbox_throughput.py", "Sandboxed executions, 16 at a time")

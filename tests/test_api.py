@@ -253,6 +253,33 @@ def test_a_version_switch_waits_for_the_running_requests(service):
     assert [s.tokens for s in done_short.sequences] == [s.tokens for s in short_alone]
 
 
+def test_an_owners_long_request_runs_in_chunks_and_another_owner_switches_in_between(service):
+    """An owner's request is sampled in chunks (`serve.limits.sample_chunk_tokens`): a long seeded
+    one gives the same tokens alone and beside another owner's request on another weight version,
+    which finishes first: the version switches between two of the long request's chunks."""
+    chunk = service.sampler.chunk_tokens
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=23, train_unembed=False)
+    client.forward_backward(_sl_data(seed=6), "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=5e-2)).result(timeout=120)
+    trained = client.save_weights_and_get_sampling_client("chunks")
+    base = service.create_sampling_client(base_model="tiny")
+    prompt, long_params = ModelInput.from_ints([3, 4, 5]), SamplingParams(max_tokens=6 * chunk, seed=9)
+    alone = base.sample(prompt, 2, long_params, include_prompt_logprobs=True, owner="a").result(timeout=300)
+    assert all(len(s.tokens) == 6 * chunk if s.stop_reason == "length" else len(s.tokens) <= 6 * chunk
+               for s in alone.sequences)
+    assert alone.prompt_logprobs[0] is None and len(alone.prompt_logprobs) == 3
+    finished = []
+    long = base.sample(prompt, 2, long_params, include_prompt_logprobs=True, owner="a")
+    long.add_done_callback(lambda _: finished.append("long"))
+    time.sleep(0.3)  # the long request is running its first chunks
+    short = trained.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1), owner="b")
+    short.add_done_callback(lambda _: finished.append("short"))
+    assert len(short.result(timeout=300).sequences[0].tokens) <= 2
+    among = long.result(timeout=300)
+    assert [s.tokens for s in among.sequences] == [s.tokens for s in alone.sequences]
+    assert finished == ["short", "long"]  # the other version did not wait for the whole long request
+
+
 def test_topk_target_and_alternative_prompt_logprobs_come_from_the_engine(service):
     sampler = service.create_sampling_client(base_model="tiny")
     tokens = [5, 17, 42, 9, 33, 8]

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from meshrl.api.errors import UserError
-from meshrl.api.sampler import PromptOptions, Sampler
+from meshrl.api.sampler import PromptOptions, Sampler, continuation_seed
 from meshrl.api.types import SamplingParams
-from meshrl.engines import Completion, Sampled
+from meshrl.engines import Completion, PromptScores, Sampled
 
 
 class Tokenizer:
@@ -172,4 +172,80 @@ def test_one_owners_backlog_delays_another_by_at_most_its_share():
     finally:
         for tag in range(20):
             backend.release(tag)
+        sampler.close()
+
+
+class CountingBackend(Backend):
+    """Samples token ``prompt[-1] + 1 + k`` at step k (logprob ``-k``, top-1 itself), stopping on
+    token 50; each call recorded as (first prompt token, prompt length, n, max_tokens, seed,
+    whether the prompt was scored, version held); a call whose first prompt token is gated waits
+    for its release, its continuations do not."""
+
+    def __init__(self, gated=()):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.gated = set(gated)
+
+    def sample(self, prompt, request, scoring) -> Sampled:
+        with self.lock:
+            self.calls.append((prompt[0], len(prompt), request.n, request.max_tokens, request.seed,
+                               scoring.logprobs, self.held))
+            gate = self.released.setdefault(prompt[0], threading.Event()) if prompt[0] in self.gated else None
+        if gate is not None:
+            assert gate.wait(timeout=10)
+            self.gated.discard(prompt[0])
+        completions = []
+        for j in range(request.n):
+            tokens = []
+            for k in range(request.max_tokens):
+                tokens.append(prompt[-1] + 1 + 3 * j + k)
+                if tokens[-1] == 50:
+                    break
+            completions.append(Completion(tokens, [-float(k) for k in range(len(tokens))],
+                                          "stop" if tokens[-1] == 50 else "length",
+                                          topk=([[t] for t in tokens], [[0.0]] * len(tokens))))
+        scores = PromptScores([-1.0] * (len(prompt) - 1)) if scoring.logprobs else None
+        return Sampled(completions, scores)
+
+
+def test_an_owners_long_request_runs_in_chunks_joined_into_one_response():
+    backend = CountingBackend()
+    sampler = Sampler(backend, per_owner=4, chunk_tokens=4)
+    try:
+        params = SamplingParams(max_tokens=10, seed=7)
+        out = sampler.submit(0, [1, 2], 2, params, PromptOptions(prompt_logprobs=True, topk_sample_logprobs=1),
+                             owner="a").result(timeout=10)
+        # sample 0: 3..12 (10 tokens, length); sample 1: 6..15 (10 tokens): both continued twice
+        assert [s.tokens for s in out.sequences] == [list(range(3, 13)), list(range(6, 16))]
+        assert [s.stop_reason for s in out.sequences] == ["length", "length"]
+        assert out.sequences[0].logprobs == [-0.0, -1.0, -2.0, -3.0] * 2 + [-0.0, -1.0]
+        assert [t for [(t, _)] in out.sequences[1].topk_logprobs] == list(range(6, 16))
+        assert out.prompt_logprobs == [None, -1.0]  # scored once, by the first chunk
+        seed_0, seed_1 = continuation_seed(7, 4), continuation_seed(8, 4)
+        assert sorted(backend.calls) == sorted([
+            (1, 2, 2, 4, 7, True, 0),  # both samples' first chunk, the prompt scored
+            (1, 6, 1, 4, seed_0, False, 0), (1, 6, 1, 4, seed_1, False, 0),  # each sample continued alone
+            (1, 10, 1, 2, continuation_seed(seed_0, 4), False, 0), (1, 10, 1, 2, continuation_seed(seed_1, 4), False, 0)])
+
+        stopped = sampler.submit(0, [40], 1, SamplingParams(max_tokens=20), owner="a").result(timeout=10)
+        assert stopped.sequences[0].tokens == list(range(41, 51)) and stopped.sequences[0].stop_reason == "stop"
+        whole = sampler.submit(0, [30], 1, SamplingParams(max_tokens=8)).result(timeout=10)  # no owner: one piece
+        assert whole.sequences[0].tokens == list(range(31, 39)) and backend.calls[-1][3] == 8
+    finally:
+        sampler.close()
+
+
+def test_another_owners_request_waits_for_one_chunk_not_for_a_whole_long_request():
+    backend = CountingBackend(gated=[1])
+    sampler = Sampler(backend, per_owner=4, chunk_tokens=4)
+    try:
+        long = sampler.submit(5, [1], 1, SamplingParams(max_tokens=12), owner="a")
+        wait_until(lambda: len(backend.calls) == 1)
+        quiet = sampler.submit(0, [20], 1, SamplingParams(max_tokens=2), owner="b")  # another version
+        backend.release(1)  # a's first chunk ends: b's version is loaded before a's request goes on
+        assert quiet.result(timeout=10).sequences[0].tokens == [21, 22]
+        assert long.result(timeout=10).sequences[0].tokens == list(range(2, 14))
+        assert [(c[0], c[1], c[6]) for c in backend.calls] == [(1, 1, 5), (20, 1, 0), (1, 5, 5), (1, 9, 5)]
+        assert [e for e in backend.events if e[0] == "hold"] == [("hold", 5), ("hold", 0), ("hold", 5)]
+    finally:
         sampler.close()

@@ -48,7 +48,8 @@ class ServiceClient:
         self.backend = MeshBackend(self.cfg, hosts)
         self.served = self.cfg.model.name_or_path
         self.root = checkpoint_root(self.cfg)
-        self.sampler = Sampler(self.backend, self.cfg.serve.limits.max_running_samples)
+        limits = self.cfg.serve.limits
+        self.sampler = Sampler(self.backend, limits.max_running_samples, limits.sample_chunk_tokens)
         self._ids = itertools.count()
         self._session = f"local{id(self):x}"
         self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version

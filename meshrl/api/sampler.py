@@ -11,15 +11,22 @@ thus never change under a running request, and no version waits forever behind a
 requests for another.
 
 Owners (the tenants of `meshrl serve` with a keys file; a request without one shares nothing)
-share the generators: at most ``per_owner`` requests of one owner run at once (the rest wait their turn, in arrival order, behind nobody else's), and when the
-generators switch versions the owners take turns choosing the version: the next load serves the
-first waiting request of another owner than the last one's. So one owner's backlog, on its own
-weight version or on everyone's, delays another's request by at most ``per_owner`` of its running
-requests, never by all of it.
+share the generators: at most ``per_owner`` requests of one owner run at once (the rest wait their
+turn, in arrival order, behind nobody else's), and when the generators switch versions the owners
+take turns choosing the version: the next load serves the first waiting request of another owner
+than the last one's. An owner's request runs in chunks of at most ``chunk_tokens`` sampled tokens
+(`serve.limits.sample_chunk_tokens`): a sample that reaches the end of a chunk is continued by a
+request of its own (the prompt and the tokens so far, the rest of ``max_tokens``), which waits
+like any other, ahead of its owner's new requests, and the pieces are joined into one response.
+So one owner's backlog, on its own weight version or on everyone's, delays another's request by
+at most one chunk of ``per_owner`` of its running requests, never by all of it, however long
+they are.
 
-Seeds: a request's `seed` seeds its own samples only (sample j of n draws with seed + j), so the
-same request with the same seed gives the same tokens whether it runs alone or among others (up to
-the engine's batch-size-dependent float rounding, which can flip a near-tie).
+Seeds: a request's `seed` seeds its own samples only (sample j of n draws with seed + j; the
+continuation of a sample at offset k draws with `continuation_seed`, the chunks' offsets fixed by
+``chunk_tokens`` whatever the load), so the same request with the same seed gives the same tokens
+whether it runs alone or among others (up to the engine's batch-size-dependent float rounding,
+which can flip a near-tie).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import math
 import threading
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -82,10 +89,13 @@ class _Request:
 class Sampler:
     """Admits sampling requests to the generators version by version (see the module)."""
 
-    def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT):
+    def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT, chunk_tokens: int | None = None):
         self.backend = backend
         self.per_owner = per_owner
         """Most requests of one owner running at once (`serve.limits.max_running_samples`)."""
+        self.chunk_tokens = chunk_tokens
+        """Most tokens an owner's request samples before its samples are continued by requests of
+        their own (`serve.limits.sample_chunk_tokens`; None: in one piece)."""
         self._lock = threading.Lock()
         self._held: int | None = None  # the version the generators hold
         self._in_flight = 0
@@ -180,10 +190,14 @@ class Sampler:
     def _run(self, request: _Request) -> None:
         try:
             response = self._sample(request)
+            continued = self._continue(request, response)
         except BaseException as e:  # noqa: BLE001 - the caller's future gets the failure
             request.future.set_exception(e)
         else:
-            request.future.set_result(response)
+            if continued:
+                _join(request.future, response, continued)
+            else:
+                request.future.set_result(response)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -192,10 +206,36 @@ class Sampler:
                     self._start_waiting()
                 self._switch_when_drained()
 
+    def _chunk(self, request: _Request) -> int:
+        """The tokens ``request``'s engine call samples: all of them, or an owner's first chunk."""
+        tokens = request.max_tokens(self.backend.cfg.model.max_model_len)
+        return tokens if request.owner is None or self.chunk_tokens is None else min(tokens, self.chunk_tokens)
+
+    def _continue(self, request: _Request, response: SampleResponse) -> dict[int, Future]:
+        """Queue a continuation of each sample of ``response`` that filled its chunk and has tokens
+        left, ahead of the owner's new requests; their futures, by sample index."""
+        chunk, total = self._chunk(request), request.max_tokens(self.backend.cfg.model.max_model_len)
+        if chunk == total:
+            return {}
+        p = request.params
+        continuations = {}
+        for j, seq in enumerate(response.sequences):
+            if seq.stop_reason == "length" and len(seq.tokens) == chunk:
+                seed = None if p.seed is None else continuation_seed(p.seed + j, chunk)
+                continuations[j] = _Request(request.version, request.prompt + list(seq.tokens), 1,
+                                            replace(p, max_tokens=total - chunk, seed=seed),
+                                            PromptOptions(topk_sample_logprobs=request.options.topk_sample_logprobs),
+                                            request.owner)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(CLOSED)
+            self._waiting.extendleft(reversed(continuations.values()))
+        return {j: c.future for j, c in continuations.items()}
+
     def _sample(self, request: _Request) -> SampleResponse:
         p, o = request.params, request.options
         engine_request = SampleRequest(
-            n=request.num_samples, max_tokens=request.max_tokens(self.backend.cfg.model.max_model_len),
+            n=request.num_samples, max_tokens=self._chunk(request),
             temperature=p.temperature, top_p=p.top_p, stop_token_ids=_stop_ids(p.stop, self.backend.tokenizer),
             seed=p.seed, topk=o.topk_sample_logprobs)
         scoring = PromptScoring(logprobs=o.prompt_logprobs, topk=o.topk_prompt_logprobs,
@@ -212,6 +252,37 @@ class Sampler:
         for request in waiting:
             request.future.set_exception(RuntimeError(CLOSED))
         self._pool.shutdown(wait=False)
+
+
+def continuation_seed(seed: int, offset: int) -> int:
+    """The seed of the continuation, at ``offset`` sampled tokens, of a sample drawn with ``seed``."""
+    return (seed * 1_000_003 + offset) % SEED_LIMIT
+
+
+def _join(future: Future, first: SampleResponse, continued: dict[int, Future]) -> None:
+    """Settle ``future`` with ``first``, each continued sample followed by its continuation's,
+    once every continuation is done (with the first failure, if one fails)."""
+    left = [len(continued)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            for j, part in continued.items():
+                head, tail = first.sequences[j], part.result().sequences[0]
+                topk = None if head.topk_logprobs is None else head.topk_logprobs + (tail.topk_logprobs or [])
+                first.sequences[j] = SampledSequence(tail.stop_reason, head.tokens + tail.tokens,
+                                                     head.logprobs + tail.logprobs, topk)
+        except BaseException as e:  # noqa: BLE001 - the caller's future gets the failure
+            future.set_exception(e)
+        else:
+            future.set_result(first)
+
+    for part in continued.values():
+        part.add_done_callback(done)
 
 
 def _response(sampled: Sampled, options: PromptOptions) -> SampleResponse:

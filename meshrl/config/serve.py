@@ -90,7 +90,16 @@ class ServeLimits(Section):
     max_running_samples: int = Field(8, ge=1)
     """Most sample requests of one tenant running in the generators at once; its others wait in
     the sampler's queue and start as its running ones finish, behind no other tenant's. Another
-    tenant's request, on the same weight version or another, waits for at most this many of them."""
+    tenant's request, on the same weight version or another, waits for at most this many of them
+    (one chunk of each: `sample_chunk_tokens`)."""
+
+    sample_chunk_tokens: int = Field(32, ge=1)
+    """Most tokens a tenant's sample request generates in one piece: a sample that reaches this
+    many is continued by a request of its own (the prompt and its tokens so far), which waits its
+    turn like any other. So another tenant's request, above all one on another weight version,
+    waits for at most this many tokens of the requests running, however long they are; fewer
+    tokens cost more prefill per sample. Seeded samples stay reproducible (the chunks' offsets do
+    not depend on the load); with `serve.keys_file` only (an open server's requests run whole)."""
 
     max_pending_training: int = Field(64, ge=1)
     """Most training requests (`forward_backward`, `optim_step`, saves and loads) of one tenant

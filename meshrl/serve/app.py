@@ -20,7 +20,9 @@ runs. Without a keys file the server says at start that it runs open.
 
 Limits (`limits`, `serve.limits`): every body is read up to its size limit (and inflated up to
 its own), and every request is checked against the limits before any work is done for it; a
-tenant's sampling and training work in flight is held to its quotas.
+tenant's sampling and training work in flight is held to its quotas, and the tenants take turns
+at the learner (`turns`: one training call at a time, round-robin between tenants) and at the
+generators (meshrl.api.sampler).
 
 Errors: a request the SDK polls for fails through its future as ``{"error", "category"}``
 (`user` for a bad request, `server` otherwise); a direct call answers 400 (user; 413 for a body
@@ -59,6 +61,7 @@ from meshrl.serve.sampling import Sampler, Samplers
 from meshrl.serve.tenants import (CHECKPOINT_PREFIX, OPEN_TENANT, REQUEST_ID_FIELD, AccessDenied, Forbidden, Keys,
                                   load_keys, resources, session_of)
 from meshrl.serve.training import LoraSpec, SavedCheckpoint, TrainingModels
+from meshrl.serve.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +172,7 @@ class TinkerServer:
         self.futures = FutureStore(loop, cfg.result_ttl_s, cfg.request_timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="serve-pool")
         self.training = TrainingModels(service, catalogue, self.futures, cfg.seq_gap_timeout_s,
-                                       cfg.tokenizer or service.tokenizer_id())
+                                       cfg.tokenizer or service.tokenizer_id(), Turns(loop, cfg.request_timeout_s))
         self.samplers = Samplers(service, catalogue, self.futures, self.pool, cfg.request_timeout_s,
                                  cfg.limits.max_tensor_elements)
         self.sessions: dict[str, _Session] = {}
@@ -250,7 +253,8 @@ class TinkerServer:
         self._room_for_a_model(session.tenant, req.session_id, req.model_seq_id)
         spec = LoraSpec(req.base_model, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed,
                         optimizer)
-        request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec, req.user_metadata)
+        request_id, model_id = self.training.create(req.session_id, req.model_seq_id, spec, req.user_metadata,
+                                                    session.tenant)
         return _future(request_id, model_id=model_id)
 
     def forward_backward(self, msg: Any) -> dict:
@@ -328,10 +332,11 @@ class TinkerServer:
             if req.session_id is None or req.model_seq_id is None:
                 raise UserError("load_weights: needs model_id, or session_id with model_seq_id")
             limits.metadata("load_weights: user_metadata", req.user_metadata, self.limits)
-            self._room_for_a_model(self.session(req.session_id).tenant, req.session_id, req.model_seq_id)
+            tenant = self.session(req.session_id).tenant
+            self._room_for_a_model(tenant, req.session_id, req.model_seq_id)
             return _future(self.training.create_from_checkpoint(req.session_id, req.model_seq_id, req.path,
                                                                 req.optimizer, req.base_model, req.user_metadata,
-                                                                optimizer))
+                                                                optimizer, tenant))
 
         def run(client: Any) -> Future:
             _load_options_served(req)

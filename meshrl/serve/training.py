@@ -3,9 +3,11 @@
 A model is created by `create_model` (a LoRA adapter on a served model) or by `load_weights` with
 a session and model number (a training client made from a checkpoint). Its id is
 `{session_id}:train:{model_seq_id}`, the form the SDK derives itself. Each model's requests go
-through a `SeqOrder` (`seq_id` order) and then a single-thread worker that makes the backend calls,
-so the backend receives them in order and the event loop never blocks on a backend call. A request
-retried with a `seq_id` already seen gets the first attempt's request id.
+through a `SeqOrder` (`seq_id` order), then wait their tenant's turn (`Turns`: one training call
+at a time, the tenants in rotation, so no tenant's backlog delays another's call by more than one
+call), and then a single-thread worker makes the backend call, so the backend receives them in
+order and the event loop never blocks on a backend call. A request retried with a `seq_id`
+already seen gets the first attempt's request id.
 
 Checkpoints saved through the server are remembered with the LoRA settings of the model that
 saved them: a training client can be created from one of those (a checkpoint from elsewhere does
@@ -25,6 +27,7 @@ from meshrl.api.errors import UserError
 from meshrl.serve.catalogue import ModelCatalogue
 from meshrl.serve.futures import FailedResult, FutureStore, JsonResult, Outcome, failure, run_on
 from meshrl.serve.ordering import SeqOrder
+from meshrl.serve.turns import Turns
 from meshrl.training.optimizers import ADAMW
 
 # request ids kept per model for retried requests (a retry comes right after its first attempt)
@@ -91,10 +94,12 @@ class SavedCheckpoint:
 class TrainingModel:
     """One backend training client, its ordered request queue and the worker that calls it."""
 
-    def __init__(self, model_id: str, session_id: str, spec: LoraSpec, gap_timeout_s: float):
+    def __init__(self, model_id: str, session_id: str, spec: LoraSpec, gap_timeout_s: float, owner: str | None):
         self.model_id = model_id
         self.session_id = session_id
         self.spec = spec
+        self.owner = owner
+        """The tenant whose turns the model's calls take (None: the one tenant of an open server)."""
         self.client: Any = None  # the backend TrainingClient, once created
         self.order = SeqOrder(model_id, gap_timeout_s)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"serve-{model_id}")
@@ -121,8 +126,9 @@ class TrainingModels:
     """Every training model of the server, by model id."""
 
     def __init__(self, service: Any, catalogue: ModelCatalogue, futures: FutureStore, gap_timeout_s: float,
-                 tokenizer: str | None):
+                 tokenizer: str | None, turns: Turns):
         self._service = service
+        self._turns = turns
         self._tokenizer = tokenizer
         self._catalogue = catalogue
         self._futures = futures
@@ -133,15 +139,15 @@ class TrainingModels:
         self.checkpoints: dict[str, SavedCheckpoint] = {}  # tinker:// path -> its record
 
     def create(self, session_id: str, model_seq_id: int, spec: LoraSpec,
-               user_metadata: dict[str, str] | None = None) -> tuple[str, str]:
-        """Start creating a LoRA training model; (request id, model id)."""
+               user_metadata: dict[str, str] | None = None, owner: str | None = None) -> tuple[str, str]:
+        """Start creating a LoRA training model of tenant ``owner``; (request id, model id)."""
         return self._create(session_id, model_seq_id, spec, None,
                             lambda model_id: JsonResult({"model_id": model_id, "type": "create_model"}),
-                            user_metadata)
+                            user_metadata, owner)
 
     def create_from_checkpoint(self, session_id: str, model_seq_id: int, path: str, with_optimizer: bool,
                                base_model: str | None, user_metadata: dict[str, str] | None = None,
-                               optimizer: str | None = None) -> str:
+                               optimizer: str | None = None, owner: str | None = None) -> str:
         """Start creating a training model loaded from a checkpoint this server saved; request id.
         With the optimizer it is the checkpoint's; without, ``optimizer`` (default AdamW) starts fresh."""
         saved = self.checkpoints.get(path)
@@ -159,13 +165,14 @@ class TrainingModels:
             return client.load_state_with_optimizer(path) if with_optimizer else client.load_state(path)
 
         request_id, _ = self._create(session_id, model_seq_id, spec, load, lambda model_id: JsonResult(
-            {"path": path, "model_id": model_id, "type": "load_weights"}), user_metadata)
+            {"path": path, "model_id": model_id, "type": "load_weights"}), user_metadata, owner)
         return request_id
 
     def _create(self, session_id: str, model_seq_id: int, spec: LoraSpec, first: Operation | None,
-                encode: Callable[[str], Outcome], user_metadata: dict[str, str] | None) -> tuple[str, str]:
-        """Create a model's backend client on its worker, then run ``first`` on it (if given); the
-        request id answers ``encode(model_id)`` once both are done."""
+                encode: Callable[[str], Outcome], user_metadata: dict[str, str] | None,
+                owner: str | None) -> tuple[str, str]:
+        """Create a model's backend client on its worker in ``owner``'s turn, then run ``first`` on
+        it (if given); the request id answers ``encode(model_id)`` once both are done."""
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self._creations:  # a retried request
             return self._creations[model_id], model_id
@@ -175,7 +182,7 @@ class TrainingModels:
         except UserError as exc:
             self._futures.settle(request_id, failure(exc))
             return request_id, model_id
-        model = self._models[model_id] = TrainingModel(model_id, session_id, spec, self._gap_timeout_s)
+        model = self._models[model_id] = TrainingModel(model_id, session_id, spec, self._gap_timeout_s, owner)
         self.runs[model_id] = TrainingRun(model_id, session_id, spec, user_metadata)
 
         def create() -> Future:
@@ -189,7 +196,16 @@ class TrainingModels:
             created.set_result(None)
             return created
 
-        self._futures.track(request_id, run_on(model.worker, create), lambda _: encode(model_id))
+        def start() -> Future | None:
+            try:
+                future = run_on(model.worker, create)
+            except RuntimeError:  # the session finished before the creation's turn came
+                self._futures.settle(request_id, FailedResult(f"{model_id} was closed before it was created", "user"))
+                return None
+            self._futures.track(request_id, future, lambda _: encode(model_id))
+            return future
+
+        self._turns.add(owner, start)
         return request_id, model_id
 
     def model(self, model_id: str) -> TrainingModel:
@@ -228,20 +244,21 @@ class TrainingModels:
         if len(model.requests) > _REMEMBERED_SEQ_IDS:  # only a recent request can be retried
             del model.requests[next(iter(model.requests))]
 
-        def start() -> None:
+        def start() -> Future | None:
             try:
                 future = run_on(model.worker, lambda: operation(model.created_client()))
             except RuntimeError:  # the model was closed meanwhile: its worker takes nothing more
-                release()
-                raise
+                fail(f"{model_id} was closed before seq_id {seq_id} ran", "user")
+                return None
             future.add_done_callback(lambda _: release())
             self._futures.track(request_id, future, encode)
+            return future
 
-        def fail(reason: str) -> None:
+        def fail(reason: str, category: str = "server") -> None:
             release()
-            self._futures.settle(request_id, FailedResult(reason, "server"))
+            self._futures.settle(request_id, FailedResult(reason, category))
 
-        model.order.arrive(seq_id, start, fail)
+        model.order.arrive(seq_id, lambda: self._turns.add(model.owner, start), fail)
         return request_id
 
     def remember_checkpoint(self, model_id: str, path: str, ttl_seconds: int | None = None,

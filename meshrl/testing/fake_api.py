@@ -15,7 +15,8 @@ logprobs, its gradient d loss / d w by autograd. A client created with ``optimiz
 optimizer, the step count and a momentum). Each training client executes its calls on one worker thread in submission
 order, and every executed call is appended to `FakeService.calls` as
 ``(model_id, operation, first token of each datum)`` so tests can check the order the server
-kept; `FakeService.delay_s` makes every training call take that long.
+kept; `FakeService.delay_s` makes every training call take that long, and a training call that has
+been recorded waits while `FakeService.gate` is cleared (tests hold the backend busy with it).
 
 Samplers generate, for sample ``j`` of a prompt ending in token ``p``, the tokens
 ``p + 3 j + 1, p + 3 j + 2, ...`` (mod 1000) up to ``max_tokens`` (8 when unset), stopping early at
@@ -53,6 +54,8 @@ LOSS_INPUTS = {"cross_entropy": ("weights",), "importance_sampling": ("logprobs"
                "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
                "stable_reinforce": ("logprobs", "advantages", "mask")}
 DEFAULT_MAX_TOKENS = 8
+GATE_TIMEOUT_S = 60.0
+"""Longest a training call waits for a closed `FakeService.gate`."""
 
 
 def fake_logprobs(tokens: list[int] | torch.Tensor, w: float) -> torch.Tensor:
@@ -91,6 +94,8 @@ class FakeTrainingClient:
         def logged() -> Any:
             tags = tuple(d.model_input.to_ints()[0] for d in data) if data else ()
             self._service.record(self.model_id, operation, tags)
+            if not self._service.gate.wait(GATE_TIMEOUT_S):
+                raise TimeoutError(f"{operation}: FakeService.gate stayed closed for {GATE_TIMEOUT_S:g} s")
             time.sleep(self._service.delay_s)
             return call()
         return self._worker.submit(logged)
@@ -273,6 +278,8 @@ class FakeService:
         self.sampler_weights: dict[str, float] = {}
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []
         self.delay_s = 0.0  # how long each training call takes (tests of slow operations set it)
+        self.gate = threading.Event()  # training calls wait while it is cleared
+        self.gate.set()
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fake-sampler")
         self._lock = threading.Lock()
 
