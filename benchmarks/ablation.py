@@ -46,7 +46,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RUN_FILES = ROOT / "benchmarks" / "results" / "ablation"
+RESULTS = ROOT / "benchmarks" / "results"
+ROUNDS = {"": "the first round (the channels as they were: a learner pass per term)",
+          "per-second": "the round of the shared learner pass (every term's datums in one forward/backward)"}
+"""A round of the ablation -> what it measured. Each round keeps its run files in
+benchmarks/results/ablation[-<round>]/ and its summary in ablation[-<round>].json/.png, so a later
+round never overwrites the runs an earlier one made (the earlier round is the "before")."""
+FIRST_ROUND = {"replay": ["replay.beta=0.1"], "full": ["replay.beta=0.1"]}
+"""config -> the first round's settings that the config has since changed (replay's weight is
+0.03 there now, the better setting that round found), so that that round's arms still run as they
+did (an arm's own overrides come after these)."""
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 
@@ -122,8 +131,10 @@ def settings(task: str, args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "eval_every": args.eval_every, "eval_size": args.eval_size}
 
 
-def command(arm: str, task: str, seed: int, s: dict) -> list[str]:
+def command(arm: str, task: str, seed: int, s: dict, round_: str = "") -> list[str]:
     config, extra = ARMS[arm]
+    if not round_:
+        extra = [*FIRST_ROUND.get(config, []), *extra]
     size = f"task.code.heldout_limit={s['eval_size']}" if task == "code" else f"trainer.eval.size={s['eval_size']}"
     overrides = [f"trainer.seed={seed}", f"generator.seed={seed}", *TASK_OVERRIDES[task], size, *extra]
     if task == "code" and teacher_kind(arm):
@@ -188,13 +199,18 @@ def summarise(arm: str, task: str, seed: int, s: dict) -> dict:
     }
 
 
-def run_file(key: tuple) -> Path:
-    return RUN_FILES / f"{run_name(*key)}.json"
+def round_name(round_: str) -> str:
+    """The result name of an ablation round: ``ablation`` or ``ablation-<round>``."""
+    return f"ablation-{round_}" if round_ else "ablation"
 
 
-def recorded(key: tuple, s: dict) -> dict | None:
-    """The run's file if it exists with settings ``s``."""
-    path = run_file(key)
+def run_file(key: tuple, round_: str) -> Path:
+    return RESULTS / round_name(round_) / f"{run_name(*key)}.json"
+
+
+def recorded(key: tuple, s: dict, round_: str) -> dict | None:
+    """The run's file in ``round_`` if it exists with settings ``s``."""
+    path = run_file(key, round_)
     if not path.exists():
         return None
     run = json.loads(path.read_text())
@@ -280,9 +296,13 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="run the planned arms even where a run file exists")
     parser.add_argument("--report-only", action="store_true", help="rebuild ablation.json/.png, run nothing")
     parser.add_argument("--commit", action="store_true", help="git-commit each run's file as it is written")
+    parser.add_argument("--round", default="", choices=tuple(ROUNDS),
+                        help="the round the runs belong to (its own run files and summary); " +
+                        "; ".join(f"{k or 'the default'}: {v}" for k, v in ROUNDS.items()))
     args = parser.parse_args()
+    run_files = RESULTS / round_name(args.round)
 
-    todo = [k for k in plan(args) if args.rerun or recorded(k, settings(k[1], args)) is None]
+    todo = [k for k in plan(args) if args.rerun or recorded(k, settings(k[1], args), args.round) is None]
     print(f"{len(todo)} runs to go: {[run_name(*k) for k in todo]}", flush=True)
     if args.report_only:
         todo = []
@@ -292,7 +312,7 @@ def main() -> None:
         served: dict = {}
         with teachers(arm, task, args, served), LoadSampler() as load:
             started = time.perf_counter()
-            cmd = command(arm, task, seed, s)
+            cmd = command(arm, task, seed, s, args.round)
             print("$", " ".join(cmd), flush=True)
             code = subprocess.run(cmd, cwd=ROOT).returncode
             wall = time.perf_counter() - started
@@ -302,17 +322,17 @@ def main() -> None:
         run = {**summarise(arm, task, seed, s), "wall_s": wall, "command": " ".join(cmd[2:]), **served,
                **{k: v for k, v in provenance().items() if k != "load_average_1m"},
                "load_1m": {"mean": sum(load.samples) / max(len(load.samples), 1), "max": max(load.samples, default=0.0)}}
-        RUN_FILES.mkdir(parents=True, exist_ok=True)
-        run_file(key).write_text(json.dumps(run, indent=1) + "\n")
+        run_files.mkdir(parents=True, exist_ok=True)
+        run_file(key, args.round).write_text(json.dumps(run, indent=1) + "\n")
         # the run file holds what the ablation needs; a run's two checkpoints (~3.3 GB with the
         # optimizer state) would fill the disk over the 30 planned runs
         shutil.rmtree(ROOT / RUNS / run_name(*key) / "checkpoints", ignore_errors=True)
-        written = [*write_summary(RUN_FILES), *render_tables()]
+        written = [*write_summary(run_files, round_name(args.round)), *render_tables()]
         if args.commit:
-            commit([run_file(key), *written], f"Ablation run {run_name(*key)}: {len(run['evals'])} evals, "
+            commit([run_file(key, args.round), *written], f"Ablation run {run_name(*key)}: {len(run['evals'])} evals, "
                    f"last {100 * run['evals'][-1]['accuracy']:.1f}%, {run['mean_step_s']:.1f} s/step")
     if not todo:  # each run rebuilt (and with --commit committed) the summary as it ended
-        written = [*write_summary(RUN_FILES), *render_tables()]
+        written = [*write_summary(run_files, round_name(args.round)), *render_tables()]
         print("wrote", ", ".join(str(p.relative_to(ROOT)) for p in written))
 
 

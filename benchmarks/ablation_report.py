@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 SETTINGS = ("steps", "eval_every", "eval_size")
 
-from benchmarks.ablation import ARMS, MAIN_ARMS  # noqa: E402 (the repository root is on sys.path above)
+from benchmarks.ablation import ARMS, MAIN_ARMS, ROUNDS, round_name  # noqa: E402 (the repository root is on sys.path above)
 
 
 def spread(values: list[float]) -> dict:
@@ -173,8 +173,9 @@ def plot(tasks: dict, out: Path, runs: list[dict]) -> None:
     plt.close(fig)
 
 
-def write_summary(run_files: Path) -> list[Path]:
-    """Rebuild ablation.json and ablation.png from the run files; the paths written."""
+def write_summary(run_files: Path, name: str = "ablation") -> list[Path]:
+    """Rebuild ``name``.json and ``name``.png (a round of the ablation: benchmarks/ablation.py
+    `ROUNDS`) from the run files in ``run_files``; the paths written."""
     from benchmarks.common import write_result
 
     runs = [json.loads(p.read_text()) for p in sorted(run_files.glob("*.json"))]
@@ -183,11 +184,13 @@ def write_summary(run_files: Path) -> list[Path]:
     tasks = summarise(runs)
     index = [{"run": f"{r['arm']}-{r['task']}-s{r['seed']}", "commit": r["commit"], "date": r["date"],
               "load_1m_mean": r["load_1m"]["mean"], "faults": r["faults"]} for r in runs]
-    path = write_result("ablation", {"tasks": tasks, "runs": index})
-    plot(tasks, RESULTS / "ablation.png", runs)
-    return [path, RESULTS / "ablation.png"]
+    path = write_result(name, {"tasks": tasks, "runs": index})
+    plot(tasks, RESULTS / f"{name}.png", runs)
+    return [path, RESULTS / f"{name}.png"]
 
 
 if __name__ == "__main__":
-    for written in write_summary(RESULTS / "ablation"):
-        print("wrote", written)
+    for round_ in ROUNDS:
+        if (RESULTS / round_name(round_)).is_dir():
+            for written in write_summary(RESULTS / round_name(round_), round_name(round_)):
+                print("wrote", written)

@@ -58,6 +58,22 @@ def test_commands_select_the_arms_config_task_and_seed():
         assert (ROOT / "configs" / f"ablation-{config}.yaml").exists(), arm
 
 
+def test_the_first_round_runs_replay_at_the_weight_it_used_and_later_rounds_at_the_configs():
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+
+    def beta(cmd):
+        overrides = cmd[cmd.index("-c") + 2:]
+        return load_config(RunConfig, cmd[cmd.index("-c") + 1], [o for o in overrides if "=" in o]).replay.beta
+
+    s = ablation.settings("arithmetic", _args())
+    assert beta(ablation.command("full", "arithmetic", 0, s)) == 0.1
+    assert beta(ablation.command("replay-e0", "arithmetic", 0, s)) == 0.1
+    assert beta(ablation.command("replay-b0.3", "arithmetic", 0, s)) == 0.3  # the arm's own setting wins
+    assert beta(ablation.command("full", "arithmetic", 0, s, "per-second")) == 0.03
+    assert beta(ablation.command("replay", "arithmetic", 0, s, "per-second")) == 0.03
+
+
 def test_a_sweep_arm_gets_the_teachers_of_its_config():
     assert ablation.teacher_kind("replay-b1.0") == ablation.teacher_kind("replay") == "oracle"
     assert ablation.teacher_kind("replay-student") == "student"
@@ -93,14 +109,20 @@ def test_the_hint_arms_load_their_templates_through_the_config():
     assert "36" in render_hint(default, "math.wrong_answer", fields)
 
 
-def test_a_run_file_counts_only_with_the_same_settings(tmp_path, monkeypatch):
-    monkeypatch.setattr(ablation, "RUN_FILES", tmp_path)
+def test_a_run_file_counts_only_with_the_same_settings_in_its_own_round(tmp_path, monkeypatch):
+    monkeypatch.setattr(ablation, "RESULTS", tmp_path)
     key = ("baseline", "arithmetic", 0)
     s = ablation.settings("arithmetic", _args())
-    assert ablation.recorded(key, s) is None
-    ablation.run_file(key).write_text(json.dumps({"arm": "baseline", **s}))
-    assert ablation.recorded(key, s)["arm"] == "baseline"
-    assert ablation.recorded(key, {**s, "steps": 32}) is None
+    assert ablation.recorded(key, s, "") is None
+    path = ablation.run_file(key, "")
+    assert path == tmp_path / "ablation" / "ablation-baseline-arithmetic-s0.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"arm": "baseline", **s}))
+    assert ablation.recorded(key, s, "")["arm"] == "baseline"
+    assert ablation.recorded(key, {**s, "steps": 32}, "") is None
+    # a later round keeps its own runs: the first round's file does not count there
+    assert ablation.run_file(key, "per-second") == tmp_path / "ablation-per-second" / "ablation-baseline-arithmetic-s0.json"
+    assert ablation.recorded(key, s, "per-second") is None
 
 
 def _run(arm, seed, step_s, accuracies, steps=8, every=4):
@@ -151,3 +173,19 @@ def test_the_summary_files_are_written_from_the_run_files(tmp_path, monkeypatch)
     summary = json.loads((tmp_path / "ablation.json").read_text())
     assert set(summary["tasks"]["arithmetic"]["arms"]) == {"baseline", "full"} and len(summary["runs"]) == 4
     assert written[1].stat().st_size > 10_000  # the PNG
+
+
+def test_the_per_second_round_bounds_the_full_steps_mean_time_and_every_seeds():
+    def arm(*fracs):
+        return {"reach_baseline_final": [{"seed": i, "steps_frac": 0.9, "train_s_frac": f} for i, f in enumerate(fracs)]}
+
+    def verdict(name, *fracs):
+        return tables._reach(name, arm(*fracs), tables.PER_SECOND_TARGETS, tables.PER_SECOND_FULL_MEAN)
+
+    assert verdict("full", 0.7, 0.7).endswith("(meets the target)")
+    assert verdict("full", 0.8, 0.8).endswith("(misses the target)")  # each seed within 0.9, the mean above 0.75
+    assert verdict("full", 0.5, 0.95).endswith("(misses the target)")  # the mean within, one seed above 0.9
+    assert verdict("sdpo", 1.0, 0.4).endswith("(meets the target)")  # no step bound in this round
+    assert verdict("replay", 1.05, 0.4).endswith("(misses the target)")
+    assert tables._reach("full", {"reach_baseline_final": [None]}, tables.PER_SECOND_TARGETS, 0.75) == \
+        "never (misses the target)"
