@@ -235,6 +235,21 @@ def abusive_neighbour(url: str, model: str, prompt, args) -> dict:
             "flood_requests_given_up": gave_up}
 
 
+SWITCH = re.compile(r"generators hold weight version \d+ after ([\d.]+) s \(per replica: pull ([\d./]+) s, "
+                    r"load ([\d./]+) s\)")
+
+
+def switches(log: str) -> dict:
+    """The server's weight-version loads on the generators (logged by meshrl.api.backend): how
+    many, and their mean seconds in all, pulling and loading (summed over replicas)."""
+    found = [(float(total), sum(map(float, pull.split("/"))), sum(map(float, load.split("/"))))
+             for total, pull, load in SWITCH.findall(log)]
+    if not found:
+        return {"count": 0}
+    return {"count": len(found), **{f"mean_{name}_s": statistics.fmean(f[i] for f in found)
+                                    for i, name in enumerate(("total", "pull", "load"))}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/serve.yaml")
@@ -283,6 +298,7 @@ def main() -> None:
         result.update(model=model, prompt_tokens=len(ids), overrides=args.override,
                       refusals_for_quota=len(re.findall("serve.limits.max_pending_samples", text)),
                       mesh_recoveries=len(re.findall("recovering mesh", text)),
+                      version_switches=switches(text),
                       load_average_1m_at_start=load_at_start, load_average_1m=os.getloadavg()[0])
         print(f"quiet tenant: alone p50 {result['alone_p50_s']:.2f} s / p99 {result['alone_p99_s']:.2f} s; while "
               f"flooded p50 {result['flooded_p50_s']:.2f} s / p99 {result['flooded_p99_s']:.2f} s "

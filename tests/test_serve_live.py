@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ALIAS = "Qwen/Qwen3-4B-Instruct-2507"
 KEY, OTHER_KEY = "tml-test", "tml-other-tenant-3c9e"
 SERVE_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
-              "learner.autocast_bf16=false", "weight_sync.keep_versions=8", "weight_sync.max_arenas=10"]
+              "learner.autocast_bf16=false", "weight_sync.keep_versions=8", "weight_sync.max_arenas=10",
+              "serve.limits.max_decompressed_bytes=4194304", "serve.limits.max_custom_loss_elements=10000"]
 
 
 class Server:
@@ -308,6 +309,67 @@ def test_a_hostile_tenant_restarts_nothing_and_the_other_keeps_working(service, 
             pass
         assert outcome.json()["category"] == "user"
         assert "serve.limits.max_tensor_elements" in outcome.json()["error"]
+        still_served()
+    finally:
+        hostile.close("success").result(timeout=120)
+    assert server.log.read_text().count("recovering mesh") == recoveries  # no restart
+    assert server.proc.poll() is None
+
+
+def test_a_hostile_tenants_bombs_names_metadata_and_losses_are_refused_and_restart_nothing(service, server):
+    """The rest of what a hostile tenant sends, on real meshes: a zstd bomb naming its own model
+    (refused while inflating) and one naming this tenant's (refused before inflating), checkpoint
+    names that climb out of their folder, oversized metadata, broken JSON, and a custom loss that
+    grows as tokens to the fourth power (refused from its shapes before it runs, in forward and in
+    forward_backward). Each is a one-line 4xx or `user` error; this tenant trains and samples
+    between them; no mesh restarts."""
+    import zstandard
+
+    from tests.test_serve_limits import outer_power
+
+    recoveries = server.log.read_text().count("recovering mesh")
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=21)
+    mine = service.create_sampling_client(base_model=ALIAS)
+    hostile = tinker.ServiceClient(base_url=server.url, api_key=OTHER_KEY)
+    headers = {"X-API-Key": OTHER_KEY}
+
+    def post(path: str, **kwargs) -> httpx.Response:
+        return httpx.post(f"{server.url}/api/v1/{path}", headers=headers | kwargs.pop("headers", {}), timeout=120,
+                          **kwargs)
+
+    def refused(reply: httpx.Response, status: int, phrase: str) -> None:
+        assert reply.status_code == status, reply.text
+        assert reply.json()["category"] == "user" and "\n" not in reply.json()["error"]
+        assert phrase in reply.json()["error"], reply.json()["error"]
+
+    def still_served() -> None:
+        assert tc.forward_backward(sl_data(7), "cross_entropy").result(timeout=300).metrics["loss:sum"] > 0
+        assert len(mine.sample(T.ModelInput.from_ints([5, 17]), 1, T.SamplingParams(max_tokens=4, seed=3))
+                   .result(timeout=300).sequences) == 1
+
+    def bomb(model_id: str) -> bytes:  # model_id first, as the SDK writes it, then 64 MiB of zeros
+        return zstandard.ZstdCompressor().compress(bytes([0x0A, len(model_id)]) + model_id.encode() + b"\0" * (64 << 20))
+
+    try:
+        theirs = hostile.create_lora_training_client(base_model=ALIAS, rank=4, seed=22).result(timeout=300)
+        zstd = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+        refused(post("forward_backward", content=bomb(theirs.model_id), headers=zstd), 413,
+                "serve.limits.max_decompressed_bytes")
+        refused(post("forward_backward", content=bomb(tc.model_id), headers=zstd), 403, "belongs to another tenant")
+        still_served()
+        for name in (".", "..", "../escape", ".hidden"):
+            refused(post("save_weights", json={"model_id": theirs.model_id, "path": name, "seq_id": 10**6}), 400,
+                    "save_weights.path = ")
+        refused(post("create_session", json={"tags": [], "sdk_version": "x", "user_metadata": {"blob": "x" * 20000}}),
+                400, "serve.limits.max_metadata_bytes")
+        refused(post("session_heartbeat", content=b"\xff\xfe{", headers={"Content-Type": "application/json"}), 400,
+                "body is not JSON")
+        power = hostile.create_custom_loss(outer_power, {"logprobs": 1, "weights": 1}).result(timeout=300)
+        long_datum = [ce_datum(list(range(3, 15)))]  # 11 targets: 11**4 elements, over 10,000
+        for reply in (theirs.forward_backward_custom(long_datum, power),
+                      theirs.forward(long_datum, "custom", {"loss_id": power.loss_id})):  # forward-only too
+            assert "serve.limits.max_custom_loss_elements" in sdk_user_error(reply)
+        theirs.forward_backward_custom([ce_datum(list(range(3, 11)))], power).result(timeout=300)  # 7**4 fits
         still_served()
     finally:
         hostile.close("success").result(timeout=120)

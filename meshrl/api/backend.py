@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from meshrl.api.errors import UserError
@@ -125,8 +126,13 @@ class MeshBackend:
 
         ranks = range(self.client.procs(GENERATOR))
         try:
-            self.client.unsupervised(GENERATOR, lambda m: [actor_at(m, r).load_version.call_one(version) for r in ranks],
-                                     "generator.load_version")
+            started = time.perf_counter()
+            stats = self.client.unsupervised(
+                GENERATOR, lambda m: [actor_at(m, r).load_version.call_one(version) for r in ranks],
+                "generator.load_version")
+            log.info("generators hold weight version %d after %.2f s (per replica: pull %s s, load %s s)", version,
+                     time.perf_counter() - started, "/".join(f"{s['pull_s']:.2f}" for s in stats),
+                     "/".join(f"{s['load_s']:.2f}" for s in stats))
         except ActorError as e:
             if "not in the index" in str(e):  # reclaimed: the caller's matter, not a failed generator
                 raise UserError(f"the sampler weights of version {version} are no longer kept "
