@@ -69,8 +69,12 @@ def test_a_plugin_loss_and_term_train_through_the_config_over_fake_meshes():
         "trainer.terms": "[{name: reply_likelihood, weight: 0.1, params: {max_datums: 3}}]"})
     metrics, trajectories = loop.step()
     loop.close()
-    assert [c[0] for c in learner.calls] == ["fb", "scale", "fb", "opt"]  # the term after the normaliser
-    pg, term = learner.calls[0], learner.calls[2]
+    # one shared pass for both terms, the policy gradient at the step-wide normaliser (1 / tokens)
+    assert [c[0] for c in learner.calls] == ["parts", "fb", "fb", "opt"]
+    [(pg_loss, scale), (term_loss, term_scale)] = learner.calls[0][1]
+    assert (pg_loss, term_loss, term_scale) == ("capped_importance_sampling", "reply_likelihood", 1.0)
+    assert scale == pytest.approx(1 / metrics["batch/tokens_total"])
+    pg, term = learner.calls[1], learner.calls[2]
     assert (pg[2], pg[3]) == ("capped_importance_sampling", {"cap": 1.5})
     assert (term[2], term[3]) == ("reply_likelihood", {})
     # the term's datums: at most 3 replies a unit with reward > 0, each reply token weighted
