@@ -146,3 +146,37 @@ def test_one_loss_reads_identical_sequences_once(model_path):
     assert out["num_tokens"] == 24
     for name, g in _grads(one).items():
         torch.testing.assert_close(_grads(three)[name], g, rtol=1e-5, atol=1e-8)
+
+
+def test_the_client_shares_each_part_out_among_the_learner_ranks():
+    """Two learner ranks: every part's datums are split by tokens (a DPO pair kept whole), each rank
+    trains its shares of all parts in one call, and each part's result is combined over the ranks
+    that trained it; a rank with no datums of any part keeps in step with a padding call."""
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+    from meshrl.meshes.client import MeshClient
+    from meshrl.meshes.supervisor import Supervisor
+    from meshrl.testing.fake_meshes import FakeLearner, FakeMeshGroup, Mesh
+
+    cfg = load_config(RunConfig, None, [])
+    ranks = [FakeLearner(), FakeLearner()]
+    meshes = FakeMeshGroup(learner=Mesh(ranks))
+    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {"learner": 5.0, "sync": 5.0}, 1)
+    pg = [Datum.from_sequence(_tokens(s, 6 + s), mask=[1.0] * (6 + s)) for s in range(4)]
+    pair = [Datum.from_sequence(_tokens(9, 5), mask=[1.0] * 5), Datum.from_sequence(_tokens(10, 4), mask=[1.0] * 4)]
+    results = client.forward_backward_parts([LossPart(pg, "ppo", {}, 0.7, 0.5), LossPart(pair, "dpo", {"beta": 0.1})])
+    got = [[c for c in r.calls if c[0] == "fb"] for r in ranks]
+    assert sorted(len(c[1]) for calls in got for c in calls if c[2] == "ppo") == [2, 2]
+    [dpo_call] = [c for calls in got for c in calls if c[2] == "dpo"]
+    assert [id(d) for d in dpo_call[1]] == [id(d) for d in pair]
+    assert all(len([c for c in r.calls if c[0] == "parts"]) == 1 for r in ranks)  # one call per rank
+    assert [r["tokens"] for r in results] == [sum(5 + s for s in range(4)), 7.0]  # the masked positions
+    for r in ranks:  # each part at its own temperature
+        fb = [c for c in r.calls if c[0] == "fb"]
+        assert [t for _, t in r.temperatures] == [0.7 if c[2] == "ppo" else 1.0 for c in fb]
+
+    idle = [FakeLearner(), FakeLearner()]
+    meshes = FakeMeshGroup(learner=Mesh(idle))
+    client = MeshClient(meshes, Supervisor(meshes, cfg.faults), {"learner": 5.0, "sync": 5.0}, 1)
+    [only] = client.forward_backward_parts([LossPart(pair, "dpo", {"beta": 0.1})])
+    assert only["tokens"] == 7.0 and [len(r.calls) for r in idle] == [2, 2]  # the other rank ran a padding call

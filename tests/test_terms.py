@@ -130,3 +130,50 @@ def test_training_refuses_nucleus_sampling_in_one_line_and_evaluation_allows_it(
         check_config(cfg)
     assert "generator.sampling.top_p = 0.9: training needs 1.0" in str(err.value) and "\n" not in str(err.value)
     check_config(cfg, trains=False)
+
+
+def test_a_term_that_trains_itself_in_finish_still_counts():
+    """A term of your own whose `finish` makes its own learner call and returns its weighted loss
+    (rather than handing a part to the shared pass) is reported and summed like the others."""
+    from meshrl.terms import LossTerm, TermContext
+    from meshrl.terms.base import finish_terms
+    from meshrl.types import Datum
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        def forward_backward(self, datums, loss_fn, config, temperature=1.0):
+            self.calls.append(("fb", loss_fn))
+            return {"loss": 0.25}
+
+        def forward_backward_parts(self, parts):
+            self.calls.append(("parts", [p.loss_fn for p in parts]))
+            return [{"loss": 0.5, "tokens": 3.0} for _ in parts]
+
+    class OwnPass(LossTerm):
+        name, prefix, loss = "own", "own", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.client.forward_backward([], self.loss, {})["loss"]
+
+    class Handed(LossTerm):
+        name, prefix, loss = "handed", "handed", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.part([Datum.from_sequence([1, 2, 3], weights=[0, 1, 1])])
+
+    class Empty(LossTerm):
+        name, prefix, loss = "empty", "empty", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.part([])
+
+    cfg = load_config(RunConfig, None, [])
+    client = Client()
+    ctx = TermContext(cfg, client, None)
+    metrics = {}
+    losses = finish_terms([OwnPass(ctx), Handed(ctx), Empty(ctx), LossTerm(ctx)], 1, metrics, client)
+    assert losses == {"own": 0.25, "handed": 0.5, "empty": 0.0}  # a term that trains nothing is absent
+    assert client.calls == [("fb", "cross_entropy"), ("parts", ["cross_entropy"])]
+    assert metrics == {"handed/tokens": 3.0}
