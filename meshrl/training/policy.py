@@ -272,7 +272,7 @@ class PolicyTrainer:
                 metrics[k].append((float(weight), values))
                 tokens[k] += n_signal
             if self.cfg.release_heap_each_micro_batch:
-                del shared, views, outs, total  # this micro-batch's logits and activations, before the release
+                del shared, views, outs, total, fp, out, signal  # this micro-batch's logits and activations
                 release_free_heap()
         seconds = time.perf_counter() - started
         results = []
