@@ -36,19 +36,26 @@ class SharedBatch:
 
 
 def _rows_of(datums: list[Datum]) -> tuple[list[torch.Tensor], list[int]]:
-    """The distinct rows the datums need (longest first) and each datum's row."""
+    """The distinct rows the datums need (longest first) and each datum's row. A datum shares an
+    earlier (longer) row when its sequence is a prefix of it; candidates are narrowed by three of
+    their tokens at once before a full comparison, so many datums stay cheap."""
     order = sorted(range(len(datums)), key=lambda i: -datums[i].length)
     rows: list[torch.Tensor] = []
     known: dict[tuple[int, ...], int] = {}
     row_of = [0] * len(datums)
+    longest = max((d.length for d in datums), default=0)
+    table = torch.full((len(datums), longest), -1, dtype=torch.long)  # the rows so far, -1 beyond each
     for i in order:
         tokens = datums[i].model_input.to_tensor()
         key = tuple(tokens.tolist())
         row = known.get(key)
         if row is None:
             n = len(tokens)
-            row = next((r for r, seq in enumerate(rows) if len(seq) > n and torch.equal(seq[:n], tokens)), None)
+            probe = torch.tensor([0, n // 2, n - 1])
+            candidates = (table[: len(rows), probe] == tokens[probe]).all(1).nonzero().flatten().tolist()
+            row = next((r for r in candidates if len(rows[r]) > n and torch.equal(rows[r][:n], tokens)), None)
             if row is None:
+                table[len(rows), :n] = tokens
                 rows.append(tokens)
                 row = len(rows) - 1
             known[key] = row
