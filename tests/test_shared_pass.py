@@ -133,6 +133,27 @@ def test_the_shared_pass_gives_the_gradients_of_separate_passes(model_path, micr
     assert got[2]["num_pairs"] == 2 and got[1]["num_tokens"] == 15
 
 
+def test_a_forward_only_pass_gives_the_losses_metrics_and_logprobs_without_gradients(model_path):
+    """`backward=False` (the Tinker API's `forward` with a loss, run in the learner): each part's
+    loss, metrics and per-datum logprobs equal the training pass's, and no gradient accumulates."""
+    pg, sdpo, dpo = _step_datums()
+    parts = [LossPart(pg, "ppo", {"eps_low": 0.2, "eps_high": 0.28}, 0.7, scale=0.37),
+             LossPart(sdpo, "sdpo_jsd", {"beta": 0.5, "temperature": 1.0}, 1.0), LossPart(dpo, "dpo", {"beta": 0.1})]
+    trainer = _trainer(model_path, 4)
+    forward_only = trainer.forward_backward_parts(parts, outputs=True, backward=False)
+    assert not _grads(trainer)
+    trained = trainer.forward_backward_parts(parts, outputs=True)
+    assert _grads(trainer)
+    for f, t in zip(forward_only, trained):
+        assert f.keys() == t.keys()
+        for k in f:
+            if k == "logprobs":
+                for a, b in zip(f[k], t[k]):
+                    assert a == pytest.approx(b, abs=1e-6)
+            elif k != "seconds":
+                assert f[k] == pytest.approx(t[k], rel=1e-6, abs=1e-8), k
+
+
 def test_one_loss_reads_identical_sequences_once(model_path):
     """Identical datums of one loss share a row: the gradient is still the sum over datums."""
     toks = _tokens(5, 12)

@@ -140,6 +140,14 @@ class Learner(MeshrlActor):
         return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs, temperature)
 
     @endpoint
+    def forward_loss(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                     padding: bool = False, temperature: float = 1.0) -> dict:
+        """The registered loss ``loss_fn`` on ``datums`` without grad (nothing accumulates): its
+        loss and metrics, and each datum's target-token logprobs (``logprobs``)."""
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, True, temperature,
+                                             backward=False)
+
+    @endpoint
     def forward_backward_parts(self, parts: list[LossPart], padding: bool = False) -> list[dict]:
         """Several losses, each on its own datums, in one set of shared micro-batches (one decoder
         forward per micro-batch for all of them): each part's metrics."""

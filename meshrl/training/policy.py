@@ -212,18 +212,21 @@ class PolicyTrainer:
 
     # ---- Tinker-style API ----------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False, outputs: bool = False, temperature: float = 1.0) -> dict:
+                         padding: bool = False, outputs: bool = False, temperature: float = 1.0,
+                         backward: bool = True) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
         (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
         each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
         nothing). ``temperature``: the log-probabilities (and the entropy) are those of
         softmax(logits / temperature), the distribution the datums' tokens were sampled from (the
-        sampler's recorded `logprobs` are of that distribution). One loss of
+        sampler's recorded `logprobs` are of that distribution). Without ``backward``: the loss
+        and its metrics only, no gradient (a forward-only loss). One loss of
         :meth:`forward_backward_parts`, which says the rest."""
         part = LossPart(datums, loss_fn, dict(loss_fn_config or {}), temperature)
-        return self.forward_backward_parts([part], padding, outputs)[0]
+        return self.forward_backward_parts([part], padding, outputs, backward)[0]
 
-    def forward_backward_parts(self, parts: list[LossPart], padding: bool = False, outputs: bool = False) -> list[dict]:
+    def forward_backward_parts(self, parts: list[LossPart], padding: bool = False, outputs: bool = False,
+                               backward: bool = True) -> list[dict]:
         """Accumulate the gradients of several registered, sum-reduced losses, each on its own
         datums, in one set of micro-batches (meshrl.training.shared_pass): a micro-batch's decoder
         forward runs once for every loss with datums there (each distinct token sequence once),
@@ -235,7 +238,12 @@ class PolicyTrainer:
         them; ``seconds`` is the whole call's. ``padding`` datums add nothing (see
         :meth:`_passes`); with ``outputs`` each datum's target-token logprobs (``logprobs``). With
         `learner.release_heap_each_micro_batch` the free heap goes back to the kernel after each
-        micro-batch."""
+        micro-batch. Without ``backward`` the same losses and metrics, computed without grad and
+        nothing accumulated."""
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            return self._train_parts(parts, padding, outputs, backward)
+
+    def _train_parts(self, parts: list[LossPart], padding: bool, outputs: bool, backward: bool) -> list[dict]:
         specs = [losses.get_loss(p.loss_fn) for p in parts]
         configs = [dict(p.loss_fn_config or {}) for p in parts]
         started = time.perf_counter()
@@ -256,7 +264,8 @@ class PolicyTrainer:
                      for k, view in enumerate(batch.views) if view]
             outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
             total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
-            (total * float(i < real)).backward()
+            if backward:
+                (total * float(i < real)).backward()
             if i >= real:
                 continue
             for k, group, fp, out in outs:
