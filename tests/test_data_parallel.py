@@ -159,6 +159,9 @@ def test_two_learner_processes_equal_one(tmp_path):
         pair = [Datum.from_sequence(t, per_sequence={"weight": 0.5}, mask=[0] * 3 + [1] * (len(t) - 3))
                 for t in ([5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12])]
         parts = [LossPart(_datums(5), "ppo", {}, 0.8, 0.01), LossPart(pair, "dpo", {"beta": 0.1})]
+        clients["single"].on_learners("save_checkpoint", str(tmp_path / "before-parts"))
+        for name in ("fsdp2", "ddp"):  # the same weights and optimizer state on every arm (DDP took one step only)
+            clients[name].on_learners("load_checkpoint", str(tmp_path / "before-parts"))
         both = {}
         for name in clients:
             outs = clients[name].forward_backward_parts(parts)
