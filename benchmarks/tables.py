@@ -434,6 +434,25 @@ def sdpo_cost(d: dict) -> str:
             + table(["arm", "step", "vs baseline", *(label for _, label in cols), "sites"], rows))
 
 
+@renders("term_cost", "python benchmarks/term_cost.py", "Each loss term's learner cost: a pass per term or one shared pass",
+         flags=("reps",))
+def term_cost(d: dict) -> str:
+    rows = [[t["term"], t["loss"], str(t["datums"]), str(t["tokens"]), str(t["padded_tokens"]),
+             num(t["separate_s"], 2, " s"), pct(t["separate_share"]),
+             "—" if t["shared_marginal_s"] is None else num(t["shared_marginal_s"], 2, " s")] for t in d["terms"]]
+    return (f"One optimizer step of the three-channel arithmetic job on `{d['model']}` (medians of {d['reps']} "
+            "interleaved repetitions; the optimizer step, the same in both, left out). Before: a `forward_backward` per "
+            "term, each with its own padded micro-batches. After: one `forward_backward_parts`, every distinct "
+            "sequence forwarded once (SDPO's sites on trained trajectories read those rows). A term's marginal "
+            "cost is the shared pass of the policy gradient with that term minus the policy gradient's own pass.\n\n"
+            + table(["term", "loss", "datums", "tokens", "padded tokens", "own pass", "share", "marginal, shared"], rows)
+            + f"\n\nAll terms: {num(d['separate_total_s'], 2, ' s')} in separate passes, "
+              f"{num(d['shared_total_s'], 2, ' s')} in the shared pass ({num(d['shared_vs_separate'], 2, 'x')} wall-clock, "
+              f"{num(d['shared_vs_separate_cpu'], 2, 'x')} CPU seconds); {d['datums']} datums forwarded as "
+              f"{d['shared_rows']} rows, {d['separate_padded_tokens']:,} padded positions before, "
+              f"{d['shared_padded_tokens']:,} after.")
+
+
 TARGETS = {"full": (0.5, 0.75), "sdpo": (0.75, None), "replay": (0.75, None)}
 """An arm's win in the first round: it reaches its seed's baseline's final accuracy within these
 fractions of the baseline's steps and training seconds (None: no bound), in every seed."""

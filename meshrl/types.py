@@ -127,6 +127,20 @@ class Datum:
         return self.model_input.length
 
 
+@dataclass
+class LossPart:
+    """One loss's share of a shared `forward_backward` (several losses, one set of micro-batches):
+    ``datums`` trained with the registered loss ``loss_fn`` and its ``loss_fn_config``, their
+    log-probabilities taken at ``temperature``. ``scale`` multiplies the part's gradient (a
+    normaliser known only when the part is handed over); the loss reported for it is unscaled."""
+
+    datums: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict = field(default_factory=dict)
+    temperature: float = 1.0
+    scale: float = 1.0
+
+
 @dataclass(frozen=True)
 class AdamParams:
     """Optimizer step parameters (Tinker's defaults; 0 disables weight decay and grad clipping)."""

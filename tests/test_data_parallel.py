@@ -151,6 +151,26 @@ def test_two_learner_processes_equal_one(tmp_path):
             custom[name] = {**out, **clients[name].optim_step(cfg.learner.adam_params())}
         assert custom["fsdp2"]["loss"] == pytest.approx(custom["single"]["loss"], rel=1e-5, abs=1e-7)
         assert custom["fsdp2"]["grad_norm"] == pytest.approx(custom["single"]["grad_norm"], rel=1e-5)
+
+        # several losses in one shared pass: ppo beside a DPO pair that only one rank trains (the
+        # other runs as many passes for FSDP2's collectives) equal one process
+        from meshrl.types import LossPart
+
+        pair = [Datum.from_sequence(t, per_sequence={"weight": 0.5}, mask=[0] * 3 + [1] * (len(t) - 3))
+                for t in ([5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12])]
+        parts = [LossPart(_datums(5), "ppo", {}, 0.8, 0.01), LossPart(pair, "dpo", {"beta": 0.1})]
+        clients["single"].on_learners("save_checkpoint", str(tmp_path / "before-parts"))
+        for name in ("fsdp2", "ddp"):  # the same weights and optimizer state on every arm (DDP took one step only)
+            clients[name].on_learners("load_checkpoint", str(tmp_path / "before-parts"))
+        both = {}
+        for name in clients:
+            outs = clients[name].forward_backward_parts(parts)
+            both[name] = (outs, clients[name].optim_step(cfg.learner.adam_params()))
+        for name in ("fsdp2", "ddp"):
+            for got, want in zip(both[name][0], both["single"][0]):
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+                assert got["tokens"] == want["tokens"]
+            assert both[name][1]["grad_norm"] == pytest.approx(both["single"][1]["grad_norm"], rel=1e-5)
     finally:
         for group in groups.values():
             group.stop()

@@ -58,10 +58,25 @@ def _calls(learner, kind):
     return [c for c in learner.calls if c[0] == kind]
 
 
+def _normalisers(learner):
+    """The policy-gradient normaliser of each optimizer step: the scale of the streamed pieces'
+    gradients (a `scale` call) and of the held last piece's part in the shared pass (the first part)."""
+    out, current = [], None
+    for c in learner.calls:
+        if c[0] in ("scale", "parts"):
+            scale = c[1] if c[0] == "scale" else c[1][0][1]
+            assert current is None or current == scale  # one normaliser per optimizer step
+            current = scale
+        elif c[0] == "opt":
+            out.append(current)
+            current = None
+    return out
+
+
 def test_train_normalises_by_all_sampled_tokens_and_skips_zero_advantage():
     loop, _, learner = make_loop(**{"trainer.prompts_per_step": 4, "trainer.group_size": 4})
     metrics, trajectories = loop.step()
-    kind, datums, loss_fn, loss_config = learner.calls[0]
+    kind, datums, loss_fn, loss_config = learner.calls[1]
     assert kind == "fb" and loss_fn == "ppo" and loss_config == {"eps_low": 0.2, "eps_high": 0.2}
     total = sum(len(t.tokens) for t in trajectories)
     expected = [a for t, a in zip(trajectories, _group_advantages(trajectories)) if t.tokens and a != 0]
@@ -72,8 +87,9 @@ def test_train_normalises_by_all_sampled_tokens_and_skips_zero_advantage():
         weights = d.loss_fn_inputs["mask"]
         assert weights[weights != 0].tolist() == [1.0, 1.0]
     # the step-wide normaliser, 1 / every sampled token of the step, scales the accumulated gradients
-    assert [c[0] for c in learner.calls] == ["fb", "scale", "opt"]
-    assert learner.calls[1][1] == pytest.approx(1 / total)
+    # the step-wide normaliser, 1 / every sampled token of the step, scales the one piece's loss
+    assert [c[0] for c in learner.calls] == ["parts", "fb", "opt"]
+    assert _normalisers(learner) == [pytest.approx(1 / total)]
     assert metrics["batch/tokens_total"] == total
     loop.close()
 
@@ -93,7 +109,9 @@ def test_streaming_minibatches_send_the_same_update_as_one_batch():
 
     assert len(_calls(learner_streamed, "fb")) == 2 and len(_calls(learner_one, "fb")) == 1
     assert sent(learner_streamed) == sent(learner_one)  # the same samples (seeds follow the round)
-    assert _calls(learner_streamed, "scale") == _calls(learner_one, "scale")  # one normaliser, applied once
+    assert _normalisers(learner_streamed) == _normalisers(learner_one)  # one normaliser per update
+    # the first piece streamed (its gradients scaled once all are in), the last one in the shared pass
+    assert [c[0] for c in learner_streamed.calls] == ["fb", "scale", "parts", "fb", "opt"]
     assert len(_calls(learner_streamed, "opt")) == len(_calls(learner_one, "opt")) == 1
 
 
@@ -102,10 +120,10 @@ def test_substeps_make_one_optimizer_update_per_part():
     loop.step()
     loop.close()
     kinds = [c[0] for c in learner.calls]
-    assert kinds == ["fb", "scale", "opt", "fb", "scale", "opt"]
+    assert kinds == ["parts", "fb", "opt", "parts", "fb", "opt"]
     tokens = [sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in c[1]) for c in _calls(learner, "fb")]
     # each part has its own normaliser: its own sampled tokens (zero-advantage ones included)
-    assert all(s[1] <= 1 / t for s, t in zip(_calls(learner, "scale"), tokens))
+    assert all(s <= 1 / t for s, t in zip(_normalisers(learner), tokens))
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -139,7 +157,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
     assert metrics["batch/dropped_uniform_groups"] + metrics.get("batch/surplus_groups", 0) + 4 == 4 * rounds
     # the dropped groups' tokens are not in the normaliser
     total = sum(len(t.tokens) for t in trained)
-    assert _calls(learner, "scale")[0][1] == pytest.approx(1 / total)
+    assert _normalisers(learner)[0] == pytest.approx(1 / total)
 
 
 def test_dynamic_sampling_out_of_rounds_trains_on_what_it_has():
@@ -157,8 +175,8 @@ def test_kl_shaping_makes_per_token_advantages_against_the_reference():
                                     "trainer.advantage.kl_coef": 0.5})
     metrics, trajectories = loop.step()
     loop.close()
-    assert [c[0] for c in learner.calls] == ["forward", "fb", "scale", "opt"] and learner.calls[0][2] is True
-    datums = learner.calls[1][1]
+    assert [c[0] for c in learner.calls] == ["forward", "parts", "fb", "opt"] and learner.calls[0][2] is True
+    datums = learner.calls[2][1]
     trainable = [t for t in trajectories if t.tokens]
     assert len(datums) == len(trainable)  # zero-advantage sequences train too: shaping gives them signal
     # d_t = sampler (-0.5, -1.5) - reference (-1): +0.5, -0.5; mean 0 -> A_t = A - 0.5 d_t
@@ -178,7 +196,7 @@ def test_std_normalisation_divides_each_group_by_its_std():
         group = torch.tensor([u.reward for u in trajectories if u.group == t.group], dtype=torch.float64)
         if t.tokens and a != 0:
             expected.append(a / (float(group.std()) + 1e-6))
-    got = sorted(float(d.loss_fn_inputs["advantages"]) for d in learner.calls[0][1])
+    got = sorted(float(d.loss_fn_inputs["advantages"]) for d in _calls(learner, "fb")[0][1])
     assert got == pytest.approx(sorted(expected), rel=1e-5) and len(got) > 0
 
 
@@ -256,7 +274,7 @@ def test_a_step_whose_learner_failed_midway_is_trained_again_from_the_start():
     loop.load_state_dict(state)
     loop.step()
     loop.close()
-    assert _calls(learner, "scale") == _calls(clean_learner, "scale")
+    assert _normalisers(learner) == _normalisers(clean_learner)
     assert [len(c[1]) for c in _calls(learner, "fb")] == [len(c[1]) for c in _calls(clean_learner, "fb")]
 
 

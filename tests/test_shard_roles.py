@@ -19,6 +19,7 @@ from meshrl.diloco.shards import ShardReader, ShardWriter, rollout_record
 from meshrl.diloco.store import ObjectStore
 from meshrl.replay.pairs import PreferenceItem, preference_record
 from meshrl.terms import TermContext
+from meshrl.terms.base import finish_terms
 from meshrl.terms.replay import ShardPairsTerm
 from meshrl.testing.fake_meshes import make_loop
 from meshrl.training.trajectories import Trajectory
@@ -167,10 +168,10 @@ def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_
                                         f"diloco.store_url=file://{tmp_path}"])  # no teachers of its own
     trained = []
 
-    class Client:  # the learner call the term makes, recorded
-        def forward_backward(self, datums, loss_fn, config, temperature=1.0):
-            trained.append((datums, loss_fn, config))
-            return {"loss": 0.5, "num_pairs": len(datums) / 2}
+    class Client:  # the step's shared learner pass, recorded
+        def forward_backward_parts(self, parts):
+            trained.extend((p.datums, p.loss_fn, p.loss_fn_config) for p in parts)
+            return [{"loss": 0.5, "num_pairs": len(p.datums) / 2} for p in parts]
 
     class Unit:
         extras = {"pairs": [_pair(0), _pair(1), _pair(2)]}
@@ -178,7 +179,7 @@ def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_
     term = ShardPairsTerm(TermContext(cfg, Client(), None))
     term.receive(Unit())
     metrics = {}
-    assert term.finish(3, metrics) == 0.5
+    assert finish_terms([term], 3, metrics, Client()) == {"replay_dpo": 0.5}
     [(datums, loss_fn, config)] = trained
     assert (loss_fn, config) == ("dpo", {"beta": 0.1})
     assert [_sequence(d) for d in datums] == [[1, 2, 0, 50, 2], [1, 2, 0, 60, 2], [1, 2, 1, 51, 2], [1, 2, 1, 61, 2]]
@@ -186,7 +187,7 @@ def test_teacher_pairs_travel_in_the_shards_and_are_handed_out_once_their_shard_
     assert metrics == {"replay/dpo_items": 2.0, "replay/buffered_pairs": 1.0, "dpo/num_pairs": 2.0}
     restored = ShardPairsTerm(TermContext(cfg, Client(), None))
     restored.load_state_dict(json.loads(json.dumps(term.state_dict())))
-    restored.finish(4, {})
+    finish_terms([restored], 4, {}, Client())
     assert [d.model_input.to_ints()[:3] for d in trained[1][0]] == [[1, 2, 2], [1, 2, 2]]
 
 

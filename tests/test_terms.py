@@ -69,8 +69,12 @@ def test_a_plugin_loss_and_term_train_through_the_config_over_fake_meshes():
         "trainer.terms": "[{name: reply_likelihood, weight: 0.1, params: {max_datums: 3}}]"})
     metrics, trajectories = loop.step()
     loop.close()
-    assert [c[0] for c in learner.calls] == ["fb", "scale", "fb", "opt"]  # the term after the normaliser
-    pg, term = learner.calls[0], learner.calls[2]
+    # one shared pass for both terms, the policy gradient at the step-wide normaliser (1 / tokens)
+    assert [c[0] for c in learner.calls] == ["parts", "fb", "fb", "opt"]
+    [(pg_loss, scale), (term_loss, term_scale)] = learner.calls[0][1]
+    assert (pg_loss, term_loss, term_scale) == ("capped_importance_sampling", "reply_likelihood", 1.0)
+    assert scale == pytest.approx(1 / metrics["batch/tokens_total"])
+    pg, term = learner.calls[1], learner.calls[2]
     assert (pg[2], pg[3]) == ("capped_importance_sampling", {"cap": 1.5})
     assert (term[2], term[3]) == ("reply_likelihood", {})
     # the term's datums: at most 3 replies a unit with reward > 0, each reply token weighted
@@ -126,3 +130,50 @@ def test_training_refuses_nucleus_sampling_in_one_line_and_evaluation_allows_it(
         check_config(cfg)
     assert "generator.sampling.top_p = 0.9: training needs 1.0" in str(err.value) and "\n" not in str(err.value)
     check_config(cfg, trains=False)
+
+
+def test_a_term_that_trains_itself_in_finish_still_counts():
+    """A term of your own whose `finish` makes its own learner call and returns its weighted loss
+    (rather than handing a part to the shared pass) is reported and summed like the others."""
+    from meshrl.terms import LossTerm, TermContext
+    from meshrl.terms.base import finish_terms
+    from meshrl.types import Datum
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        def forward_backward(self, datums, loss_fn, config, temperature=1.0):
+            self.calls.append(("fb", loss_fn))
+            return {"loss": 0.25}
+
+        def forward_backward_parts(self, parts):
+            self.calls.append(("parts", [p.loss_fn for p in parts]))
+            return [{"loss": 0.5, "tokens": 3.0} for _ in parts]
+
+    class OwnPass(LossTerm):
+        name, prefix, loss = "own", "own", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.client.forward_backward([], self.loss, {})["loss"]
+
+    class Handed(LossTerm):
+        name, prefix, loss = "handed", "handed", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.part([Datum.from_sequence([1, 2, 3], weights=[0, 1, 1])])
+
+    class Empty(LossTerm):
+        name, prefix, loss = "empty", "empty", "cross_entropy"
+
+        def finish(self, version, metrics):
+            return self.part([])
+
+    cfg = load_config(RunConfig, None, [])
+    client = Client()
+    ctx = TermContext(cfg, client, None)
+    metrics = {}
+    losses = finish_terms([OwnPass(ctx), Handed(ctx), Empty(ctx), LossTerm(ctx)], 1, metrics, client)
+    assert losses == {"own": 0.25, "handed": 0.5, "empty": 0.0}  # a term that trains nothing is absent
+    assert client.calls == [("fb", "cross_entropy"), ("parts", ["cross_entropy"])]
+    assert metrics == {"handed/tokens": 3.0}

@@ -23,7 +23,7 @@ from meshrl.training.checkpoint import export_hf, load_learner, save_learner
 from meshrl.training.data_parallel import DataParallelSpec
 from meshrl.training.policy import CustomLoss, PolicyTrainer
 from meshrl.training.tenants import LoraTenants
-from meshrl.types import AdamParams, Datum, DimuonParams
+from meshrl.types import AdamParams, Datum, DimuonParams, LossPart
 
 
 class Learner(MeshrlActor):
@@ -138,6 +138,21 @@ class Learner(MeshrlActor):
         each datum's target-token logprobs."""
         self.fault_point("forward_backward")
         return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs, temperature)
+
+    @endpoint
+    def forward_loss(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
+                     padding: bool = False, temperature: float = 1.0) -> dict:
+        """The registered loss ``loss_fn`` on ``datums`` without grad (nothing accumulates): its
+        loss and metrics, and each datum's target-token logprobs (``logprobs``)."""
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, True, temperature,
+                                             backward=False)
+
+    @endpoint
+    def forward_backward_parts(self, parts: list[LossPart], padding: bool = False) -> list[dict]:
+        """Several losses, each on its own datums, in one set of shared micro-batches (one decoder
+        forward per micro-batch for all of them): each part's metrics."""
+        self.fault_point("forward_backward")
+        return self.trainer.forward_backward_parts(parts, padding)
 
     @endpoint
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:

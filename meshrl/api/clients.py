@@ -19,7 +19,7 @@ import torch
 
 from meshrl.api.backend import MeshBackend, checkpoint_root
 from meshrl.api.errors import UserError
-from meshrl.api.losses import CUSTOM, REQUIRED, core_call, custom_metric_sums, metrics_with_reductions
+from meshrl.api.losses import CUSTOM, core_call, custom_metric_sums, metrics_with_reductions
 from meshrl.api.sampler import PromptOptions, Sampler
 from meshrl.api.types import ForwardBackwardOutput, SampleResponse, SamplingParams, SupportedModel
 from meshrl.config.run import RunConfig
@@ -190,10 +190,9 @@ class TrainingClient:
         """``loss_fn`` on ``data`` without gradients: the target logprobs and the loss metrics."""
         def run() -> ForwardBackwardOutput:
             datums, config = core_call(loss_fn, loss_fn_config, data)
-            logprobs = [torch.tensor(lp) for lp in self._learner("forward", datums, False)]
-            return ForwardBackwardOutput([{"logprobs": lp} for lp in logprobs],
-                                         _tinker_metrics(loss_fn, _loss_metrics(loss_fn, config, datums, logprobs),
-                                                         len(data)))
+            out = self._learner("forward_loss", datums, loss_fn, config)  # the loss runs in the learner too
+            return ForwardBackwardOutput([{"logprobs": torch.tensor(lp)} for lp in out["logprobs"]],
+                                         _tinker_metrics(loss_fn, out, len(data)))
         return self._submit(run)
 
     def forward_backward_custom(self, data: list[Datum], fn) -> Future:
@@ -344,38 +343,6 @@ def _chain(src: Future, dst: Future, fn) -> None:
 def _tinker_metrics(loss_fn: str, out: dict, datums: int) -> dict[str, float]:
     metrics = metrics_with_reductions(out)
     return custom_metric_sums(metrics, datums) if loss_fn == CUSTOM else metrics
-
-
-class _GivenLogprobs:
-    """A `meshrl.losses.ForwardPass` over target logprobs already computed ([B, T], padded)."""
-
-    temperature = 1.0  # Tinker's logprobs: the model's own distribution
-
-    def __init__(self, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], valid: torch.Tensor):
-        self._logprobs, self.inputs, self.valid = logprobs, inputs, valid
-
-    def logprobs(self) -> torch.Tensor:
-        return self._logprobs
-
-
-def _loss_metrics(loss_fn: str, config: dict, datums: list[Datum], logprobs: list[torch.Tensor]) -> dict:
-    """The loss of a no-grad pass, from the target logprobs with the registered loss."""
-    from meshrl.losses import get_loss
-    from meshrl.training.batching import pad_datums
-
-    spec = get_loss(loss_fn)
-    keys = (*REQUIRED.get(loss_fn, ()), "mask")
-    batch = pad_datums([Datum(d.model_input, {k: v for k, v in d.loss_fn_inputs.items()
-                                              if k in keys or loss_fn == CUSTOM}) for d in datums], pad_id=0)
-    lp = torch.nn.utils.rnn.pad_sequence(logprobs, batch_first=True)
-    if loss_fn == "cross_entropy":
-        w = batch.inputs["weights"].float()
-        loss = -(w * lp).sum()
-        return {"loss": float(loss), "num_tokens": float((w != 0).sum())}
-    inputs = {k: v.float() if v.is_floating_point() else v for k, v in batch.inputs.items()}
-    valid = inputs[spec.valid_key] != 0 if spec.valid_key in inputs else batch.attention_mask > 0
-    out = spec.fn(_GivenLogprobs(lp, inputs, valid), **config)
-    return {**out.metrics, "loss": float(out.loss.detach())}
 
 
 def _safe(text: str) -> str:

@@ -6,8 +6,8 @@ at most `max_steps_off_policy` versions. The learner side takes the step's piece
   per unit      every loss term's `receive` (meshrl.terms); the staleness check from the stamps
   per piece     the terms' `train_piece` (the policy-gradient term: advantages -> Datums ->
                 forward_backward on its registered loss, streaming minibatches)
-  per substep   every term's `finish` (the step-wide normaliser, then each term's forward_backward),
-                then one optimizer step
+  per substep   every term's `finish` (the step-wide normaliser; each term's datums), one shared
+                forward_backward for all the terms' datums, then one optimizer step
   per step      the step hooks' `before_publish` (a DiLoCo round ends here), publish the next
                 weight version (synchronous runs also bring every reader to it), then the terms'
                 `end_step` and the hooks' `after_step` (rollout shards; a generation job follows the
@@ -34,7 +34,7 @@ from meshrl.controller.pipeline import Producer, ProductionState, Unit, shape_an
 from meshrl.controller.rollout import Counters, RolloutStrategy
 from meshrl.engines import SampleRequest
 from meshrl.meshes.client import MeshClient
-from meshrl.terms.base import LossTerm, StepOutput, add_metrics
+from meshrl.terms.base import LossTerm, StepOutput, add_metrics, finish_terms
 from meshrl.training.trajectories import Trajectory, uniform_groups
 
 log = logging.getLogger(__name__)
@@ -215,17 +215,14 @@ class GRPOLoop:
 
     def _optimizer_step(self, groups: int, metrics: dict) -> None:
         """Every term's `finish` (the policy-gradient term first: its normaliser scales only its
-        own gradients), then one optimizer step."""
+        own streamed gradients) and one shared pass over the parts they hand over, then one
+        optimizer step."""
         tc = self.cfg.trainer
         t0 = time.perf_counter()
-        losses: dict[str, float] = {}
-        total = 0.0
-        for term in self.terms:
-            weighted = term.finish(self.published, metrics)
-            if weighted is not None:
-                losses[f"loss/{term.name}"] = weighted / term.weight if term.weight else 0.0
-                total += weighted
-        losses["loss/total"] = total
+        weighted = finish_terms(self.terms, self.published, metrics, self.client)
+        weights = {term.name: term.weight for term in self.terms}
+        losses = {f"loss/{name}": loss / weights[name] if weights[name] else 0.0 for name, loss in weighted.items()}
+        losses["loss/total"] = sum(weighted.values())
         add_metrics(metrics, {k: v / tc.num_substeps for k, v in losses.items()})
         opt = self.client.optim_step(self.cfg.learner.adam_params())
         metrics.update({f"train/{k}": v for k, v in opt.items()})

@@ -25,7 +25,7 @@ from meshrl.engines.vllm_loop import EngineFailed
 from meshrl.losses import get_loss
 from meshrl.meshes.ranks import actor_at, reply_at
 from meshrl.training.policy import combine_metrics
-from meshrl.types import AdamParams, Datum
+from meshrl.types import AdamParams, Datum, LossPart
 
 
 class StepError(RuntimeError):
@@ -268,6 +268,29 @@ class MeshClient:
         per_item = get_loss(loss_fn).datums_per_item
         return _combine(self._split_learners("forward_backward", datums, per_item, loss_fn, loss_fn_config,
                                              temperature=temperature))
+
+    def forward_backward_parts(self, parts: list[LossPart]) -> list[dict]:
+        """Several losses, each on its own datums (every part has some), in one set of shared
+        micro-batches on the learner ranks: each part's datums are shared out among the ranks like
+        `forward_backward`'s, a rank with none of any part keeps in step with padding datums; each
+        part's result combined over the ranks that trained it."""
+        n = self.procs(LEARNER)
+        shares = [split_by_tokens(p.datums, n, get_loss(p.loss_fn).datums_per_item) for p in parts]
+        mine = [[k for k in range(len(parts)) if shares[k][r]] for r in range(n)]
+        first = parts[0]
+        padding = dataclasses.replace(first, datums=first.datums[: get_loss(first.loss_fn).datums_per_item])
+
+        def issue(m):
+            return [actor_at(m, r).forward_backward_parts.call_one(
+                [dataclasses.replace(parts[k], datums=[parts[k].datums[i] for i in shares[k][r]]) for k in ks]
+                or [padding], not ks) for r, ks in enumerate(mine)]
+
+        replies = self.call(LEARNER, "train", issue, "learner.forward_backward_parts")
+        by_part: list[list] = [[] for _ in parts]
+        for ks, reply in zip(mine, replies):
+            for k, result in zip(ks, reply):
+                by_part[k].append((shares[k], result))
+        return [_combine(results) for results in by_part]
 
     def forward_backward_custom(self, datums: list[Datum], fn) -> dict:
         """A picklable ``fn(datums, logprobs) -> (loss, metrics)`` on each rank's share: with more

@@ -10,13 +10,20 @@ every term's hooks, in the terms' order (the policy-gradient term first), at fix
                            it are loaded: score what was sampled, put it in ``unit.extras``
   receive(unit)            learner side, as each unit arrives: take what the term needs from it
   train_piece(groups)      learner side, each piece of a substep's groups as soon as it is complete
-  finish(version, metrics) at each optimizer step, before it: forward_backward on what the term
-                           has gathered; returns its weighted loss (None: the term trains nothing)
+  finish(version, metrics) at each optimizer step, before it: what the term has gathered, as a
+                           `LossPart` (`part`) for the step's shared pass, or its weighted loss if
+                           it trained itself (None: the term trains nothing)
+  trained(part, result, metrics)  after the shared pass: the term's metrics; its weighted loss
   end_step(output, metrics) after the step: what the term hands out with the step's groups
   take_records()           after the step: the data records it made (for its `records_file`)
 
 A term trains through its registered loss (``loss``, ``loss_config()``; meshrl.losses), weighted by
 ``weight``; ``loss/<name>`` is its unweighted loss and its learner metrics go under ``<prefix>/``.
+The parts the terms hand over at an optimizer step are trained together (`finish_terms`): one set
+of micro-batches, each distinct token sequence forwarded once for every term that reads it (SDPO's
+student sequence at an error site is a trajectory the policy-gradient term trains), each term's
+loss on its own rows, at its own temperature and config; the gradients are those of a pass per
+term.
 What a term keeps between steps goes into checkpoints (``state_dict``). A term of your own is a
 subclass registered with `register_term` (meshrl.terms.registry) and named in `trainer.terms`;
 `DatumTerm` is the simplest start: it turns each unit's samples into datums for one loss.
@@ -30,7 +37,7 @@ from typing import Any, ClassVar
 
 from meshrl.config.base import Section
 from meshrl.losses.registry import NoParams
-from meshrl.types import Datum
+from meshrl.types import Datum, LossPart
 
 
 @dataclass
@@ -127,9 +134,17 @@ class LossTerm:
         """Whether something waits for the next optimizer step."""
         return False
 
-    def finish(self, version: int, metrics: dict) -> float | None:
-        """Before each optimizer step: train what the term gathered; its weighted loss."""
+    def finish(self, version: int, metrics: dict) -> LossPart | float | None:
+        """Before each optimizer step: what the term gathered, as a `LossPart` the step trains in
+        its shared pass (then `trained` reports it), or the weighted loss of a term that trained
+        itself; None: it trains nothing."""
         return None
+
+    def trained(self, part: LossPart, result: dict, metrics: dict) -> float:
+        """The shared pass trained the term's ``part``: ``result`` holds its learner metrics (they
+        go under `<prefix>/`); returns the term's weighted loss."""
+        add_metrics(metrics, {f"{self.prefix}/{k}": v for k, v in result.items() if k != "loss"})
+        return result["loss"]
 
     def end_step(self, output: StepOutput, metrics: dict) -> None:
         """After the step's last optimizer step (and publish)."""
@@ -139,14 +154,10 @@ class LossTerm:
         (the controller appends them to the run directory after each step); none by default."""
         return []
 
-    def train(self, datums: list[Datum], metrics: dict) -> float:
-        """forward_backward on ``datums`` (their weights carry the term's weight) with the term's
-        loss; its metrics under `<prefix>/`; returns the weighted loss (0 when there is nothing)."""
-        if not datums:
-            return 0.0
-        fb = self.client.forward_backward(datums, self.loss, self.loss_config(), self.logprob_temperature())
-        add_metrics(metrics, {f"{self.prefix}/{k}": v for k, v in fb.items() if k != "loss"})
-        return fb["loss"]
+    def part(self, datums: list[Datum], scale: float = 1.0) -> LossPart:
+        """``datums`` (their weights carry the term's weight) as the term's part of the step's
+        shared pass: its loss and config, scored at its temperature."""
+        return LossPart(datums, self.loss, self.loss_config(), self.logprob_temperature(), scale)
 
     def state_dict(self) -> dict | None:
         """What a checkpoint keeps of the term (None: nothing)."""
@@ -198,6 +209,26 @@ class DatumTerm(LossTerm):
     def pending(self) -> bool:
         return bool(self.gathered)
 
-    def finish(self, version: int, metrics: dict) -> float:
+    def finish(self, version: int, metrics: dict) -> LossPart:
         datums, self.gathered = self.gathered, []
-        return self.train(token_mean_weights(datums, self.weight) if datums else [], metrics)
+        return self.part(token_mean_weights(datums, self.weight) if datums else [])
+
+
+def finish_terms(terms: list[LossTerm], version: int, metrics: dict, client) -> dict[str, float]:
+    """Every term's `finish`, in order; the parts they hand over trained in one shared pass
+    (``client.forward_backward_parts``: one set of micro-batches for all of them) and reported by
+    their terms' `trained`. The weighted loss of each term that trains, by name (an empty part: 0)."""
+    handed: list[tuple[LossTerm, LossPart]] = []
+    losses: dict[str, float | None] = {}
+    for term in terms:
+        out = term.finish(version, metrics)
+        if isinstance(out, LossPart):
+            losses[term.name] = None if out.datums else 0.0
+            if out.datums:
+                handed.append((term, out))
+        elif out is not None:
+            losses[term.name] = out
+    if handed:
+        for (term, part), result in zip(handed, client.forward_backward_parts([p for _, p in handed])):
+            losses[term.name] = term.trained(part, result, metrics)
+    return losses

@@ -28,7 +28,7 @@ from meshrl.meshes.ranks import actor_at
 from meshrl.replay.pairs import PreferenceItem, dpo_datums, pair_record
 from meshrl.terms.base import LossTerm, StepOutput, TermContext
 from meshrl.training.trajectories import groups_of
-from meshrl.types import Datum
+from meshrl.types import Datum, LossPart
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +164,13 @@ class ReplayTerm(PairsTerm):
         self.unit_index += 1
         self.sent_this_step += self.submit(unit.sampled, quota)
 
-    def finish(self, version: int, metrics: dict) -> float | None:
+    def finish(self, version: int, metrics: dict) -> LossPart | None:
         """The pairs that arrived (at most `max_pairs_per_step`) as the step's DPO term."""
         if not self.trains:
             return None
         datums, counts = self.datums(version)
         metrics.update(counts)
-        return self.train(datums, metrics)
+        return self.part(datums)
 
     def end_step(self, output: StepOutput, metrics: dict) -> None:
         """A generation job: every pair that arrived goes out with the step's groups."""
@@ -340,11 +340,11 @@ class ShardPairsTerm(PairsTerm):
     def receive(self, unit) -> None:
         self.buffer += unit.extras.get("pairs", [])
 
-    def finish(self, version: int, metrics: dict) -> float:
+    def finish(self, version: int, metrics: dict) -> LossPart:
         datums = self.step_datums()  # shards carry no delivery lag: no version is needed
         self.used += len(datums) // 2
         metrics.update({"replay/dpo_items": float(self.used), "replay/buffered_pairs": float(len(self.buffer))})
-        return self.train(datums, metrics)
+        return self.part(datums)
 
     def state_dict(self) -> dict:
         return {"buffer": [vars(i) for i in self.buffer], "used": self.used}

@@ -23,7 +23,7 @@ from meshrl.meshes.ranks import actor_at
 from meshrl.sdpo.schedule import warmup_weight
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
 from meshrl.terms.base import DatumTerm, TermContext
-from meshrl.types import Datum
+from meshrl.types import Datum, LossPart
 
 
 def site_datum(site: ErrorSite, indices: torch.Tensor | None, logprobs: torch.Tensor) -> Datum:
@@ -123,7 +123,7 @@ class SDPOTerm(DatumTerm):
         unit.metrics["timing/sdpo_teacher_s"] = time.perf_counter() - started
         return datums
 
-    def finish(self, version: int, metrics: dict) -> float:
+    def finish(self, version: int, metrics: dict) -> LossPart:
         if self.on_learner and self.gathered:
             started = time.perf_counter()
             self.gathered = self.score_on_learner(self.gathered)

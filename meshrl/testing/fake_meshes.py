@@ -157,6 +157,11 @@ class FakeLearner:
         return {"loss": 0.0, "tokens": float(sum(int((d.loss_fn_inputs["mask"] != 0).sum()) for d in datums)),
                 "seconds": self.train_s}
 
+    def forward_backward_parts(self, parts, padding=False):
+        """One shared pass: recorded as ("parts", [(loss name, scale)]), then each part as a forward_backward."""
+        self.calls.append(("parts", [(p.loss_fn, p.scale) for p in parts]))
+        return [self.forward_backward(p.datums, p.loss_fn, p.loss_fn_config, padding, p.temperature) for p in parts]
+
     def scale_grads(self, factor):
         self.calls.append(("scale", factor))
 

@@ -56,9 +56,16 @@ class ValidLogits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                *selections: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Logits at each selection's positions: a [B, T] bool mask or flat indices into the
+        B x T positions (row-major); one tensor for one selection, else one per selection (the
+        decoder runs once for all of them)."""
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[valid])
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        head = self.model.get_output_embeddings()
+        logits = tuple(head(flat[s.reshape(-1)] if s.dtype == torch.bool else flat[s]) for s in selections)
+        return logits[0] if len(logits) == 1 else logits
 
 
 class DataParallel:

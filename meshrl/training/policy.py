@@ -22,13 +22,14 @@ from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
+from meshrl.training.shared_pass import SharedForward, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
-from meshrl.types import AdamParams, Datum, DimuonParams
+from meshrl.types import AdamParams, Datum, DimuonParams, LossPart
 
 CustomLoss = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict]]
 """``fn(datums, logprobs) -> (loss, metrics)``: ``logprobs[i]`` is the [length] log-probability of
@@ -53,18 +54,26 @@ def combine_metrics(parts: list[tuple[float, dict[str, float]]]) -> dict[str, fl
 class MicroBatchPass:
     """One padded micro-batch on the device; implements :class:`meshrl.losses.ForwardPass`."""
 
-    def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None, temperature: float = 1.0):
+    def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None, temperature: float = 1.0,
+                 shared: SharedForward | None = None, rows: list[int] | None = None):
+        """``shared``: the micro-batch is a view of a shared forward (meshrl.training.shared_pass)
+        whose row ``rows[b]`` holds datum b's sequence (or a longer one it is a prefix of)."""
         self.trainer, self.mb, self.temperature = trainer, mb, temperature
         self.inputs = {k: v.to(trainer.device) for k, v in mb.inputs.items()}
         key = self.inputs.get(valid_key) if valid_key else None
         self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
+        self.shared = shared
+        self.view = shared.add(rows, self.valid) if shared is not None else 0
         self._logits: torch.Tensor | None = None
         self._logprobs: torch.Tensor | None = None
         self.entropy: torch.Tensor | None = None  # [B, T], set with the logprobs
 
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            self._logits = self.trainer.valid_logits(self.mb, self.valid)
+            if self.shared is not None:
+                self._logits = self.shared.logits(self.trainer.valid_logits, self.view)
+            else:
+                self._logits = self.trainer.valid_logits(self.mb, self.valid)
         return self._logits
 
     def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ class MicroBatchPass:
     @torch.no_grad()
     def reference_logprobs(self) -> torch.Tensor:
         with self.trainer.reference_model() as model:
-            logits = self.trainer.valid_logits(self.mb, self.valid, model)
+            logits = self.trainer.valid_logits(self.mb, self.valid, model=model)
         targets = self.inputs["target_tokens"][self.valid]
         rows, _ = token_logprobs_and_entropy(logits, targets, self.trainer.cfg.logprob_chunk_tokens, self.temperature)
         return self._scatter(rows)
@@ -157,13 +166,14 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def valid_logits(self, mb: MicroBatch, valid: torch.Tensor, model=None) -> torch.Tensor:
+    def valid_logits(self, mb: MicroBatch, *valid: torch.Tensor, model=None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits [N, V] of ``model`` (a :class:`ValidLogits`; default: the policy) at the N valid model_input positions
         (row-major over batch, position). The vocabulary projection runs only there, in the
-        autocast dtype."""
+        autocast dtype. Several ``valid`` (masks or flat position indices): one decoder forward,
+        a logits tensor for each."""
         module = self.logits_module if model is None else model
         with self._autocast():
-            return module(mb.input_ids.to(self.device), mb.attention_mask.to(self.device), valid)
+            return module(mb.input_ids.to(self.device), mb.attention_mask.to(self.device), *valid)
 
     @contextlib.contextmanager
     def reference_model(self):
@@ -202,48 +212,86 @@ class PolicyTrainer:
 
     # ---- Tinker-style API ----------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
-                         padding: bool = False, outputs: bool = False, temperature: float = 1.0) -> dict:
+                         padding: bool = False, outputs: bool = False, temperature: float = 1.0,
+                         backward: bool = True) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
         (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
         each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
-        nothing). ``tokens`` counts the positions that carry a training signal (the loss's
-        ``signal``, else every position it reads): the policy entropy is their mean, and the
-        micro-batches' metrics are weighted by them. ``padding`` datums add nothing (see
-        :meth:`_passes`). ``temperature``: the log-probabilities (and the entropy) are those of
+        nothing). ``temperature``: the log-probabilities (and the entropy) are those of
         softmax(logits / temperature), the distribution the datums' tokens were sampled from (the
-        sampler's recorded `logprobs` are of that distribution). With
+        sampler's recorded `logprobs` are of that distribution). Without ``backward``: the loss
+        and its metrics only, no gradient (a forward-only loss). One loss of
+        :meth:`forward_backward_parts`, which says the rest."""
+        part = LossPart(datums, loss_fn, dict(loss_fn_config or {}), temperature)
+        return self.forward_backward_parts([part], padding, outputs, backward)[0]
+
+    def forward_backward_parts(self, parts: list[LossPart], padding: bool = False, outputs: bool = False,
+                               backward: bool = True) -> list[dict]:
+        """Accumulate the gradients of several registered, sum-reduced losses, each on its own
+        datums, in one set of micro-batches (meshrl.training.shared_pass): a micro-batch's decoder
+        forward runs once for every loss with datums there (each distinct token sequence once),
+        each loss reads its own datums' rows at its own ``temperature`` with its own config, and
+        the micro-batch's loss is the sum of each loss times its part's ``scale``; one backward.
+        Per part, its summed (unscaled) ``loss`` and combined metrics: ``tokens`` counts the
+        positions that carry its training signal (the loss's ``signal``, else every position it
+        reads): the policy entropy is their mean, and the micro-batches' metrics are weighted by
+        them; ``seconds`` is the whole call's. ``padding`` datums add nothing (see
+        :meth:`_passes`); with ``outputs`` each datum's target-token logprobs (``logprobs``). With
         `learner.release_heap_each_micro_batch` the free heap goes back to the kernel after each
-        micro-batch."""
-        spec = losses.get_loss(loss_fn)
-        config = dict(loss_fn_config or {})
+        micro-batch. Without ``backward`` the same losses and metrics, computed without grad and
+        nothing accumulated."""
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            return self._train_parts(parts, padding, outputs, backward)
+
+    def _train_parts(self, parts: list[LossPart], padding: bool, outputs: bool, backward: bool) -> list[dict]:
+        specs = [losses.get_loss(p.loss_fn) for p in parts]
+        configs = [dict(p.loss_fn_config or {}) for p in parts]
         started = time.perf_counter()
-        parts: list[tuple[float, dict[str, float]]] = []
-        tokens = 0
+        batches = pack_shared([p.datums for p in parts], [s.datums_per_item for s in specs], self.cfg.micro_batch_size,
+                              self.cfg.micro_batch_tokens) if any(p.datums for p in parts) else []
+        extra = self.dp.padding_passes(len(batches))
+        if extra and not batches:
+            raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
+        real = 0 if padding else len(batches)
+        metrics: list[list[tuple[float, dict[str, float]]]] = [[] for _ in parts]
+        tokens = [0] * len(parts)
         per_datum: dict[int, list[float]] = {}
-        for group, fp, scale in self._passes(datums, spec.valid_key, spec.datums_per_item, padding, temperature):
-            out = spec.fn(fp, **config)
-            (out.loss * scale).backward()
-            if not scale:
+        for i, batch in enumerate(batches + [batches[-1]] * extra):
+            shared = SharedForward(batch.rows, self.pad_id, self.device)
+            views = [(k, [d for d, _ in view], MicroBatchPass(self, pad_datums([d for d, _ in view], self.pad_id),
+                                                              specs[k].valid_key, parts[k].temperature, shared,
+                                                              [r for _, r in view]))
+                     for k, view in enumerate(batch.views) if view]
+            outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
+            total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
+            if backward:
+                (total * float(i < real)).backward()
+            if i >= real:
                 continue
-            if outputs:
-                logp = fp.logprobs().detach().float().cpu()
-                per_datum.update((id(d), logp[row, : d.length].tolist()) for row, d in enumerate(group))
-            signal = fp.valid if out.signal is None else out.signal
-            n_signal = int(signal.sum())
-            metrics = {**out.metrics, "loss": float(out.loss.detach())}
-            if fp.entropy is not None:
-                metrics["entropy"] = float(fp.entropy[signal].mean()) if n_signal else 0.0
-            weight = n_signal if spec.metric_weight == "tokens" else len(group) // spec.datums_per_item
-            parts.append((float(weight), metrics))
-            tokens += n_signal
+            for k, group, fp, out in outs:
+                if outputs:
+                    logp = fp.logprobs().detach().float().cpu()
+                    per_datum.update((id(d), logp[row, : d.length].tolist()) for row, d in enumerate(group))
+                signal = fp.valid if out.signal is None else out.signal
+                n_signal = int(signal.sum())
+                values = {**out.metrics, "loss": float(out.loss.detach())}
+                if fp.entropy is not None:
+                    values["entropy"] = float(fp.entropy[signal].mean()) if n_signal else 0.0
+                weight = n_signal if specs[k].metric_weight == "tokens" else len(group) // specs[k].datums_per_item
+                metrics[k].append((float(weight), values))
+                tokens[k] += n_signal
             if self.cfg.release_heap_each_micro_batch:
-                del fp, out, signal  # this micro-batch's logits and activations, before the release
+                del shared, views, outs, total, fp, out, signal  # this micro-batch's logits and activations
                 release_free_heap()
-        result = combine_metrics(parts)
-        result.update(tokens=float(tokens), seconds=time.perf_counter() - started)
-        if outputs:
-            result["logprobs"] = [per_datum[id(d)] for d in datums]
-        return result
+        seconds = time.perf_counter() - started
+        results = []
+        for k, part in enumerate(parts):
+            result = combine_metrics(metrics[k])
+            result.update(tokens=float(tokens[k]), seconds=seconds)
+            if outputs:
+                result["logprobs"] = [per_datum[id(d)] for d in part.datums]
+            results.append(result)
+        return results
 
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
         """Accumulate gradients of an arbitrary ``fn(datums, logprobs) -> (loss, metrics)`` over
