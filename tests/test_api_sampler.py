@@ -249,3 +249,64 @@ def test_another_owners_request_waits_for_one_chunk_not_for_a_whole_long_request
         assert [e for e in backend.events if e[0] == "hold"] == [("hold", 5), ("hold", 0), ("hold", 5)]
     finally:
         sampler.close()
+
+
+def test_the_held_version_waits_a_moment_for_its_owners_next_request_but_never_for_a_backlog():
+    """`hold_s`: b's request on version 0 finishes while a's flood waits on version 5; b has
+    nothing else waiting, so the generators keep version 0 for b's next request, which starts with
+    no weight load. A hold that sees no request switches when it ends; a's backlog is not waited
+    for: its version is switched away from as soon as its running requests end."""
+    backend = Backend()
+    sampler = Sampler(backend, per_owner=1, hold_s=0.5, turn_s=30.0)
+    try:
+        first = sampler.submit(0, [1], 1, PARAMS, owner="b")
+        wait_until(lambda: backend.started() == [1])
+        flood = [sampler.submit(5, [tag], 1, PARAMS, owner="a") for tag in (10, 11, 12)]
+        backend.release(1)
+        first.result(timeout=10)
+        second = sampler.submit(0, [2], 1, PARAMS, owner="b")  # within the hold: no switch
+        wait_until(lambda: backend.started() == [1, 2])
+        assert ("hold", 5) not in backend.events
+        started = time.monotonic()
+        backend.release(2)
+        second.result(timeout=10)
+        wait_until(lambda: ("hold", 5) in backend.events)  # no third request: the hold ends, a's version loads
+        assert time.monotonic() - started >= 0.4
+        wait_until(lambda: backend.started()[-1] == 10)
+        quiet = sampler.submit(0, [3], 1, PARAMS, owner="b")
+        backend.release(10)  # a's running request ends; a has two more waiting: b's version loads at once
+        wait_until(lambda: backend.started()[-1] == 3)
+        assert backend.events[-2:] == [("hold", 0), ("start", 3, 0)]
+        backend.release(3)
+        quiet.result(timeout=10)
+        for tag in (11, 12):
+            backend.release(tag)
+        assert [f.result(timeout=10).sequences[0].tokens for f in flood] == [[10], [11], [12]]
+        assert backend.events.count(("hold", 0)) == 2 and backend.events.count(("hold", 5)) == 2
+    finally:
+        for tag in range(20):
+            backend.release(tag)
+        sampler.close()
+
+
+def test_a_version_keeps_the_generators_by_waiting_for_at_most_its_turn():
+    """`turn_s`: an owner that sends one request after another keeps its version only while its
+    turn lasts; then the waiting version loads before the owner's next request runs."""
+    backend = Backend()
+    sampler = Sampler(backend, per_owner=1, hold_s=8.0, turn_s=1.5)
+    try:
+        for tag in range(20):
+            backend.release(tag)
+        sampler.submit(0, [1], 1, PARAMS, owner="b").result(timeout=10)
+        other = sampler.submit(5, [9], 1, PARAMS, owner="a")
+        started, sent = time.monotonic(), 0
+        while not other.done():
+            sampler.submit(0, [2], 1, PARAMS, owner="b").result(timeout=10)
+            sent += 1
+            assert time.monotonic() - started < 8, "the waiting version never loaded"
+        assert other.result(timeout=10).sequences[0].tokens == [9]
+        assert time.monotonic() - started < 6.0  # the turn (1.5 s), not the hold (8 s)
+        assert sent > 2  # b's requests ran without switches while its turn lasted
+        assert backend.events.index(("hold", 5)) > backend.events.index(("start", 2, 0)) + 2 * 2
+    finally:
+        sampler.close()

@@ -49,7 +49,8 @@ class ServiceClient:
         self.served = self.cfg.model.name_or_path
         self.root = checkpoint_root(self.cfg)
         limits = self.cfg.serve.limits
-        self.sampler = Sampler(self.backend, limits.max_running_samples, limits.sample_chunk_tokens)
+        self.sampler = Sampler(self.backend, limits.max_running_samples, limits.sample_chunk_tokens,
+                               limits.version_hold_s, limits.version_turn_s)
         self._ids = itertools.count()
         self._session = f"local{id(self):x}"
         self._sampler_versions: dict[str, int] = {}  # sampler path -> weight version

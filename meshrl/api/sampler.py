@@ -22,6 +22,16 @@ So one owner's backlog, on its own weight version or on everyone's, delays anoth
 at most one chunk of ``per_owner`` of its running requests, never by all of it, however long
 they are.
 
+A version switch costs a weight load (about a second for a 135M model on a CPU), and a client
+that samples one request after another sends its next one a moment after the last one's answer.
+So when an owner's last request of the held version finishes while another version waits, and
+that owner has nothing else waiting (no backlog), the generators keep the version for up to
+``hold_s`` for that owner's next request, which then starts at once (anticipation, as a disk
+scheduler waits for a process's next read near the last one rather than seek away and back). A
+version keeps the generators this way for at most ``turn_s`` from its load while another waits;
+an owner with a backlog is never waited for, so a flood is switched away from as soon as its
+running chunks end.
+
 Seeds: a request's `seed` seeds its own samples only (sample j of n draws with seed + j; the
 continuation of a sample at offset k draws with `continuation_seed`, the chunks' offsets fixed by
 ``chunk_tokens`` whatever the load), so the same request with the same seed gives the same tokens
@@ -34,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -89,8 +100,14 @@ class _Request:
 class Sampler:
     """Admits sampling requests to the generators version by version (see the module)."""
 
-    def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT, chunk_tokens: int | None = None):
+    def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT, chunk_tokens: int | None = None,
+                 hold_s: float = 0.0, turn_s: float = 0.0):
         self.backend = backend
+        self.hold_s = hold_s
+        """How long the held version waits for its last owner's next request while another
+        version waits (`serve.limits.version_hold_s`; 0: never)."""
+        self.turn_s = turn_s
+        """The longest a version keeps the generators by waiting so (`serve.limits.version_turn_s`)."""
         self.per_owner = per_owner
         """Most requests of one owner running at once (`serve.limits.max_running_samples`)."""
         self.chunk_tokens = chunk_tokens
@@ -104,6 +121,10 @@ class Sampler:
         self._waiting: deque[_Request] = deque()
         self._last_owner: str | None = None  # whose request chose the last version loaded
         self._closed = False
+        self._turn_started = 0.0  # when the held version was loaded (time.monotonic)
+        self._last_done: str | None = None  # the owner of the request of the held version that finished last
+        self._hold_until: float | None = None  # while the held version waits for that owner's next request
+        self._holds = 0  # numbers the holds, so that an earlier hold's timer cannot end a later one
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT + 1, thread_name_prefix="api-sampler")
 
     def submit(self, version: int, prompt: list[int], num_samples: int, params: SamplingParams,
@@ -120,7 +141,8 @@ class Sampler:
         with self._lock:
             if self._closed:
                 request.future.set_exception(RuntimeError(CLOSED))
-            elif self._may_start(request) and not self._switch_pending():
+            elif self._may_start(request) and (not self._switch_pending() or self._anticipated(request)):
+                self._hold_until = None
                 self._start(request)
             else:
                 self._waiting.append(request)
@@ -132,6 +154,39 @@ class Sampler:
         (the lock is held)."""
         return (request.version == self._held and not self._switching
                 and (request.owner is None or self._running[request.owner] < self.per_owner))
+
+    def _anticipated(self, request: _Request) -> bool:
+        """Whether ``request`` is the next request of the owner the held version waits for (the
+        lock is held)."""
+        return (self._hold_until is not None and time.monotonic() < self._hold_until
+                and request.owner == self._last_done and request.version == self._held)
+
+    def _may_hold(self) -> bool:
+        """Whether the drained generators may keep the held version a while for the owner whose
+        request finished last: it has no backlog, and the version's turn is young (the lock is held)."""
+        if self.hold_s <= 0 or self._held is None or self._last_done is None:
+            return False
+        now = time.monotonic()
+        if now - self._turn_started >= self.turn_s or (self._hold_until is not None and now >= self._hold_until):
+            return False
+        return not any(r.owner == self._last_done for r in self._waiting)
+
+    def _hold(self) -> None:
+        """Keep the held version for ``hold_s`` (or what is left of its turn); then switch unless
+        the awaited request came (the lock is held)."""
+        if self._hold_until is not None:
+            return  # holding already
+        wait = min(self.hold_s, self.turn_s - (time.monotonic() - self._turn_started))
+        self._hold_until = time.monotonic() + wait
+        self._holds += 1
+        timer = threading.Timer(wait, self._hold_over, args=(self._holds,))
+        timer.daemon = True
+        timer.start()
+
+    def _hold_over(self, number: int) -> None:
+        with self._lock:
+            if number == self._holds and self._hold_until is not None:
+                self._switch_when_drained()
 
     def _switch_pending(self) -> bool:
         """Whether a waiting request needs another version (then nothing new starts; the lock is held)."""
@@ -160,6 +215,10 @@ class Sampler:
         owners take turns (the lock is held)."""
         if not self._switch_pending() or self._in_flight or self._switching or self._closed:
             return
+        if self._may_hold():
+            self._hold()
+            return
+        self._hold_until = None
         needing = [r for r in self._waiting if r.version != self._held]
         chosen = next((r for r in needing if r.owner != self._last_owner), needing[0])
         self._last_owner = chosen.owner
@@ -176,6 +235,7 @@ class Sampler:
         with self._lock:
             self._switching = False
             self._held = None if failure is not None else version
+            self._turn_started, self._last_done = time.monotonic(), None
             if failure is None and self._closed:
                 failure = RuntimeError(CLOSED)
             if failure is not None:
@@ -202,6 +262,7 @@ class Sampler:
             with self._lock:
                 self._in_flight -= 1
                 self._running[request.owner] -= 1
+                self._last_done = request.owner
                 if not self._switch_pending():
                     self._start_waiting()
                 self._switch_when_drained()

@@ -101,6 +101,17 @@ class ServeLimits(Section):
     tokens cost more prefill per sample. Seeded samples stay reproducible (the chunks' offsets do
     not depend on the load); with `serve.keys_file` only (an open server's requests run whole)."""
 
+    version_hold_s: float = Field(0.5, ge=0)
+    """How long the generators keep a weight version, once a tenant's last request on it has
+    finished while another version waits, for that tenant's next request (when it has none
+    waiting): a client sampling one request after another sends its next a moment after an answer,
+    and switching away and back costs two weight loads. 0: switch at once. A tenant with a backlog
+    is never waited for."""
+
+    version_turn_s: float = Field(5.0, gt=0)
+    """The longest a weight version keeps the generators by waiting so (`version_hold_s`) while
+    another version waits: then the other version loads however soon the next request comes."""
+
     max_pending_training: int = Field(64, ge=1)
     """Most training requests (`forward_backward`, `optim_step`, saves and loads) of one tenant
     queued or running at once; the next one is refused (429) until one finishes."""
