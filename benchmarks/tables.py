@@ -361,10 +361,19 @@ def serve_abusive_neighbour(d: dict) -> str:
             f"weights (another weight version: every quiet request needs a version switch); the flood took "
             f"{d['flood_s']:.0f} s ({d['flood_generated_tokens']} tokens; {d['flood_requests_given_up']} requests given up by "
             f"the SDK after refusals for quota). Overrides: {', '.join(d['overrides']) or 'none'}. Meshes restarted: "
-            f"{d['mesh_recoveries']}. Load average {d['load_average_1m_at_start']:.1f} at start, "
+            f"{d['mesh_recoveries']}. " + _switches(d) + f"Load average {d['load_average_1m_at_start']:.1f} at start, "
             f"{d['load_average_1m']:.1f} at the end (a shared machine: the figures are noisy).\n\n"
             + table(["quiet tenant", "requests", "p50", "p99", "p50 vs alone", "p99 vs alone"], rows)
             + f"\n\nGoal: within {d['goal_ratio']:g}x of the quiet baseline." + _before_abusive(d))
+
+
+def _switches(d: dict) -> str:
+    """The generators' weight-version loads during the run, if the result counts them."""
+    s = d.get("version_switches")
+    if not s:
+        return ""
+    return (f"Weight-version loads on the generators: {s['count']}, {s['mean_total_s']:.2f} s each on average "
+            f"(loading into the engine {s['mean_load_s']:.2f} s). ")
 
 
 def _before_abusive(d: dict) -> str:
@@ -372,15 +381,16 @@ def _before_abusive(d: dict) -> str:
     runs = d.get("before")
     if not runs:
         return ""
-    rows = [[f"{b['commit']} (before)", num(b["alone_p50_s"], 2, " s"), num(b["flooded_p50_s"], 2, " s"),
-             num(b["flooded_p99_s"], 2, " s"), num(b["p50_ratio"], 1, "x"), num(b["p99_ratio"], 1, "x"),
-             num(b["load_average_1m"], 1)] for b in runs]
-    rows.append([f"{d['commit']} (this)", num(d["alone_p50_s"], 2, " s"), num(d["flooded_p50_s"], 2, " s"),
-                 num(d["flooded_p99_s"], 2, " s"), num(d["p50_ratio"], 1, "x"), num(d["p99_ratio"], 1, "x"),
-                 num(d["load_average_1m"], 1)])
-    return ("\n\nAgainst an earlier commit, run back to back with this one on the same machine:\n\n"
+    def row(r: dict, label: str) -> list[str]:
+        switches = r.get("version_switches") or {}
+        return [f"{r['commit']} ({label})", num(r["alone_p50_s"], 2, " s"), num(r["flooded_p50_s"], 2, " s"),
+                num(r["flooded_p99_s"], 2, " s"), num(r["p50_ratio"], 1, "x"), num(r["p99_ratio"], 1, "x"),
+                str(switches["count"]) if switches else "—", num(r["load_average_1m"], 1)]
+
+    rows = [row(b, b.get("what", "before")) for b in runs] + [row(d, "this")]
+    return ("\n\nAgainst earlier commits, run within the hour before this one on the same machine:\n\n"
             + table(["commit", "alone p50", "flooded p50", "flooded p99", "p50 vs alone", "p99 vs alone",
-                     "load at the end"], rows))
+                     "weight loads", "load at the end"], rows))
 
 
 @renders("sandbox_throughput", "python benchmarks/sandbox_throughput.py", "Sandboxed executions, 16 at a time")
