@@ -233,3 +233,15 @@ def test_a_resumed_buffer_keeps_its_references_and_an_old_checkpoint_is_scored_o
     by_learner.load_state_dict(state)  # a run that switched to the learner's reference drops the values
     assert all(i.reference is None for i in by_learner.buffer)
     assert all(REFERENCE_INPUT not in d.loss_fn_inputs for d in by_learner.step_datums())
+
+
+def test_the_reference_mesh_is_placed_beside_the_pool_and_never_in_the_learner():
+    from meshrl.config.base import ConfigError
+    from meshrl.meshes.placement import run_slots
+
+    slots = {s.name: s.key for s in run_slots(load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS]))}
+    assert slots["replay_reference"] == "replay.reference.mesh"
+    by_learner = load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, "replay.reference.source=learner"])
+    assert "replay_reference" not in {s.name for s in run_slots(by_learner)}
+    with pytest.raises(ConfigError, match="the reference would sit in the learner's memory"):
+        load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, "replay.reference.mesh.colocate_with=learner"])
