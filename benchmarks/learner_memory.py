@@ -24,7 +24,8 @@ benchmarks/results/learner_memory.json.
 
     python benchmarks/learner_memory.py --replay [--steps 3] [--pairs 16]
 
-adds (or replaces) its `replay` section, leaving the arms above as they are: full fine-tuning with
+adds (or replaces) its `replay` section, leaving the arms above as they are (without the run's
+directory, on a seeded shape with the totals the file records for it): full fine-tuning with
 the trace-replay term, each step one shared pass of the same policy-gradient batch and ``--pairs``
 DPO pairs (`replay.max_pairs_per_step`'s default), each pair's rejected answer one of the batch's
 episodes (as the student's reply is) and its chosen answer random tokens as long; the `micro-batch`
@@ -80,6 +81,19 @@ def episode_lengths(run: Path, tokenizer) -> list[tuple[int, int]]:
                          for m in e["messages"] if m["role"] == "assistant")
         out.append((total, min(completion, total - 1)))
     return out
+
+
+def recorded_lengths(result: dict, seed: int = 0) -> list[tuple[int, int]]:
+    """Where the ``--run`` directory is not at hand (runs are not committed): a seeded shape with
+    the totals ``result`` (this benchmark's JSON) records for it: as many sequences, the same total
+    and longest length, completions the same share of each sequence."""
+    rng = random.Random(seed)
+    n, total, longest = result["sequences"], result["tokens_per_step"], result["longest"]
+    draws = [rng.expovariate(1.0) for _ in range(n - 1)]
+    scale = (total - longest) / sum(draws)
+    lengths = [longest] + [max(2, min(longest, round(d * scale))) for d in draws]
+    share = result["completion_tokens_per_step"] / total
+    return [(m, max(1, min(m - 1, round(m * share)))) for m in lengths]
 
 
 def batch(seed: int, lengths: list[tuple[int, int]], vocab: int):
@@ -187,7 +201,9 @@ def replay_section(args, cfg, lengths, vocab: int) -> None:
     path = RESULTS / "learner_memory.json"
     result = json.loads(path.read_text())
     result["replay"] = {**provenance(), "load_average_1m": [load_before, os.getloadavg()[0]], "pairs": args.pairs,
-                        "steps": args.steps, "arms": arms}
+                        "steps": args.steps, "lengths": "the run's" if args.run.exists() else "recorded totals",
+                        "sequences": len(lengths), "tokens_per_step": sum(n for n, _ in lengths),
+                        "longest": max(n for n, _ in lengths), "arms": arms}
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote the replay section of {path}")
 
@@ -234,7 +250,15 @@ def main() -> None:
     cfg = load_config(RunConfig, None, [f"model.name_or_path={args.model}"])
     prepare_environment(cfg.meshes)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    lengths = episode_lengths(args.run, tokenizer)
+    if args.run.exists():
+        lengths = episode_lengths(args.run, tokenizer)
+    elif args.replay:
+        from common import RESULTS
+
+        lengths = recorded_lengths(json.loads((RESULTS / "learner_memory.json").read_text()))
+        print(f"{args.run} is not here: {len(lengths)} sequences shaped like the totals the file records for it")
+    else:
+        raise SystemExit(f"{args.run}: no such run directory (the committed code-tier runs are not in the repository)")
     if args.replay:
         replay_section(args, cfg, lengths, len(tokenizer))
         return
