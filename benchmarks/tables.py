@@ -262,7 +262,9 @@ def learner_memory_replay(r: dict) -> str:
              num(a["rss_after_gib_last"], 2, " GiB"), num(a["step_s_median"], 1, " s"), num(a["time_vs_before"], 2, "x"),
              num(a["reference_s_median"], 1, " s") if a["reference_s_median"] else "-"] for a in r["arms"]]
     shape = "the run's episodes" if r["lengths"] == "the run's" else "a seeded shape with the totals above"
-    return (f"\n\nWith the trace-replay term under full fine-tuning (`--replay`; {r['date']}, commit {r['commit']}): "
+    load = "-".join(f"{x:.1f}" for x in r["load_average_1m"])
+    return (f"\n\nWith the trace-replay term under full fine-tuning (`--replay`; {r['machine']}, 1-minute load "
+            f"{load} from other work; {r['date']}, commit {r['commit']}): "
             f"each step one shared pass of {r['sequences']} policy-gradient sequences ({r['tokens_per_step']:,} tokens, "
             f"{shape}) and {r['pairs']} DPO pairs (rejected: an episode's reply), {r['steps']} steps per arm, "
             "the micro-batch release.\n\n"
