@@ -454,7 +454,20 @@ def term_cost(d: dict) -> str:
               f"{num(d['shared_total_s'], 2, ' s')} in the shared pass ({num(d['shared_vs_separate'], 2, 'x')} wall-clock, "
               f"{num(d['shared_vs_separate_cpu'], 2, 'x')} CPU seconds); {d['datums']} datums forwarded as "
               f"{d['shared_rows']} rows, {d['separate_padded_tokens']:,} padded positions before, "
-              f"{d['shared_padded_tokens']:,} after.")
+              f"{d['shared_padded_tokens']:,} after."
+            + _precomputed_dpo(d))
+
+
+def _precomputed_dpo(d: dict) -> str:
+    """The DPO term's marginal cost with its pairs' reference log-probabilities precomputed, where
+    the file has it."""
+    dpo = next((t for t in d["terms"] if "shared_marginal_precomputed_s" in t), None)
+    if dpo is None:
+        return ""
+    return (f" With the pairs carrying precomputed reference log-probabilities (`replay.reference.source: "
+            f"precomputed`, no reference forward in the learner) the DPO term's marginal cost is "
+            f"{num(dpo['shared_marginal_precomputed_s'], 2, ' s')}, against {num(dpo['shared_marginal_s'], 2, ' s')} "
+            "with the learner's frozen reference.")
 
 
 TARGETS = {"full": (0.5, 0.75), "sdpo": (0.75, None), "replay": (0.75, None)}
