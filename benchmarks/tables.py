@@ -246,10 +246,30 @@ def learner_memory(d: dict) -> str:
     rows = [[a["arm"], what[a["arm"]], num(a["peak_gib_max"], 2, " GiB"), num(a["peak_vs_step"], 2, "x"),
              num(a["rss_after_gib_last"], 2, " GiB"), num(a["step_s_median"], 1, " s"), num(a["time_vs_step"], 2, "x")]
             for a in d["arms"]]
-    return (f"{d['model']}, {d['sequences']} sequences per step ({d['tokens_per_step']:,} tokens, the longest "
+    text = (f"{d['model']}, {d['sequences']} sequences per step ({d['tokens_per_step']:,} tokens, the longest "
             f"{d['longest']}) shaped like the last training step of `{d['run']}`, {d['steps']} steps per arm.\n\n"
             + table(["arm", "free heap back", "step's peak RSS", "vs step", "RSS after the step",
                      "median step", "vs step"], rows))
+    return text + (learner_memory_replay(d["replay"]) if "replay" in d else "")
+
+
+def learner_memory_replay(r: dict) -> str:
+    """The `replay` section (`learner_memory.py --replay`): the DPO pairs' reference computed by the
+    learner (before) or carried by the pairs (after)."""
+    where = {"replay-learner-reference": "the learner's float32 frozen copy, every pass",
+             "replay-precomputed": "carried by the pairs (bf16 reference, once per pair)"}
+    rows = [[a["arm"], where[a["arm"]], num(a["peak_gib_max"], 2, " GiB"), num(a["peak_vs_before"], 2, "x"),
+             num(a["rss_after_gib_last"], 2, " GiB"), num(a["step_s_median"], 1, " s"), num(a["time_vs_before"], 2, "x"),
+             num(a["reference_s_median"], 1, " s") if a["reference_s_median"] else "-"] for a in r["arms"]]
+    shape = "the run's episodes" if r["lengths"] == "the run's" else "a seeded shape with the totals above"
+    load = "-".join(f"{x:.1f}" for x in r["load_average_1m"])
+    return (f"\n\nWith the trace-replay term under full fine-tuning (`--replay`; {r['machine']}, 1-minute load "
+            f"{load} from other work; {r['date']}, commit {r['commit']}): "
+            f"each step one shared pass of {r['sequences']} policy-gradient sequences ({r['tokens_per_step']:,} tokens, "
+            f"{shape}) and {r['pairs']} DPO pairs (rejected: an episode's reply), {r['steps']} steps per arm, "
+            "the micro-batch release.\n\n"
+            + table(["arm", "DPO reference", "step's peak RSS", "vs before", "RSS after the step", "median step",
+                     "vs before", "reference, off the learner"], rows))
 
 
 @renders("pipeline_simulated", "python benchmarks/pipeline.py simulated", "Step time, synchronous and asynchronous, simulated meshes")
@@ -460,7 +480,20 @@ def term_cost(d: dict) -> str:
               f"{num(d['shared_total_s'], 2, ' s')} in the shared pass ({num(d['shared_vs_separate'], 2, 'x')} wall-clock, "
               f"{num(d['shared_vs_separate_cpu'], 2, 'x')} CPU seconds); {d['datums']} datums forwarded as "
               f"{d['shared_rows']} rows, {d['separate_padded_tokens']:,} padded positions before, "
-              f"{d['shared_padded_tokens']:,} after.")
+              f"{d['shared_padded_tokens']:,} after."
+            + _precomputed_dpo(d))
+
+
+def _precomputed_dpo(d: dict) -> str:
+    """The DPO term's marginal cost with its pairs' reference log-probabilities precomputed, where
+    the file has it."""
+    dpo = next((t for t in d["terms"] if "shared_marginal_precomputed_s" in t), None)
+    if dpo is None:
+        return ""
+    return (f" With the pairs carrying precomputed reference log-probabilities (`replay.reference.source: "
+            f"precomputed`, no reference forward in the learner) the DPO term's marginal cost is "
+            f"{num(dpo['shared_marginal_precomputed_s'], 2, ' s')}, against {num(dpo['shared_marginal_s'], 2, ' s')} "
+            "with the learner's frozen reference.")
 
 
 TARGETS = {"full": (0.5, 0.75), "sdpo": (0.75, None), "replay": (0.75, None)}

@@ -14,7 +14,10 @@ the lengths, not the ids).
 
 Per repetition, in alternating order: the step as it was (`forward_backward` per term: policy
 gradient, its normaliser, SDPO, DPO) and the shared pass (`forward_backward_parts`), plus the
-shared pass of the policy gradient with each extra term alone (the term's marginal cost). Gradients
+shared pass of the policy gradient with each extra term alone (the term's marginal cost), and with
+the DPO pairs carrying precomputed reference log-probabilities (`replay.reference.source:
+precomputed`: the learner runs no reference forward; the values are the learner's own, computed
+once before the repetitions, so the loss is the same). Gradients
 are cleared between calls; the optimizer step (the same in both) is not included. Writes
 benchmarks/results/term_cost.json: per term its datums, tokens, the seconds of its own pass and
 its share of the separate passes; the shared pass's seconds, the rows it forwarded, and the
@@ -86,6 +89,20 @@ def step_parts(tokenizer, seed: int = 0):
     }
 
 
+def with_references(trainer, part):
+    """``part`` (DPO) with each datum carrying its reference sequence logprob, as a pair formed
+    with `replay.reference.source: precomputed` does (here the learner's own frozen reference)."""
+    import dataclasses
+
+    from meshrl.losses.preference import REFERENCE_INPUT
+    from meshrl.types import Datum
+
+    reference = trainer.forward(part.datums, reference=True)
+    datums = [Datum(d.model_input, {**d.loss_fn_inputs, REFERENCE_INPUT: (lp * (d.loss_fn_inputs["mask"] != 0)).sum()})
+              for d, lp in zip(part.datums, reference)]
+    return dataclasses.replace(part, datums=datums)
+
+
 def timed(fn) -> tuple[float, float]:
     """Wall-clock and this process's CPU seconds of ``fn()`` (the CPU seconds move less with the
     other work on a shared machine)."""
@@ -137,8 +154,10 @@ def main() -> None:
         clear()
         return seconds
 
+    parts["replay_dpo_precomputed"] = with_references(trainer, parts["replay_dpo"])
     combos = {"all": names, "policy_gradient+sdpo": ["policy_gradient", "sdpo"],
-              "policy_gradient+replay_dpo": ["policy_gradient", "replay_dpo"]}
+              "policy_gradient+replay_dpo": ["policy_gradient", "replay_dpo"],
+              "policy_gradient+replay_dpo_precomputed": ["policy_gradient", "replay_dpo_precomputed"]}
     separate()  # warm-up: allocations and the reference model's first load
     shared(names)
     runs: dict[str, list[tuple[float, float]]] = {**{f"separate/{n}": [] for n in names}, **{f"shared/{c}": [] for c in combos}}
@@ -175,6 +194,8 @@ def main() -> None:
             "separate_share": med[f"separate/{n}"] / separate_total,
             "shared_marginal_s": None if n == "policy_gradient" else marginal - med["separate/policy_gradient"],
         })
+    terms[names.index("replay_dpo")]["shared_marginal_precomputed_s"] = (
+        med["shared/policy_gradient+replay_dpo_precomputed"] - med["separate/policy_gradient"])
     result = {
         "model": args.model, "reps": args.reps, "learner": {"micro_batch_size": trainer.cfg.micro_batch_size,
                                                             "autocast_bf16": trainer.cfg.autocast_bf16,
@@ -191,6 +212,8 @@ def main() -> None:
     }
     for t in terms:
         extra = "" if t["shared_marginal_s"] is None else f", marginal in the shared pass {t['shared_marginal_s']:.2f} s"
+        if "shared_marginal_precomputed_s" in t:
+            extra += f" ({t['shared_marginal_precomputed_s']:.2f} s with precomputed references)"
         print(f"{t['term']:>16}: {t['datums']} datums, {t['tokens']} tokens, own pass {t['separate_s']:.2f} s "
               f"({100 * t['separate_share']:.0f} %){extra}")
     print(f"separate passes {separate_total:.2f} s ({separate_cpu:.2f} cpu), shared pass {med['shared/all']:.2f} s "

@@ -1,6 +1,7 @@
 """Fault tolerance of the channel actors inside a real run: the SDPO teacher and the teacher
-replay pool are SIGKILLed mid-run and a teacher reply is lost; the run finishes every step with
-the events counted and the replacement pool inherits the spend made so far."""
+replay pool are SIGKILLed mid-run, a teacher reply is lost and the replay pairs' reference actor
+fails a call; the run finishes every step with the events counted, the replacement pool inherits
+the spend made so far and every pair still gets its reference values."""
 
 import pytest
 
@@ -16,7 +17,8 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
     faults = ("faults.inject=["
               "{mesh: teacher_replay, at_step: 1, action: drop, endpoint: submit},"
               "{mesh: sdpo_teacher, at_step: 2, action: kill, during: sdpo, seconds: 0},"
-              "{mesh: teacher_replay, at_step: 3, action: kill, during: step_start}]")
+              "{mesh: teacher_replay, at_step: 3, action: kill, during: step_start},"
+              "{mesh: replay_reference, at_step: 2, action: raise, endpoint: score_pairs}]")
     with FakeOpenAIServer({"m0": "42", "m1": "42", "m2": "41"}) as server:
         cfg = tiny_run_config("output.name=channel-faults", "trainer.steps=5", *COMMON, "sdpo.alpha=0.5",
                               "sdpo.teacher=mesh", "replay.beta=0.5", "replay.pool.procs=1", "replay.pool.result_timeout_s=3",
@@ -28,8 +30,10 @@ def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_confi
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
     assert sum(r["batch/groups"] for r in train) == 5 * cfg.trainer.prompts_per_step
     meshes = sorted(f["mesh"] for f in records if f["kind"] == "fault")
-    assert meshes == ["sdpo_teacher", "teacher_replay"]
+    assert meshes == ["replay_reference", "sdpo_teacher", "teacher_replay"]
     last = train[-1]
+    assert last["faults/restarts/replay_reference"] == 1  # the failed scoring call was made again on a new actor
+    assert last["replay/reference_scored"] == last["replay/dpo_items"]
     assert last["faults/restarts/sdpo_teacher"] == 1 and last["faults/restarts/teacher_replay"] == 1
     assert any(r["loss/sdpo_jsd"] > 0 for r in train[2:])  # distillation resumed after the replacement
     assert last["replay/dpo_items"] > 0

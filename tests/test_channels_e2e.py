@@ -17,9 +17,9 @@ def _teachers(url, extra=""):
     return "replay.teachers.teachers=[" + ", ".join(entries) + "]"
 
 
-def _run(cfg, session=None):
+def _run(cfg, session=None, actors=None):
     run_dir = make_run_dir(cfg, overwrite=True)
-    run_training(cfg, run_dir, session=session)
+    run_training(cfg, run_dir, session=session, actors=actors)
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
@@ -28,12 +28,17 @@ COMMON = ["trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkp
 
 
 def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
+    """The replay pairs' reference log-probabilities come from the reference actor (the default
+    `replay.reference.source: precomputed`): the learner, made to fail if it is ever asked for its
+    frozen reference model, trains the DPO term all the same."""
+    from meshrl.testing.mesh_actors import LearnerWithoutReference
+
     script = {"m0": "The answer is 42.", "m1": "42", "m2": Fault("server_error"), "hinter": "Hint: add carefully."}
     with FakeOpenAIServer(script) as server:
         hinter = f"sdpo.hint_generator={{enabled: true, endpoint: {{name: h, base_url: '{server.base_url}', model: hinter}}}}"
         cfg = tiny_run_config("output.name=full", "trainer.steps=4", *COMMON, "sdpo.alpha=0.5", "sdpo.teacher=mesh",
                               "replay.beta=0.5", "replay.pool.procs=1", _teachers(server.base_url), hinter)
-        train = _run(cfg, tiny_session)
+        train = _run(cfg, tiny_session, actors={"learner": LearnerWithoutReference})
         requests = server.chat_requests("m0")
     assert len(train) == 4
     assert any(r["loss/grpo"] != 0 for r in train)
@@ -46,6 +51,7 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     assert last["sdpo/error_sites"] > 0 and last["sdpo/hints"] > 0
     assert last["sdpo/llm_hints"] > 0 and last["sdpo/llm_hint_ok"] > 0  # the optional LLM hint generator
     assert last["replay/submitted"] > 0 and last["replay/dpo_items"] > 0
+    assert last["replay/reference_scored"] == last["replay/dpo_items"]  # every buffered pair, once
     assert last["replay/failures/server_error"] > 0  # the failing teacher is counted, training went on
     # every teacher saw the student's exact context (the default system prompt included)
     assert requests and requests[0].body["messages"][0]["role"] == "system"

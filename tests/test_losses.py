@@ -510,6 +510,44 @@ def test_dpo_from_token_logprobs():
     torch.testing.assert_close(sequence_logprobs(token_lp, mask), torch.tensor([-1.5, -0.75], dtype=torch.float64))
 
 
+def test_dpo_loss_reads_precomputed_references_and_asks_the_learner_only_without_them():
+    from meshrl.losses import get_loss
+    from meshrl.losses.preference import REFERENCE_INPUT
+
+    class _NoReference(_Pass):
+        def reference_logprobs(self):
+            raise AssertionError("the learner's reference was asked for")
+
+    class _LearnerReference(_Pass):
+        def __init__(self, learner_logprobs, reference, **inputs):
+            super().__init__(learner_logprobs, **inputs)
+            self.reference = reference
+
+        def reference_logprobs(self):
+            return self.reference
+
+    # one pair: chosen = row 0 (answer tokens at positions 1, 2), rejected = row 1 (position 2)
+    policy = torch.tensor([[LN(0.9), LN(0.5), LN(0.5)], [LN(0.3), LN(0.7), LN(0.25)]], dtype=torch.float64,
+                          requires_grad=True)
+    mask, weight = torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([0.5, 0.5], dtype=torch.float64)
+    # reference sequence logprobs: chosen ln 0.5, rejected ln 0.5; policy: chosen ln 0.25, rejected ln 0.25
+    # margin = beta [(ln .25 - ln .5) - (ln .25 - ln .5)] = 0: L = 0.5 ln 2
+    fp = _NoReference(policy, mask=mask, weight=weight,
+                      **{REFERENCE_INPUT: torch.tensor([LN(0.5), LN(0.5)], dtype=torch.float64)})
+    out = get_loss("dpo").fn(fp, beta=0.5)
+    assert out.loss.item() == pytest.approx(0.5 * LN(2), rel=1e-12)
+    # references ln 0.125 and ln 0.25 instead: margin = 0.5 [(ln .25 - ln .125) - (ln .25 - ln .25)] = 0.5 ln 2
+    fp = _NoReference(policy, mask=mask, weight=weight,
+                      **{REFERENCE_INPUT: torch.tensor([LN(0.125), LN(0.25)], dtype=torch.float64)})
+    out = get_loss("dpo").fn(fp, beta=0.5)
+    assert out.loss.item() == pytest.approx(0.5 * LN(1 + 2 ** -0.5), rel=1e-12)
+    assert out.metrics["reward_margin"] == pytest.approx(0.5 * LN(2), rel=1e-12)
+    # without the input the learner's reference is used, to the same result on the same numbers
+    learner_reference = torch.tensor([[0.0, LN(0.25), LN(0.5)], [0.0, 9.0, LN(0.25)]], dtype=torch.float64)
+    out_learner = get_loss("dpo").fn(_LearnerReference(policy, learner_reference, mask=mask, weight=weight), beta=0.5)
+    assert out_learner.loss.item() == pytest.approx(0.5 * LN(1 + 2 ** -0.5), rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- aggregation / micro-batches
 
 

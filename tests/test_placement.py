@@ -40,7 +40,8 @@ def test_a_host_without_gpus_needs_no_bootstrap_and_env_takes_the_rewarders_plac
     teachers = [{"name": n, "base_url": "http://127.0.0.1:1/v1", "model": "m"} for n in "ab"]
     cfg = load_config(RunConfig, None, ["task.kind=code", "replay.beta=0.5", f"replay.teachers.teachers={teachers}"])
     placement = plan_run(cfg, (), host="h")
-    assert [r.mesh for r in placement.rows] == ["learner", "generator", "env", "teacher_replay", "teacher_replay"]
+    assert [r.mesh for r in placement.rows] == ["learner", "generator", "env", "teacher_replay", "teacher_replay",
+                                               "replay_reference"]  # the replay pairs' reference actor
     assert placement.bootstrap("learner", 1) is None
 
 

@@ -11,7 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
+import json
+
 from meshrl.actors.teacher_replay import TraceReplayOutcome
+from meshrl.losses.preference import REFERENCE_INPUT
 from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from meshrl.replay.agreement import PreferencePair
@@ -51,13 +54,35 @@ class ScriptedPool:
         return [args[0] for name, _, args in self.calls if name == "submit"]
 
 
+class FakeReference:
+    """The reference mesh: each answer's 'log-probability' is minus its length plus the prompt's
+    first token / 100 (easy to check), one actor per rank."""
+
+    def __init__(self, procs: int):
+        self.extent = SimpleNamespace(labels=["procs"], sizes=[procs])
+        self.calls: list[int] = []  # pairs per call
+
+    def slice(self, procs: int):
+        def score(pairs, temperature):
+            self.calls.append(len(pairs))
+            return {"references": [[-len(c) + p[0] / 100, -len(r) + p[0] / 100] for p, c, r in pairs], "seconds": 0.0}
+
+        return SimpleNamespace(score_pairs=SimpleNamespace(call_one=score))
+
+
 class ScriptedClient:
-    def __init__(self, pool: ScriptedPool):
-        self.pool = pool
+    def __init__(self, pool: ScriptedPool, reference: FakeReference):
+        self.meshes = {"teacher_replay": pool, "replay_reference": reference}
         self.sup = SimpleNamespace(on_respawn=lambda mesh, fn: None)
 
+    def procs(self, mesh):
+        return self.meshes[mesh].extent.sizes[0]
+
     def call(self, mesh, what, issue, name, timeout_s):
-        return issue(self.pool)
+        return issue(self.meshes[mesh])
+
+    def unsupervised(self, mesh, issue, what, timeout_s=None):
+        return issue(self.meshes[mesh])
 
 
 @dataclass
@@ -75,7 +100,8 @@ def make_term(smollm_tokenizer):
     def make(*overrides):
         cfg = load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, *overrides])
         pool = ScriptedPool(cfg.replay.pool.procs)
-        term = ReplayTerm(TermContext(cfg, ScriptedClient(pool), renderer))
+        client = ScriptedClient(pool, FakeReference(cfg.replay.reference.mesh.procs))
+        term = ReplayTerm(TermContext(cfg, client, renderer))
         terms.append(term)
         return term, pool
 
@@ -143,3 +169,79 @@ def test_buffered_pairs_are_dropped_and_counted_once_too_old_and_the_buffer_is_b
     datums, metrics = term.datums(5)  # the remaining pairs' traces (version 3) are now 2 versions old
     assert datums == [] and term.buffer == []
     assert metrics["replay/pairs_stale"] == 2
+
+
+def _expected_reference(item):
+    return [-len(item.chosen) + item.prompt[0] / 100, -len(item.rejected) + item.prompt[0] / 100]
+
+
+def test_pairs_get_their_reference_once_as_they_arrive_and_their_datums_carry_it(make_term):
+    term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.reference.mesh.procs=2")
+    reference = term.client.meshes["replay_reference"]
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    datums, metrics = term.datums(1)
+    assert sorted(reference.calls) == [2, 2]  # the 4 new pairs, split over the reference mesh's two ranks
+    assert metrics["replay/reference_scored"] == 4 and len(term.buffer) == 2
+    for item in term.buffer:
+        assert item.reference == pytest.approx(_expected_reference(item))
+    chosen, rejected = datums[0], datums[1]  # the first pair trained, chosen then rejected
+    values = [float(chosen.loss_fn_inputs[REFERENCE_INPUT]), float(rejected.loss_fn_inputs[REFERENCE_INPUT])]
+    prompt_first = chosen.model_input.to_ints()[0]
+    n_chosen = int(chosen.loss_fn_inputs["mask"].sum())
+    n_rejected = int(rejected.loss_fn_inputs["mask"].sum())
+    assert values == pytest.approx([-n_chosen + prompt_first / 100, -n_rejected + prompt_first / 100])
+    term.datums(1)
+    assert sorted(reference.calls) == [2, 2]  # buffered pairs are never scored again
+
+
+def test_the_learner_source_spawns_nothing_and_its_datums_have_no_reference(make_term):
+    term, pool = make_term("replay.traces_per_step=4", "replay.reference.source=learner")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    datums, metrics = term.datums(1)
+    assert term.client.meshes["replay_reference"].calls == [] and "replay/reference_scored" not in metrics
+    assert datums and all(REFERENCE_INPUT not in d.loss_fn_inputs for d in datums)
+
+
+def test_a_resumed_buffer_keeps_its_references_and_an_old_checkpoint_is_scored_on_load(make_term):
+    term, pool = make_term("replay.traces_per_step=4", "replay.max_pairs_per_step=1")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    term.drain(1)
+    state = json.loads(json.dumps(term.state_dict()))  # as a checkpoint stores it
+    assert [i["reference"] for i in state["buffer"]] == [i.reference for i in term.buffer]
+
+    resumed, _ = make_term("replay.traces_per_step=4", "replay.max_pairs_per_step=1")
+    resumed.load_state_dict(state)
+    assert [i.reference for i in resumed.buffer] == [i.reference for i in term.buffer]
+    assert resumed.client.meshes["replay_reference"].calls == []  # nothing to compute again
+
+    old = json.loads(json.dumps(state))
+    for item in old["buffer"]:
+        del item["reference"]  # a checkpoint written before pairs carried references
+    from_old, _ = make_term("replay.traces_per_step=4", "replay.max_pairs_per_step=1")
+    from_old.load_state_dict(old)
+    assert from_old.client.meshes["replay_reference"].calls == [len(old["buffer"])]
+    assert [v for i in from_old.buffer for v in i.reference] == \
+        pytest.approx([v for i in from_old.buffer for v in _expected_reference(i)])
+
+    by_learner, _ = make_term("replay.traces_per_step=4", "replay.reference.source=learner")
+    by_learner.load_state_dict(state)  # a run that switched to the learner's reference drops the values
+    assert all(i.reference is None for i in by_learner.buffer)
+    assert all(REFERENCE_INPUT not in d.loss_fn_inputs for d in by_learner.step_datums())
+
+
+def test_the_reference_mesh_is_placed_beside_the_pool_and_never_in_the_learner():
+    from meshrl.config.base import ConfigError
+    from meshrl.meshes.placement import run_slots
+
+    slots = {s.name: s.key for s in run_slots(load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS]))}
+    assert slots["replay_reference"] == "replay.reference.mesh"
+    by_learner = load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, "replay.reference.source=learner"])
+    assert "replay_reference" not in {s.name for s in run_slots(by_learner)}
+    with pytest.raises(ConfigError, match="the reference would sit in the learner's memory"):
+        load_config(RunConfig, None, ["replay.beta=0.1", TEACHERS, "replay.reference.mesh.colocate_with=learner"])

@@ -9,9 +9,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshrl.config.base import Section
-from meshrl.config.meshes import ENV, MESH_NAMES, SDPO_TEACHER, TEACHER_REPLAY
+from meshrl.config.meshes import ENV, MESH_NAMES, REPLAY_REFERENCE, SDPO_TEACHER, TEACHER_REPLAY
 
-RUN_MESHES = (*MESH_NAMES, ENV, SDPO_TEACHER, TEACHER_REPLAY)
+RUN_MESHES = (*MESH_NAMES, ENV, SDPO_TEACHER, TEACHER_REPLAY, REPLAY_REFERENCE)
 """Every actor mesh a standard run can spawn (the keys `launch.place` accepts)."""
 
 _NAME = r"^[a-z][a-z0-9_-]{0,39}$"

@@ -12,8 +12,9 @@ GENERATOR, LEARNER, REWARDER = "generator", "learner", "rewarder"
 MESH_NAMES = (GENERATOR, LEARNER, REWARDER)
 """The meshes every run has (each with its `meshes.<name>` placement)."""
 ENV, SDPO_TEACHER, TEACHER_REPLAY = "env", "sdpo_teacher", "teacher_replay"
+REPLAY_REFERENCE = "replay_reference"
 """Meshes a run adds beside MESH_NAMES: the code task's env mesh (in the rewarder's place), the SDPO
-teacher and the teacher replay pool."""
+teacher, the teacher replay pool and the replay pairs' reference actor."""
 
 
 class MeshSpec(Section):

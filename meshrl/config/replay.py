@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshrl.config.base import Section
+from meshrl.config.meshes import LEARNER, ChannelMesh
 from meshrl.config.teachers import TeacherEndpointConfig
 
 CanonicaliserKind = Literal["math_answer", "code", "tool_call", "text"]
@@ -71,6 +72,32 @@ class TeacherPanelConfig(Section):
         return self
 
 
+class ReplayReferenceConfig(Section):
+    """Where a replay pair's reference log-probabilities (DPO's frozen initial policy) come from."""
+
+    source: Literal["precomputed", "learner"] = "precomputed"
+    """`precomputed`: once per pair, when the pair is formed, by a reference actor holding the
+    initial weights in `model.dtype` (forward only, its own mesh: `mesh`); the pair carries both
+    values into the buffer and the learner runs no reference forward and loads no frozen copy.
+    `learner`: the learner computes them on every pass with its frozen initial policy (under full
+    fine-tuning a float32 copy of the model on every learner rank; under LoRA the base weights)."""
+
+    mesh: ChannelMesh = ChannelMesh()
+    """Where the reference actor runs (`source: precomputed`): its own processes by default, or
+    those of the `generator` or the `rewarder`; never the learner's."""
+
+    call_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one scoring call on the reference mesh (a step's new pairs); past it the mesh
+    is replaced and the call made again, like any supervised call."""
+
+    @model_validator(mode="after")
+    def _not_on_the_learner(self) -> "ReplayReferenceConfig":
+        if self.mesh.colocate_with == LEARNER:
+            raise ValueError("mesh.colocate_with = 'learner': the reference would sit in the learner's memory; "
+                             "use source: learner instead")
+        return self
+
+
 class ReplayConfig(Section):
     """Channel 3: N external teachers replay the frozen trace; k-of-N agreement against the
     student becomes a DPO pair that arrives later as a delayed result."""
@@ -103,3 +130,6 @@ class ReplayConfig(Section):
 
     pool: ReplayPoolConfig = ReplayPoolConfig()
     """The replay actor pool and its delayed results."""
+
+    reference: ReplayReferenceConfig = ReplayReferenceConfig()
+    """The pairs' reference log-probabilities: computed once per pair off the learner, or by it."""

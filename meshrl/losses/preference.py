@@ -9,7 +9,9 @@ pi_ref, for each (chosen, rejected) pair:
 
 dL/d log pi(chosen) = -beta sigmoid(r_r - r_c) < 0 and dL/d log pi(rejected) = +beta sigmoid(r_r - r_c)
 > 0, so a gradient step raises the chosen sequence and lowers the rejected one.  Reference logprobs
-are constants (detached).
+are constants (detached): a pair's datums may carry them, computed once when the pair was formed
+(`REFERENCE_INPUT`, e.g. by the replay term's reference actor, meshrl.actors.reference); without it
+the learner computes them with its frozen initial policy on every pass.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from pydantic import Field
 from meshrl.config.base import Section
 from meshrl.losses.base import LossOutput, as_weights
 from meshrl.losses.registry import ForwardPass, register_loss
+
+
+REFERENCE_INPUT = "reference_logprob"
+"""The per-sequence loss input holding a datum's precomputed reference sequence logprob: the sum of
+log pi_ref(token) over its answer tokens (`mask` != 0), at the pass's temperature."""
 
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,9 +88,13 @@ class DPOParams(Section):
 def dpo_loss(fp: ForwardPass, beta: float = 0.1) -> LossOutput:
     """Datums come in pairs for the same prompt, the chosen answer first and the rejected one second;
     `mask` is 1 on each answer's tokens and the per-sequence `weight` (read from the chosen datum)
-    scales the pair's term. The reference is the learner's frozen initial policy."""
+    scales the pair's term. The reference is each datum's precomputed `REFERENCE_INPUT` where the
+    datums carry it (then the learner runs no reference forward), else the learner's frozen initial
+    policy."""
     mask = fp.inputs["mask"]
     policy = sequence_logprobs(fp.logprobs(), mask)
-    reference = sequence_logprobs(fp.reference_logprobs(), mask)
+    precomputed = fp.inputs.get(REFERENCE_INPUT)
+    reference = precomputed.to(policy.dtype) if precomputed is not None else \
+        sequence_logprobs(fp.reference_logprobs(), mask)
     return dpo(policy[0::2], policy[1::2], reference[0::2], reference[1::2], beta=beta,
                pair_weights=fp.inputs["weight"][0::2])

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from meshrl.config.base import ConfigError
 from meshrl.config.launch import LaunchConfig
-from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REWARDER, SDPO_TEACHER, TEACHER_REPLAY, MeshSpec,
-                                  check_colocation)
+from meshrl.config.meshes import (ENV, GENERATOR, LEARNER, MESH_NAMES, REPLAY_REFERENCE, REWARDER, SDPO_TEACHER,
+                                  TEACHER_REPLAY, MeshSpec, check_colocation)
 from meshrl.config.run import RunConfig
 from meshrl.meshes.auto_gpus import GpuChoice, cpu_if_auto, resolve_gpus
 from meshrl.training.gpu_budget import MEMORY_FRACTION_ENV
@@ -149,10 +149,17 @@ def _devices_cell(row: PlacementRow) -> str:
     return cell if row.memory_fraction is None or not row.devices else f"{cell} ({row.memory_fraction:.0%})"
 
 
+def replay_reference_mesh(cfg: RunConfig) -> bool:
+    """Whether the run has the replay pairs' reference actor: it trains on its own replay pairs
+    (not a generation job, not a learner of shards) with `replay.reference.source: precomputed`."""
+    return cfg.replay.beta > 0 and cfg.replay.reference.source == "precomputed" and cfg.diloco.role == "train"
+
+
 def run_slots(cfg: RunConfig) -> list[Slot]:
     """Every mesh a run spawns, in placement order: learner, generator, the rewarder's slot (the
     env mesh for the code task; none for an agent program's, which runs beside the controller), then
-    the SDPO teacher (its own mesh: `sdpo.teacher = mesh`) and the teacher replay pool when enabled."""
+    the SDPO teacher (its own mesh: `sdpo.teacher = mesh`) and the teacher replay pool and its pairs'
+    reference actor (`replay.reference.source = precomputed`) when enabled."""
     m = cfg.meshes
     slots = [Slot(LEARNER, "meshes.learner", m.learner), Slot(GENERATOR, "meshes.generator", m.generator)]
     if cfg.task.kind != "agent":
@@ -161,6 +168,8 @@ def run_slots(cfg: RunConfig) -> list[Slot]:
         slots.append(Slot(SDPO_TEACHER, "sdpo.mesh", cfg.sdpo.mesh))
     if cfg.replay.beta > 0:
         slots.append(Slot(TEACHER_REPLAY, "replay.pool", MeshSpec(procs=cfg.replay.pool.procs, gpus_per_proc=0)))
+        if replay_reference_mesh(cfg):
+            slots.append(Slot(REPLAY_REFERENCE, "replay.reference.mesh", cfg.replay.reference.mesh))
     return slots
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshrl.losses.preference import REFERENCE_INPUT
 from meshrl.types import Datum
 
 
@@ -21,15 +22,27 @@ class PreferenceItem:
     """The policy version that sampled the replayed trace, by which the replay term drops a pair
     grown too old before its turn (`replay.pool.max_version_lag`); None where it is not known
     (pairs read from rollout shards, checkpoints that predate it)."""
+    reference: list[float] | None = None
+    """[chosen, rejected]: each answer's sequence log-probability (the sum over its tokens) under
+    the reference policy, computed once when the pair was formed (`replay.reference:
+    precomputed`); None where it was not (the learner then computes it on every pass)."""
 
 
 def dpo_datums(items: list[PreferenceItem], weight: float) -> list[Datum]:
     """Two Datums per pair, chosen then rejected, each answer's tokens masked in and the pair's
-    term weighted by ``weight``."""
+    term weighted by ``weight``; a pair's precomputed reference values go with its datums
+    (`REFERENCE_INPUT`). Either every pair has them or none (ValueError), so that a micro-batch
+    never mixes the two."""
+    with_reference = {item.reference is not None for item in items}
+    if len(with_reference) > 1:
+        raise ValueError("dpo_datums: some pairs carry precomputed reference logprobs and others do not")
     datums = []
     for item in items:
-        for answer in (item.chosen, item.rejected):
-            datums.append(Datum.from_sequence(item.prompt + answer, per_sequence={"weight": weight},
+        for i, answer in enumerate((item.chosen, item.rejected)):
+            per_sequence = {"weight": weight}
+            if item.reference is not None:
+                per_sequence[REFERENCE_INPUT] = item.reference[i]
+            datums.append(Datum.from_sequence(item.prompt + answer, per_sequence=per_sequence,
                                               mask=[0] * len(item.prompt) + [1] * len(answer)))
     return datums
 

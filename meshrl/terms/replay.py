@@ -9,7 +9,11 @@ Training never waits on teachers: `submit` returns once the actors have queued t
 `drain` only takes what has already arrived. A step submits at most `replay.traces_per_step`
 traces, shared fairly among its units as they arrive (`unit_quota`) and spread over each unit's
 groups (`spread_over_groups`); what the budget leaves out is counted (`replay/skipped_budget`).
-Pairs wait in a bounded buffer and are checked for age again when their turn comes. The pool is supervised like any mesh; a replaced pool
+Pairs wait in a bounded buffer and are checked for age again when their turn comes. With
+`replay.reference.source: precomputed` a pair's two reference log-probabilities are computed once,
+as it enters the buffer, by the reference actor (meshrl.actors.reference, the initial weights in
+`model.dtype` on a mesh of its own), and its datums carry them: the learner's step runs no
+reference forward and holds no frozen copy of the model. The pool is supervised like any mesh; a replaced pool
 is re-subscribed to the inbox and given back the work it had not delivered, and the inbox's dedupe
 makes sure each trace's result is used once.
 """
@@ -23,7 +27,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshrl.actors.teacher_replay import producer_name
+from meshrl.config.meshes import REPLAY_REFERENCE
 from meshrl.config.meshes import TEACHER_REPLAY as POOL
+from meshrl.meshes.dispatch import split_evenly
+from meshrl.meshes.placement import replay_reference_mesh
 from meshrl.meshes.ranks import actor_at
 from meshrl.replay.pairs import PreferenceItem, dpo_datums, pair_record
 from meshrl.terms.base import LossTerm, StepOutput, TermContext
@@ -112,6 +119,8 @@ class ReplayTerm(PairsTerm):
         self.sent_this_step = 0  # traces the step has submitted
         self.step = 0
         self.records: list[dict] = []
+        self.precomputed = replay_reference_mesh(ctx.cfg)
+        """Whether pairs get their reference log-probabilities from the reference mesh as they arrive."""
         self._subscribe()
         self.client.sup.on_respawn(POOL, self._after_respawn)
 
@@ -121,6 +130,13 @@ class ReplayTerm(PairsTerm):
 
         session.spawn(POOL, TeacherReplayActor, cfg.replay.teachers, cfg.replay.pool, POOL, procs=cfg.replay.pool.procs,
                       timeout_s=cfg.replay.pool.rpc_timeout_s)
+        if replay_reference_mesh(cfg):
+            from meshrl.actors.reference import ReferenceActor
+
+            ref = cfg.replay.reference
+            session.spawn(REPLAY_REFERENCE, ReferenceActor, str(session.model_path), cfg.model.dtype,
+                          cfg.learner.torch_threads, procs=ref.mesh.procs, colocate_with=ref.mesh.colocate_with,
+                          timeout_s=ref.call_timeout_s)
 
     # ---- remote helpers --------------------------------------------------------------------
     def _call(self, what: str, issue):
@@ -214,9 +230,34 @@ class ReplayTerm(PairsTerm):
                   for _, _, start, end in turns]
         return Trace(episode_id=t.id, steps=steps), tokens
 
+    def score_references(self, items: list[PreferenceItem]) -> float:
+        """Set each pair's `reference` (chosen, rejected) from the reference mesh, in one supervised
+        call with `replay.reference.call_timeout_s`; returns the call's seconds."""
+        if not items:
+            return 0.0
+        started = time.perf_counter()
+        parts = split_evenly(items, self.client.procs(REPLAY_REFERENCE))
+        temperature = self.logprob_temperature()
+
+        def issue(actors):
+            return [actor_at(actors, r).score_pairs.call_one([(i.prompt, i.chosen, i.rejected) for i in part],
+                                                             temperature) for r, part in enumerate(parts)]
+
+        replies = self.client.call(REPLAY_REFERENCE, "replay_reference", issue, f"{REPLAY_REFERENCE}.score_pairs",
+                                   self.cfg.reference.call_timeout_s)
+        references = [ref for reply in replies for ref in reply["references"]]
+        if len(references) != len(items) or any(len(r) != 2 for r in references):
+            raise RuntimeError(f"{REPLAY_REFERENCE}.score_pairs: {len(references)} replies for {len(items)} pairs")
+        for item, ref in zip(items, references):
+            item.reference = [float(ref[0]), float(ref[1])]
+        self.counts["reference_scored"] += len(items)
+        return time.perf_counter() - started
+
     def drain(self, version: int) -> dict[str, float]:
-        """Take every result that has arrived: pairs become DPO items in the buffer."""
+        """Take every result that has arrived: pairs become DPO items in the buffer (with their
+        reference log-probabilities, when precomputed)."""
         messages = self.inbox.drain(version, self.cfg.pool.max_version_lag)
+        arrived: list[PreferenceItem] = []
         for msg in messages:
             pending = self.in_flight.pop(msg.key, None)
             outcome = msg.payload
@@ -236,8 +277,10 @@ class ReplayTerm(PairsTerm):
                 if chosen == rejected:
                     self.counts["pairs_identical"] += 1
                     continue
-                self.buffer.append(item)
+                arrived.append(item)
                 self.counts["dpo_items"] += 1
+        reference_s = self.score_references(arrived) if self.precomputed else 0.0
+        self.buffer += arrived
         self._prune_buffer(version)
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
@@ -254,6 +297,7 @@ class ReplayTerm(PairsTerm):
             "replay/duplicates": float(stats["duplicates"]),
             "replay/outstanding": float(len(self.inbox.outstanding())),
             "replay/buffered_pairs": float(len(self.buffer)),
+            "timing/replay_reference_s": reference_s,
         }
 
     def _prune_buffer(self, version: int) -> None:
@@ -321,7 +365,18 @@ class ReplayTerm(PairsTerm):
         self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
         self.counts = Counter(state["counts"])
         self.outcomes = Counter(state.get("outcomes", {}))  # checkpoints before 0.1 lacked it
+        self._restore_references()
         self._after_respawn()
+
+    def _restore_references(self) -> None:
+        """Resumed pairs follow this run's `replay.reference.source`: precomputed, the pairs a
+        checkpoint holds without reference values (written before they existed, or under `learner`)
+        are scored now; `learner`, any values they hold are dropped (a step never mixes the two)."""
+        if not self.precomputed:
+            for item in self.buffer:
+                item.reference = None
+            return
+        self.score_references([i for i in self.buffer if i.reference is None])
 
     def close(self) -> None:
         self.inbox.close()

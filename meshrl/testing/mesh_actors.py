@@ -8,6 +8,7 @@ import time
 from monarch.actor import endpoint
 
 from meshrl.actors.base import MeshrlActor
+from meshrl.actors.learner import Learner
 
 
 class Sleeper(MeshrlActor):
@@ -31,3 +32,17 @@ class FailsInInit(MeshrlActor):
 
     def __init__(self):
         raise RuntimeError("this actor cannot start")
+
+
+def _no_reference():
+    raise RuntimeError("the learner was asked for its frozen reference model")
+
+
+class LearnerWithoutReference(Learner):
+    """The standard learner, except that a pass asking for the frozen reference model fails (so
+    the run fails): a run whose DPO pairs carry precomputed reference log-probabilities never
+    asks, and never loads a frozen copy of the model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trainer.reference_model = _no_reference
