@@ -280,6 +280,33 @@ def test_an_owners_long_request_runs_in_chunks_and_another_owner_switches_in_bet
     assert finished == ["short", "long"]  # the other version did not wait for the whole long request
 
 
+def test_an_owner_sampling_one_request_after_another_keeps_its_version_while_another_waits(service, monkeypatch):
+    """Anticipation on the real engine: owner b samples one request after another from the base
+    model while owner a's requests on its own weights wait; b's requests run with no weight load
+    between them (each comes within `hold_s` of the last), then a's version loads once and all of
+    a's requests run."""
+    monkeypatch.setattr(service.sampler, "hold_s", 5.0)  # a loaded machine must not miss the moment
+    monkeypatch.setattr(service.sampler, "turn_s", 60.0)
+    loads = []
+    hold = service.backend.hold
+    monkeypatch.setattr(service.backend, "hold", lambda version: (loads.append(version), hold(version))[1])
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=29, train_unembed=False)
+    client.forward_backward(_sl_data(seed=8), "cross_entropy")
+    client.optim_step(AdamParams(learning_rate=5e-2)).result(timeout=120)
+    trained = client.save_weights_and_get_sampling_client("anticipation")
+    base = service.create_sampling_client(base_model="tiny")
+    prompt = ModelInput.from_ints([3, 4, 5])
+    base.sample(prompt, 1, SamplingParams(max_tokens=2, seed=1), owner="b").result(timeout=300)
+    before = list(loads)
+    waiting = [trained.sample(prompt, 1, SamplingParams(max_tokens=8, seed=s), owner="a") for s in range(3)]
+    for seed in range(2, 6):
+        base.sample(prompt, 1, SamplingParams(max_tokens=2, seed=seed), owner="b").result(timeout=300)
+    assert loads == before  # b's four requests ran on the version held, one after another
+    assert not any(f.done() for f in waiting)
+    assert all(len(f.result(timeout=300).sequences[0].tokens) <= 8 for f in waiting)
+    assert len(loads) == len(before) + 1  # then a's version, once, for all three
+
+
 def test_topk_target_and_alternative_prompt_logprobs_come_from_the_engine(service):
     sampler = service.create_sampling_client(base_model="tiny")
     tokens = [5, 17, 42, 9, 33, 8]
