@@ -59,6 +59,13 @@ class LearnerConfig(Section):
     multi-turn episodes do not multiply the logits' memory by `micro_batch_size` (0: no cap; a
     sequence longer than the cap is a micro-batch of its own). The result is unchanged."""
 
+    packed_row_tokens: int = Field(0, ge=0)
+    """0: a micro-batch's sequences are right-padded to its longest and the decoder runs on every
+    padded position. N > 0: they are packed end to end instead, into rows of at most N tokens (a
+    longer sequence alone in its row), with position ids restarting at each sequence and attention
+    that cannot cross sequences; every loss reads the same per-datum values as padded. The
+    micro-batches themselves (`micro_batch_size`, `micro_batch_tokens`) are the same either way."""
+
     autocast_bf16: bool = True
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
 
