@@ -19,10 +19,10 @@ def _tokens(seed, n):
 
 
 def test_pack_rows_places_each_sequence_once_with_positions_from_zero():
-    lengths, width = [5, 2, 7, 3, 1], 7
+    lengths, width = [5, 2, 7, 3], 7
     packed = pack_rows(lengths, width, row_tokens=10)
-    assert packed.source.shape == (2, 10)  # longest first, each in the first row with room: 7 + 3, 5 + 2 + 1
-    assert (packed.source[1, 8:] == -1).all() and packed.position_ids[1, 8:].tolist() == [0, 1]  # the tail
+    assert packed.source.shape == (2, 9)  # two rows, longest first into the emptiest: 7 + 2 and 5 + 3
+    assert packed.source[1, 8] == -1 and packed.position_ids[1, 8] == 0  # the second row's tail
     seen = packed.source[packed.source >= 0].tolist()
     assert sorted(seen) == sorted(b * width + t for b, n in enumerate(lengths) for t in range(n))
     for b, n in enumerate(lengths):
@@ -38,8 +38,10 @@ def test_pack_rows_places_each_sequence_once_with_positions_from_zero():
     assert packed.index(mask).tolist() == packed.index(flat).tolist() == packed.target[flat].tolist()
     with pytest.raises(ValueError, match="padding position"):
         packed.index(torch.tensor([1 * width + 2]))
-    alone = pack_rows([3, 9], 9, row_tokens=4)  # a sequence longer than the rows is alone in its row
+    alone = pack_rows([3, 9], 9, row_tokens=4)  # rows as wide as the longest sequence
     assert alone.source.shape == (2, 9)
+    assert pack_rows([6, 6, 5], 6, row_tokens=12).source.shape == (2, 11)  # 6 + 5 and 6
+    assert pack_rows([7, 7, 7], 7, row_tokens=12).source.shape == (3, 7)  # the third fits in neither row: a new one
 
 
 @pytest.fixture(scope="module")

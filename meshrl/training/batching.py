@@ -102,14 +102,15 @@ class PackedRows:
 
 def pack_rows(lengths: list[int], width: int, row_tokens: int) -> PackedRows:
     """Lay sequences of ``lengths`` (rows of a [B, ``width``] padded micro-batch) end to end in
-    rows of at most ``row_tokens`` tokens (a longer sequence alone in its row), longest first,
-    each in the first row with room for it."""
+    rows of at most ``row_tokens`` tokens, or as wide as the longest sequence if that is longer:
+    as few rows as the tokens need, filled evenly (longest first, each into the emptiest row, a
+    new row when it fits in none), so the rows' common width wastes little."""
     capacity = max(row_tokens, max(lengths))
-    fill: list[int] = []
+    fill = [0] * -(-sum(lengths) // capacity)
     place = [(0, 0)] * len(lengths)  # (packed row, offset) per sequence
     for b in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, used in enumerate(fill) if used + lengths[b] <= capacity), None)
-        if row is None:
+        row = min(range(len(fill)), key=fill.__getitem__)
+        if fill[row] + lengths[b] > capacity:
             fill.append(0)
             row = len(fill) - 1
         place[b] = (row, fill[row])
