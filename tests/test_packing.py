@@ -126,3 +126,63 @@ def test_attention_does_not_cross_a_packed_boundary(model_path):
     assert not torch.allclose(first[0], second[0])
     torch.testing.assert_close(second[1], first[1], rtol=0, atol=0)
     torch.testing.assert_close(first[1], alone[0], rtol=0, atol=2e-5)
+
+
+def _packed_share(rank: int, world: int, mode: str, address: str, results) -> None:
+    """Rank ``rank`` of ``world`` (data-parallel ``mode``) trains its token-balanced share of
+    `_datums()` with ppo, packed into rows of 32 tokens when ``world`` > 1 (padded on one
+    process), and takes an optimizer step: its loss, logprobs and the step's gradient norm."""
+    from meshrl.meshes.client import split_by_tokens
+    from meshrl.training.data_parallel import DataParallelSpec
+
+    cfg = LearnerConfig(lr=1e-2, autocast_bf16=False, torch_threads=1, micro_batch_size=2, data_parallel=mode,
+                        packed_row_tokens=32 if world > 1 else 0)
+    trainer = PolicyTrainer(resolve_model("tiny"), cfg,
+                            parallel=DataParallelSpec(rank, world, mode, address, 120.0) if world > 1 else None)
+    datums = _datums()
+    share = split_by_tokens(datums, world)[rank]
+    out = trainer.forward_backward(share, "ppo", {"eps_low": 0.2, "eps_high": 0.2}, outputs=True)
+    step = trainer.optim_step(cfg.adam_params())
+    index = {id(d): i for i, d in enumerate(datums)}
+    results.put(((mode, world, rank), {"loss": out["loss"], "grad_norm": step["grad_norm"],
+                                       "logprobs": {index[id(d)]: lp for d, lp in zip(share, out["logprobs"])}}))
+    trainer.dp.close()
+
+
+@pytest.mark.slow
+def test_packed_micro_batches_under_fsdp2_and_ddp_equal_one_padded_process():
+    """Two ranks training packed micro-batches (FSDP2, then DDP) give the loss, per-datum logprobs
+    and gradient norm of one process training the same datums padded."""
+    import multiprocessing
+    import queue
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    for mode in ("fsdp2", "ddp"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        procs += [ctx.Process(target=_packed_share, args=(r, 2, mode, address, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        _packed_share(0, 1, "fsdp2", "", results)
+        got = dict(results.get(timeout=300) for _ in range(5))
+    except queue.Empty:
+        pytest.fail(f"a data-parallel rank gave no result (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    single = got["fsdp2", 1, 0]
+    for mode in ("fsdp2", "ddp"):
+        ranks = [got[mode, 2, r] for r in (0, 1)]
+        assert sum(r["loss"] for r in ranks) == pytest.approx(single["loss"], rel=1e-5)
+        assert [r["grad_norm"] for r in ranks] == pytest.approx([single["grad_norm"]] * 2, rel=1e-5)
+        assert sorted(i for r in ranks for i in r["logprobs"]) == sorted(single["logprobs"])
+        for r in ranks:
+            for i, lp in r["logprobs"].items():
+                assert lp == pytest.approx(single["logprobs"][i], abs=2e-5)
