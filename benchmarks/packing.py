@@ -17,7 +17,7 @@ tokens), in a rotating order per repetition on one loaded model:
 Tokens trained are the datums' model-input tokens; per arm the medians of wall-clock and process
 CPU seconds over the repetitions, tokens per second of each, and the decoder positions run (padded:
 rows x the longest per micro-batch; packed: packed rows x their width). Writes
-benchmarks/results/packing.json.
+benchmarks/results/packing.json (``--name``: another name).
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ def positions(parts, cfg, row_tokens: int) -> int:
     total = 0
     for batch in pack_shared([p.datums for p in parts], per_item, cfg.micro_batch_size, cfg.micro_batch_tokens):
         lengths = [len(r) for r in batch.rows]
-        if row_tokens:
-            total += pack_rows(lengths, max(lengths), row_tokens).source.numel()
-        else:
-            total += len(lengths) * max(lengths)
+        packed = pack_rows(lengths, max(lengths), row_tokens).source if row_tokens else None
+        # as the learner does: padded where no packed row would hold two sequences
+        total += packed.numel() if packed is not None and packed.shape[0] < len(lengths) else len(lengths) * max(lengths)
     return total
 
 
@@ -78,6 +77,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--name", default="packing", help="the result's name: benchmarks/results/NAME.json")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rows", default="0,1,1024,4096", help="packed_row_tokens settings (0: padded)")
     parser.add_argument("--long-tail", type=int, default=32, help="datums of the long-tailed batch")
@@ -133,7 +133,7 @@ def main() -> None:
         for arm in arms:
             print(f"{name:>10} rows {arm['packed_row_tokens']:>5}: {arm['seconds']:.2f} s ({arm['cpu_seconds']:.2f} cpu), "
                   f"{arm['tokens_per_s']:.0f} tokens/s, x{arm['speedup']:.2f}; {arm['positions']} positions")
-    write_result("packing", {
+    write_result(args.name, {
         "model": args.model, "reps": args.reps, "learner": {"autocast_bf16": base.autocast_bf16,
                                                             "torch_threads": base.torch_threads},
         "batches": results, "load_average_1m_start_end": loads,

@@ -439,6 +439,8 @@ def term_cost(d: dict) -> str:
 
 @renders("packing", "python benchmarks/packing.py", "Packed sequences against padded micro-batches: tokens trained per second",
          flags=("reps",))
+@renders("packing_narrow", "python benchmarks/packing.py --rows 0,1 --name packing_narrow",
+         "Packed into rows no wider than padding, against padded: tokens trained per second", flags=("reps",))
 def packing(d: dict) -> str:
     def setting(r: int) -> str:
         return "padded" if r == 0 else ("packed, rows as wide as the longest" if r == 1 else f"packed, rows of {r:,}")
@@ -453,7 +455,7 @@ def packing(d: dict) -> str:
     return (f"One `forward_backward_parts` per batch on `{d['model']}` (medians of {d['reps']} repetitions in a "
             "rotating order; bf16 autocast, 2 torch threads; no optimizer step) at each `learner.packed_row_tokens`. "
             f"Tokens are the datums' model-input tokens; positions are those the policy's decoder runs over. {shapes}."
-            "\n\n" + table(["batch", "micro-batches", "positions", "seconds", "tokens/s", "speed-up", "speed-up, CPU s"],
+            "\n\n" + table(["batch", "layout", "positions", "seconds", "tokens/s", "speed-up", "speed-up, CPU s"],
                             rows))
 
 

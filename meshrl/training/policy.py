@@ -171,11 +171,12 @@ class PolicyTrainer:
         (row-major over batch, position). The vocabulary projection runs only there, in the
         autocast dtype. Several ``valid`` (masks or flat position indices): one decoder forward,
         a logits tensor for each. With `learner.packed_row_tokens` the decoder runs on the
-        sequences packed end to end instead of padded (the logits are the same, in the same order)."""
+        sequences packed end to end instead of padded (the logits are the same, in the same order)
+        where that puts two or more in a row."""
         module = self.logits_module if model is None else model
         ids = mb.input_ids.to(self.device)
-        if self.cfg.packed_row_tokens:
-            packed = pack_rows(mb.lengths, ids.shape[1], self.cfg.packed_row_tokens)
+        packed = pack_rows(mb.lengths, ids.shape[1], self.cfg.packed_row_tokens) if self.cfg.packed_row_tokens else None
+        if packed is not None and packed.source.shape[0] < len(mb.lengths):  # else every row holds one: pad
             with self._autocast():
                 return module(packed.input_ids(ids, self.pad_id), None, *(packed.index(v) for v in valid),
                               position_ids=packed.position_ids.to(self.device))
