@@ -141,11 +141,10 @@ def _packed_share(rank: int, world: int, mode: str, address: str, results) -> No
                             parallel=DataParallelSpec(rank, world, mode, address, 120.0) if world > 1 else None)
     datums = _datums()
     share = split_by_tokens(datums, world)[rank]
-    out = trainer.forward_backward(share, "ppo", {"eps_low": 0.2, "eps_high": 0.2}, outputs=True)
+    out = trainer.forward_backward([datums[i] for i in share], "ppo", {"eps_low": 0.2, "eps_high": 0.2}, outputs=True)
     step = trainer.optim_step(cfg.adam_params())
-    index = {id(d): i for i, d in enumerate(datums)}
     results.put(((mode, world, rank), {"loss": out["loss"], "grad_norm": step["grad_norm"],
-                                       "logprobs": {index[id(d)]: lp for d, lp in zip(share, out["logprobs"])}}))
+                                       "logprobs": dict(zip(share, out["logprobs"]))}))
     trainer.dp.close()
 
 
