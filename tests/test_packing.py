@@ -185,3 +185,21 @@ def test_packed_micro_batches_under_fsdp2_and_ddp_equal_one_padded_process():
         for r in ranks:
             for i, lp in r["logprobs"].items():
                 assert lp == pytest.approx(single["logprobs"][i], abs=2e-5)
+
+
+def test_packed_topk_and_custom_loss_equal_padded(model_path):
+    """The other learner calls read the same packed forward: top-k logprobs at the mask's positions
+    and a custom loss's gradient equal padded ones."""
+    from meshrl.testing.custom_losses import importance_sampling_custom
+
+    datums = _datums()
+    padded, packed = _trainer(model_path, 0), _trainer(model_path, 64)
+    for (ia, va), (ib, vb) in zip(padded.topk_logprobs(datums, 5), packed.topk_logprobs(datums, 5)):
+        torch.testing.assert_close(vb, va, rtol=0, atol=2e-5)
+        assert torch.equal(ia, ib)
+    out_a = padded.forward_backward_custom(datums, importance_sampling_custom)
+    out_b = packed.forward_backward_custom(datums, importance_sampling_custom)
+    assert out_b["loss"] == pytest.approx(out_a["loss"], rel=1e-5)
+    ga, gb = _grads(padded), _grads(packed)
+    for name in ga:
+        assert float((ga[name] - gb[name]).norm()) <= 1e-5 * float(ga[name].norm()) + 1e-12, name
