@@ -496,6 +496,28 @@ def _precomputed_dpo(d: dict) -> str:
             "with the learner's frozen reference.")
 
 
+@renders("packing", "python benchmarks/packing.py", "Packed sequences against padded micro-batches: tokens trained per second",
+         flags=("reps",))
+@renders("packing_narrow", "python benchmarks/packing.py --rows 0,1 --name packing_narrow",
+         "Packed into rows no wider than padding, against padded: tokens trained per second", flags=("reps",))
+def packing(d: dict) -> str:
+    def setting(r: int) -> str:
+        return "padded" if r == 0 else ("packed, rows as wide as the longest" if r == 1 else f"packed, rows of {r:,}")
+
+    rows = [[b["batch"], setting(a["packed_row_tokens"]), f"{a['positions']:,}", num(a["seconds"], 2, " s"),
+             num(a["tokens_per_s"], 0), num(a["speedup"], 2, "x"), num(a["speedup_cpu"], 2, "x")]
+            for b in d["batches"] for a in b["arms"]]
+    shapes = "; ".join(f"{b['batch']}: {b['datums']} datums, {b['tokens']:,} tokens ({b['shortest']} to {b['longest']} "
+                       f"each), micro-batches of {b['micro_batch_size']}"
+                       + (f" and {b['micro_batch_tokens']:,} padded tokens" if b["micro_batch_tokens"] else "")
+                       for b in d["batches"])
+    return (f"One `forward_backward_parts` per batch on `{d['model']}` (medians of {d['reps']} repetitions in a "
+            "rotating order; bf16 autocast, 2 torch threads; no optimizer step) at each `learner.packed_row_tokens`. "
+            f"Tokens are the datums' model-input tokens; positions are those the policy's decoder runs over. {shapes}."
+            "\n\n" + table(["batch", "layout", "positions", "seconds", "tokens/s", "speed-up", "speed-up, CPU s"],
+                            rows))
+
+
 TARGETS = {"full": (0.5, 0.75), "sdpo": (0.75, None), "replay": (0.75, None)}
 """An arm's win in the first round: it reaches its seed's baseline's final accuracy within these
 fractions of the baseline's steps and training seconds (None: no bound), in every seed."""

@@ -59,6 +59,17 @@ class LearnerConfig(Section):
     multi-turn episodes do not multiply the logits' memory by `micro_batch_size` (0: no cap; a
     sequence longer than the cap is a micro-batch of its own). The result is unchanged."""
 
+    packed_row_tokens: int = Field(0, ge=0)
+    """0: a micro-batch's sequences are right-padded to its longest and the decoder runs on every
+    padded position. N > 0: they are packed end to end instead, into as few rows as fit at most N
+    tokens each, or as many as the micro-batch's longest sequence if that is more (1: rows no
+    wider than padding would make them; where no row would hold two, the micro-batch runs
+    padded), with position ids restarting at each sequence and
+    attention that cannot cross sequences; every loss reads the same per-datum values as padded.
+    The micro-batches themselves (`micro_batch_size`, `micro_batch_tokens`) are the same either
+    way. Attention runs over each whole row (a block-diagonal mask), so wide rows cost attention
+    that padding did not (see docs/benchmarks.md)."""
+
     autocast_bf16: bool = True
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
 

@@ -63,3 +63,67 @@ def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1, max_t
         else:
             batch.append(item)
     return [[d for item in batch for d in item] for batch in batches]
+
+
+@dataclass
+class PackedRows:
+    """A padded micro-batch's sequences laid end to end in a few rows (`learner.packed_row_tokens`):
+    each sequence's position ids restart at 0, which is what keeps its attention inside it (the
+    HF decoders here turn position ids that restart, with no 2D attention mask, into a
+    block-diagonal causal mask), and a row's unused tail is pad tokens of a sequence of their own."""
+
+    source: torch.Tensor
+    """[R, W] long: the padded micro-batch's flat position (row-major over [B, T]) each packed
+    position holds, -1 in a row's tail."""
+    position_ids: torch.Tensor
+    """[R, W] long: positions within each packed sequence (and within a row's tail)."""
+    target: torch.Tensor
+    """[B * T] long: the packed flat position (row-major over [R, W]) of each padded position, -1
+    for padding."""
+    width: int
+    """T, the padded micro-batch's width (what flat selections of it are counted in)."""
+
+    def input_ids(self, padded: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """The packed token ids ([R, W]) of ``padded`` ([B, T]) on its device."""
+        source = self.source.to(padded.device)
+        return torch.where(source >= 0, padded.reshape(-1)[source.clamp(min=0)], pad_id)
+
+    def index(self, selection: torch.Tensor) -> torch.Tensor:
+        """A selection of the padded micro-batch (a [B, T'] bool mask, T' <= T, or flat indices into
+        B x T) as flat indices into the packed rows, in the same order."""
+        if selection.dtype == torch.bool:
+            b, t = selection.nonzero(as_tuple=True)
+            selection = b * self.width + t
+        packed = self.target.to(selection.device)[selection]
+        if bool((packed < 0).any()):
+            raise ValueError("a loss selected a padding position of a packed micro-batch")
+        return packed
+
+
+def pack_rows(lengths: list[int], width: int, row_tokens: int) -> PackedRows:
+    """Lay sequences of ``lengths`` (rows of a [B, ``width``] padded micro-batch) end to end in
+    rows of at most ``row_tokens`` tokens, or as wide as the longest sequence if that is longer:
+    as few rows as the tokens need, filled evenly (longest first, each into the emptiest row, a
+    new row when it fits in none), so the rows' common width wastes little."""
+    capacity = max(row_tokens, max(lengths))
+    fill = [0] * -(-sum(lengths) // capacity)
+    place = [(0, 0)] * len(lengths)  # (packed row, offset) per sequence
+    for b in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = min(range(len(fill)), key=fill.__getitem__)
+        if fill[row] + lengths[b] > capacity:
+            fill.append(0)
+            row = len(fill) - 1
+        place[b] = (row, fill[row])
+        fill[row] += lengths[b]
+    packed_width = max(fill)
+    source = torch.full((len(fill), packed_width), -1, dtype=torch.long)
+    positions = torch.zeros((len(fill), packed_width), dtype=torch.long)
+    target = torch.full((len(lengths) * width,), -1, dtype=torch.long)
+    for b, (row, offset) in enumerate(place):
+        n = lengths[b]
+        source[row, offset : offset + n] = torch.arange(b * width, b * width + n)
+        positions[row, offset : offset + n] = torch.arange(n)
+        target[b * width : b * width + n] = torch.arange(row * packed_width + offset, row * packed_width + offset + n)
+    for row, used in enumerate(fill):
+        positions[row, used:] = torch.arange(packed_width - used)
+    return PackedRows(source, positions, target, width)

@@ -56,12 +56,16 @@ class ValidLogits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                *selections: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                *selections: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits at each selection's positions: a [B, T] bool mask or flat indices into the
         B x T positions (row-major); one tensor for one selection, else one per selection (the
-        decoder runs once for all of them)."""
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        decoder runs once for all of them). Packed rows (meshrl.training.batching.PackedRows)
+        come with no ``attention_mask`` and ``position_ids`` that restart at each sequence; no KV
+        cache is kept (with one, the decoder would ignore the packing in ``position_ids``)."""
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                          position_ids=position_ids, use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])
         head = self.model.get_output_embeddings()
         logits = tuple(head(flat[s.reshape(-1)] if s.dtype == torch.bool else flat[s]) for s in selections)

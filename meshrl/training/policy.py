@@ -21,7 +21,7 @@ import torch
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
-from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
+from meshrl.training.batching import MicroBatch, pack_rows, pad_datums, split_micro_batches
 from meshrl.training.shared_pass import SharedForward, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
@@ -170,10 +170,18 @@ class PolicyTrainer:
         """Logits [N, V] of ``model`` (a :class:`ValidLogits`; default: the policy) at the N valid model_input positions
         (row-major over batch, position). The vocabulary projection runs only there, in the
         autocast dtype. Several ``valid`` (masks or flat position indices): one decoder forward,
-        a logits tensor for each."""
+        a logits tensor for each. With `learner.packed_row_tokens` the decoder runs on the
+        sequences packed end to end instead of padded (the logits are the same, in the same order)
+        where that puts two or more in a row."""
         module = self.logits_module if model is None else model
+        ids = mb.input_ids.to(self.device)
+        packed = pack_rows(mb.lengths, ids.shape[1], self.cfg.packed_row_tokens) if self.cfg.packed_row_tokens else None
+        if packed is not None and packed.source.shape[0] < len(mb.lengths):  # else every row holds one: pad
+            with self._autocast():
+                return module(packed.input_ids(ids, self.pad_id), None, *(packed.index(v) for v in valid),
+                              position_ids=packed.position_ids.to(self.device))
         with self._autocast():
-            return module(mb.input_ids.to(self.device), mb.attention_mask.to(self.device), *valid)
+            return module(ids, mb.attention_mask.to(self.device), *valid)
 
     @contextlib.contextmanager
     def reference_model(self):
