@@ -67,6 +67,9 @@ def test_forward_backward_equals_the_core_losses_on_the_same_data(service):
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3, train_unembed=False)
     sl, rl = _sl_data(seed=5), _rl_data()
     logp = [o["logprobs"] for o in client.forward(sl).result(timeout=120).loss_fn_outputs]
+    # forward runs the loss in the learner, and still returns every position's logprob, also where
+    # the loss reads none (the prompt, weight 0)
+    assert all(bool((lp != 0).all()) for lp in logp)
     expected_ce = -sum(float((d.loss_fn_inputs["weights"] * lp).sum()) for d, lp in zip(sl, logp))
     fb = client.forward_backward(sl, "cross_entropy").result(timeout=120)
     assert fb.metrics["loss:sum"] == pytest.approx(expected_ce, abs=1e-5)
