@@ -203,28 +203,10 @@ def _train_then_step_without_data(rank: int, world: int, address: str, results) 
 def test_a_step_without_gradients_moves_nothing_on_one_process_or_two_ddp_ranks():
     """N ranks equal one across a step where nothing trained: AdamW must not apply its stale
     momentum (nor count a step) under DDP when no rank has a gradient."""
-    import multiprocessing
-    import queue
-    import socket
+    from meshrl.testing.ranks import free_address, run_ranks
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    procs = [ctx.Process(target=_train_then_step_without_data, args=(r, 2, address, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        _train_then_step_without_data(0, 1, "", results)
-        got = dict(results.get(timeout=300) for _ in range(3))
-    except queue.Empty:
-        pytest.fail(f"a DDP rank gave no result (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    address = free_address()
+    got = run_ranks(_train_then_step_without_data, [(r, 2, address) for r in range(2)], (0, 1, ""), "a DDP rank")
     single, ddp = got[1, 0], {rank: got[2, rank] for rank in (0, 1)}
     assert single["moved"] == 0.0 and single["adam_steps"] == [1]
     assert ddp[0]["tokens"] == single["tokens"] > 0

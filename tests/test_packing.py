@@ -152,30 +152,13 @@ def _packed_share(rank: int, world: int, mode: str, address: str, results) -> No
 def test_packed_micro_batches_under_fsdp2_and_ddp_equal_one_padded_process():
     """Two ranks training packed micro-batches (FSDP2, then DDP) give the loss, per-datum logprobs
     and gradient norm of one process training the same datums padded."""
-    import multiprocessing
-    import queue
-    import socket
+    from meshrl.testing.ranks import free_address, run_ranks
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = []
+    ranks = []
     for mode in ("fsdp2", "ddp"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        procs += [ctx.Process(target=_packed_share, args=(r, 2, mode, address, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        _packed_share(0, 1, "fsdp2", "", results)
-        got = dict(results.get(timeout=300) for _ in range(5))
-    except queue.Empty:
-        pytest.fail(f"a data-parallel rank gave no result (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        address = free_address()
+        ranks += [(r, 2, mode, address) for r in range(2)]
+    got = run_ranks(_packed_share, ranks, (0, 1, "fsdp2", ""), "a data-parallel rank")
     single = got["fsdp2", 1, 0]
     for mode in ("fsdp2", "ddp"):
         ranks = [got[mode, 2, r] for r in (0, 1)]
