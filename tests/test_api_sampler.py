@@ -289,6 +289,33 @@ def test_the_held_version_waits_a_moment_for_its_owners_next_request_but_never_f
         sampler.close()
 
 
+def test_a_request_sent_the_moment_the_last_answer_arrives_finds_the_version_held():
+    """A client's next request can arrive as soon as its last answer does: here it is sent from the
+    answer's callback, in the sampler's own thread. The sampler has by then freed the last
+    request's slot and begun the hold, so the request starts on the held version with no load,
+    and a's waiting version loads after it."""
+    backend = Backend()
+    sampler = Sampler(backend, per_owner=1, hold_s=5.0, turn_s=30.0)
+    try:
+        first = sampler.submit(0, [1], 1, PARAMS, owner="b")
+        wait_until(lambda: backend.started() == [1])
+        other = sampler.submit(5, [9], 1, PARAMS, owner="a")
+        following = []
+        first.add_done_callback(lambda _: following.append(sampler.submit(0, [2], 1, PARAMS, owner="b")))
+        backend.release(1)
+        wait_until(lambda: backend.started() == [1, 2])
+        assert ("hold", 5) not in backend.events
+        backend.release(2)
+        backend.release(9)
+        assert following[0].result(timeout=10).sequences[0].tokens == [2]
+        assert other.result(timeout=10).sequences[0].tokens == [9]
+        assert backend.events.index(("hold", 5)) > backend.events.index(("end", 2))
+    finally:
+        for tag in range(20):
+            backend.release(tag)
+        sampler.close()
+
+
 def test_a_version_keeps_the_generators_by_waiting_for_at_most_its_turn():
     """`turn_s`: an owner that sends one request after another keeps its version only while its
     turn lasts; then the waiting version loads before the owner's next request runs."""

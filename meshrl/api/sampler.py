@@ -124,8 +124,11 @@ class Sampler:
         self._turn_started = 0.0  # when the held version was loaded (time.monotonic)
         self._last_done: str | None = None  # the owner of the request of the held version that finished last
         self._hold_until: float | None = None  # while the held version waits for that owner's next request
-        self._holds = 0  # numbers the holds, so that an earlier hold's timer cannot end a later one
+        self._holds = 0  # numbers the holds, so that each one's end is acted on once
+        self._hold_changed = threading.Condition(self._lock)
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT + 1, thread_name_prefix="api-sampler")
+        if hold_s > 0:
+            threading.Thread(target=self._watch_holds, name="api-sampler-holds", daemon=True).start()
 
     def submit(self, version: int, prompt: list[int], num_samples: int, params: SamplingParams,
                options: PromptOptions = PromptOptions(), owner: str | None = None) -> Future:
@@ -176,17 +179,23 @@ class Sampler:
         the awaited request came (the lock is held)."""
         if self._hold_until is not None:
             return  # holding already
-        wait = min(self.hold_s, self.turn_s - (time.monotonic() - self._turn_started))
-        self._hold_until = time.monotonic() + wait
+        self._hold_until = time.monotonic() + min(self.hold_s, self.turn_s - (time.monotonic() - self._turn_started))
         self._holds += 1
-        timer = threading.Timer(wait, self._hold_over, args=(self._holds,))
-        timer.daemon = True
-        timer.start()
+        self._hold_changed.notify()
 
-    def _hold_over(self, number: int) -> None:
+    def _watch_holds(self) -> None:
+        """The one thread that ends the holds (not a timer per hold: under load, a thread started
+        per request starts late): at each hold's end, switch unless the awaited request came."""
+        ended = 0  # the number of the last hold whose end was acted on
         with self._lock:
-            if number == self._holds and self._hold_until is not None:
-                self._switch_when_drained()
+            while not self._closed:
+                if self._hold_until is None or self._holds == ended:
+                    self._hold_changed.wait()
+                elif (left := self._hold_until - time.monotonic()) > 0:
+                    self._hold_changed.wait(left)
+                else:
+                    ended = self._holds
+                    self._switch_when_drained()
 
     def _switch_pending(self) -> bool:
         """Whether a waiting request needs another version (then nothing new starts; the lock is held)."""
@@ -248,16 +257,12 @@ class Sampler:
             request.future.set_exception(failure)
 
     def _run(self, request: _Request) -> None:
+        failure, response, continued = None, None, {}
         try:
             response = self._sample(request)
             continued = self._continue(request, response)
         except BaseException as e:  # noqa: BLE001 - the caller's future gets the failure
-            request.future.set_exception(e)
-        else:
-            if continued:
-                _join(request.future, response, continued)
-            else:
-                request.future.set_result(response)
+            failure = e
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -266,6 +271,14 @@ class Sampler:
                 if not self._switch_pending():
                     self._start_waiting()
                 self._switch_when_drained()
+        # the caller hears only now, so that its next request finds this one's slot free and the
+        # held version waiting for it (not a backlog of its own that ends the hold)
+        if failure is not None:
+            request.future.set_exception(failure)
+        elif continued:
+            _join(request.future, response, continued)
+        else:
+            request.future.set_result(response)
 
     def _chunk(self, request: _Request) -> int:
         """The tokens ``request``'s engine call samples: all of them, or an owner's first chunk."""
@@ -309,6 +322,7 @@ class Sampler:
         when the generators stop)."""
         with self._lock:
             self._closed = True
+            self._hold_changed.notify()
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
             request.future.set_exception(RuntimeError(CLOSED))
