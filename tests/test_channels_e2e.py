@@ -51,7 +51,8 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     assert last["sdpo/error_sites"] > 0 and last["sdpo/hints"] > 0
     assert last["sdpo/llm_hints"] > 0 and last["sdpo/llm_hint_ok"] > 0  # the optional LLM hint generator
     assert last["replay/submitted"] > 0 and last["replay/dpo_items"] > 0
-    assert last["replay/reference_scored"] == last["replay/dpo_items"]  # every buffered pair, once
+    # every pair that arrived is scored once, or waits for its call (which runs beside the steps)
+    assert last["replay/reference_scored"] + last["replay/reference_pending"] == last["replay/dpo_items"]
     assert last["replay/failures/server_error"] > 0  # the failing teacher is counted, training went on
     # every teacher saw the student's exact context (the default system prompt included)
     assert requests and requests[0].body["messages"][0]["role"] == "system"

@@ -5,6 +5,7 @@ The pool is a stand-in that records submissions; results come back through a rea
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -61,9 +62,15 @@ class FakeReference:
     def __init__(self, procs: int):
         self.extent = SimpleNamespace(labels=["procs"], sizes=[procs])
         self.calls: list[int] = []  # pairs per call
+        self.gate = threading.Event()  # a call answers once it is set
+        self.gate.set()
+        self.failure: Exception | None = None  # what the next call raises
 
     def slice(self, procs: int):
         def score(pairs, temperature):
+            assert self.gate.wait(timeout=10)
+            if self.failure is not None:
+                raise self.failure
             self.calls.append(len(pairs))
             return {"references": [[-len(c) + p[0] / 100, -len(r) + p[0] / 100] for p, c, r in pairs], "seconds": 0.0}
 
@@ -74,6 +81,7 @@ class ScriptedClient:
     def __init__(self, pool: ScriptedPool, reference: FakeReference):
         self.meshes = {"teacher_replay": pool, "replay_reference": reference}
         self.sup = SimpleNamespace(on_respawn=lambda mesh, fn: None)
+        self.step = 0
 
     def procs(self, mesh):
         return self.meshes[mesh].extent.sizes[0]
@@ -156,11 +164,22 @@ def deliver(term: ReplayTerm, pool: ScriptedPool, version: int) -> None:
         time.sleep(0.05)
 
 
+def scored(term: ReplayTerm, version: int) -> dict:
+    """Drain until the pairs that arrived have their reference values and sit in the buffer (their
+    scoring call runs beside the step); the last drain's metrics."""
+    metrics = term.drain(version)
+    while term.scoring is not None:
+        term.scoring[0].result(timeout=10)
+        metrics = term.drain(version)
+    return metrics
+
+
 def test_buffered_pairs_are_dropped_and_counted_once_too_old_and_the_buffer_is_bounded(make_term):
     term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.pool.max_version_lag=1")
     term.start_step(1)
     term.receive(Unit(failing(0, groups=4, per_group=2, version=3)))
     deliver(term, pool, version=3)
+    scored(term, 3)
     datums, metrics = term.datums(3)
     # 8 pairs arrived; the buffer keeps 2 x (1 + 1) = 4 of them, the newest; a step trains 2
     assert metrics["replay/dpo_items"] == 8 and metrics["replay/pairs_overflow"] == 4
@@ -175,15 +194,29 @@ def _expected_reference(item):
     return [-len(item.chosen) + item.prompt[0] / 100, -len(item.rejected) + item.prompt[0] / 100]
 
 
-def test_pairs_get_their_reference_once_as_they_arrive_and_their_datums_carry_it(make_term):
+def test_pairs_are_scored_once_beside_the_step_and_their_datums_carry_the_reference(make_term):
     term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.reference.mesh.procs=2")
     reference = term.client.meshes["replay_reference"]
+    reference.gate.clear()  # the scoring call hangs until the test lets it answer
     term.start_step(1)
     term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
     deliver(term, pool, version=1)
-    datums, metrics = term.datums(1)
-    assert sorted(reference.calls) == [2, 2]  # the 4 new pairs, split over the reference mesh's two ranks
+    started = time.monotonic()
+    datums, metrics = term.datums(1)  # the step goes on while its 4 new pairs are scored
+    assert time.monotonic() - started < 5 and datums == [] and term.buffer == []
+    assert metrics["replay/reference_pending"] == 4 and metrics["replay/dpo_items"] == 4
+    waiting = json.loads(json.dumps(term.state_dict()))  # a checkpoint keeps the pairs that wait
+    assert [i["reference"] for i in waiting["buffer"]] == [None] * 4
+    term.start_step(2)
+    term.receive(Unit(failing(1, groups=1, per_group=2, version=1)))  # 2 more arrive while the call runs
+    deliver(term, pool, version=1)
+    assert term.drain(1)["replay/reference_pending"] == 6 and len(term.scoring[1]) == 4  # one call at a time
+    reference.gate.set()
+    term.scoring[0].result(timeout=10)
+    datums, metrics = term.datums(1)  # the 4 enter the buffer, 2 train; a call for the other 2 starts
+    assert sorted(reference.calls) == [2, 2]  # the 4 pairs, split over the reference mesh's two ranks
     assert metrics["replay/reference_scored"] == 4 and len(term.buffer) == 2
+    assert metrics["replay/reference_pending"] == 2 and len(term.scoring[1]) == 2
     for item in term.buffer:
         assert item.reference == pytest.approx(_expected_reference(item))
     chosen, rejected = datums[0], datums[1]  # the first pair trained, chosen then rejected
@@ -192,8 +225,29 @@ def test_pairs_get_their_reference_once_as_they_arrive_and_their_datums_carry_it
     n_chosen = int(chosen.loss_fn_inputs["mask"].sum())
     n_rejected = int(rejected.loss_fn_inputs["mask"].sum())
     assert values == pytest.approx([-n_chosen + prompt_first / 100, -n_rejected + prompt_first / 100])
-    term.datums(1)
-    assert sorted(reference.calls) == [2, 2]  # buffered pairs are never scored again
+    metrics = scored(term, 1)
+    assert sorted(reference.calls) == [1, 1, 2, 2] and metrics["replay/reference_scored"] == 6  # each pair once
+    assert metrics["replay/reference_pending"] == 0 and len(term.buffer) == 4
+
+    resumed, _ = make_term("replay.traces_per_step=8", "replay.reference.mesh.procs=2")
+    resumed.load_state_dict(waiting)  # the pairs that waited are scored as the checkpoint loads
+    assert [v for i in resumed.buffer for v in i.reference] == \
+        pytest.approx([v for i in resumed.buffer for v in _expected_reference(i)])
+    assert len(resumed.buffer) == 4 and resumed.scoring is None
+
+
+def test_a_failed_scoring_call_fails_the_step_that_collects_it(make_term):
+    term, pool = make_term("replay.traces_per_step=4")
+    reference = term.client.meshes["replay_reference"]
+    reference.failure = RuntimeError("replay_reference.score_pairs: timed out after 120 s")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    term.drain(1)
+    with pytest.raises(RuntimeError, match="score_pairs: timed out"):
+        term.scoring[0].result(timeout=10)
+    with pytest.raises(RuntimeError, match="score_pairs: timed out"):
+        term.drain(1)
 
 
 def test_the_learner_source_spawns_nothing_and_its_datums_have_no_reference(make_term):
@@ -211,7 +265,7 @@ def test_a_resumed_buffer_keeps_its_references_and_an_old_checkpoint_is_scored_o
     term.start_step(1)
     term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
     deliver(term, pool, version=1)
-    term.drain(1)
+    scored(term, 1)
     state = json.loads(json.dumps(term.state_dict()))  # as a checkpoint stores it
     assert [i["reference"] for i in state["buffer"]] == [i.reference for i in term.buffer]
 

@@ -11,9 +11,10 @@ traces, shared fairly among its units as they arrive (`unit_quota`) and spread o
 groups (`spread_over_groups`); what the budget leaves out is counted (`replay/skipped_budget`).
 Pairs wait in a bounded buffer and are checked for age again when their turn comes. With
 `replay.reference.source: precomputed` a pair's two reference log-probabilities are computed once,
-as it enters the buffer, by the reference actor (meshrl.actors.reference, the initial weights in
-`model.dtype` on a mesh of its own), and its datums carry them: the learner's step runs no
-reference forward and holds no frozen copy of the model. The pool is supervised like any mesh; a replaced pool
+before it enters the buffer, by the reference actor (meshrl.actors.reference, the initial weights in
+`model.dtype` on a mesh of its own) in a call that runs beside the steps (no step waits for it),
+and its datums carry them: the learner's step runs no reference forward and holds no frozen copy
+of the model. The pool is supervised like any mesh; a replaced pool
 is re-subscribed to the inbox and given back the work it had not delivered, and the inbox's dedupe
 makes sure each trace's result is used once.
 """
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from meshrl.actors.teacher_replay import producer_name
@@ -121,6 +123,9 @@ class ReplayTerm(PairsTerm):
         self.records: list[dict] = []
         self.precomputed = replay_reference_mesh(ctx.cfg)
         """Whether pairs get their reference log-probabilities from the reference mesh as they arrive."""
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="replay-reference") if self.precomputed else None
+        self.scoring: tuple[Future, list[PreferenceItem]] | None = None  # the scoring call running
+        self.unscored: list[PreferenceItem] = []  # arrived while it runs: the next call's pairs
         self._subscribe()
         self.client.sup.on_respawn(POOL, self._after_respawn)
 
@@ -230,11 +235,10 @@ class ReplayTerm(PairsTerm):
                   for _, _, start, end in turns]
         return Trace(episode_id=t.id, steps=steps), tokens
 
-    def score_references(self, items: list[PreferenceItem]) -> float:
-        """Set each pair's `reference` (chosen, rejected) from the reference mesh, in one supervised
-        call with `replay.reference.call_timeout_s`; returns the call's seconds."""
-        if not items:
-            return 0.0
+    def _reference_values(self, items: list[PreferenceItem]) -> tuple[list[list[float]], float]:
+        """Each pair's reference log-probabilities (chosen, rejected) from the reference mesh, in
+        one supervised call with `replay.reference.call_timeout_s`, and the call's seconds. Reads
+        the items only (it runs beside the step, in the scoring thread)."""
         started = time.perf_counter()
         parts = split_evenly(items, self.client.procs(REPLAY_REFERENCE))
         temperature = self.logprob_temperature()
@@ -248,10 +252,43 @@ class ReplayTerm(PairsTerm):
         references = [ref for reply in replies for ref in reply["references"]]
         if len(references) != len(items) or any(len(r) != 2 for r in references):
             raise RuntimeError(f"{REPLAY_REFERENCE}.score_pairs: {len(references)} replies for {len(items)} pairs")
-        for item, ref in zip(items, references):
-            item.reference = [float(ref[0]), float(ref[1])]
+        return [[float(ref[0]), float(ref[1])] for ref in references], time.perf_counter() - started
+
+    def _set_references(self, items: list[PreferenceItem], values: list[list[float]]) -> None:
+        for item, value in zip(items, values):
+            item.reference = value
         self.counts["reference_scored"] += len(items)
-        return time.perf_counter() - started
+
+    def score_references(self, items: list[PreferenceItem]) -> None:
+        """Set each pair's `reference` now, waiting for the call (a resumed buffer's pairs)."""
+        if items:
+            self._set_references(items, self._reference_values(items)[0])
+
+    def _score_beside_the_step(self, arrived: list[PreferenceItem]) -> float:
+        """Pairs enter the buffer once scored, and the step never waits for the scoring: each drain
+        moves the pairs whose call has returned into the buffer (in arrival order; a failed call
+        raises here) and, when no call is running, starts one for every pair that arrived since
+        (so at most one runs). Returns the seconds of the calls that returned."""
+        self.unscored += arrived
+        seconds = 0.0
+        if self.scoring is not None and self.scoring[0].done():
+            future, items = self.scoring
+            values, seconds = future.result()  # raises the call's failure; its pairs stay pending
+            self.scoring = None
+            self._set_references(items, values)
+            self.buffer += items
+        if self.scoring is None and self.unscored:
+            items, self.unscored = self.unscored, []
+            self.scoring = (self.scorer.submit(self._score_in_thread, items, self.client.step), items)
+        return seconds
+
+    def _score_in_thread(self, items: list[PreferenceItem], step: int) -> tuple[list[list[float]], float]:
+        self.client.step = step  # fault injection keys on the step that started the call
+        return self._reference_values(items)
+
+    def pending_references(self) -> list[PreferenceItem]:
+        """The pairs that arrived and wait for their reference values, oldest first."""
+        return (self.scoring[1] if self.scoring is not None else []) + self.unscored
 
     def drain(self, version: int) -> dict[str, float]:
         """Take every result that has arrived: pairs become DPO items in the buffer (with their
@@ -279,8 +316,11 @@ class ReplayTerm(PairsTerm):
                     continue
                 arrived.append(item)
                 self.counts["dpo_items"] += 1
-        reference_s = self.score_references(arrived) if self.precomputed else 0.0
-        self.buffer += arrived
+        if self.precomputed:
+            reference_s = self._score_beside_the_step(arrived)
+        else:
+            reference_s = 0.0
+            self.buffer += arrived
         self._prune_buffer(version)
         stats = self.inbox.stats()
         outstanding = set(self.inbox.outstanding())
@@ -297,6 +337,7 @@ class ReplayTerm(PairsTerm):
             "replay/duplicates": float(stats["duplicates"]),
             "replay/outstanding": float(len(self.inbox.outstanding())),
             "replay/buffered_pairs": float(len(self.buffer)),
+            "replay/reference_pending": float(len(self.pending_references())),
             "timing/replay_reference_s": reference_s,
         }
 
@@ -346,7 +387,7 @@ class ReplayTerm(PairsTerm):
         return {
             "inbox": self.inbox.state_dict(),
             "pending": {k: {**vars(p), "trace": dataclasses.asdict(p.trace)} for k, p in self.in_flight.items()},
-            "buffer": [vars(i) for i in self.buffer],
+            "buffer": [vars(i) for i in self.buffer + self.pending_references()],
             "counts": dict(self.counts),
             "outcomes": dict(self.outcomes),
         }
@@ -363,6 +404,7 @@ class ReplayTerm(PairsTerm):
                                              [(list(a), list(b)) for a, b in p["steps"]], time.monotonic(),
                                              p["attempts"])
         self.buffer = [PreferenceItem(**i) for i in state["buffer"]]
+        self.scoring, self.unscored = None, []  # a call still running scores pairs the buffer now holds
         self.counts = Counter(state["counts"])
         self.outcomes = Counter(state.get("outcomes", {}))  # checkpoints before 0.1 lacked it
         self._restore_references()
@@ -370,8 +412,8 @@ class ReplayTerm(PairsTerm):
 
     def _restore_references(self) -> None:
         """Resumed pairs follow this run's `replay.reference.source`: precomputed, the pairs a
-        checkpoint holds without reference values (written before they existed, or under `learner`)
-        are scored now; `learner`, any values they hold are dropped (a step never mixes the two)."""
+        checkpoint holds without reference values (written before they existed, under `learner`,
+        or while their scoring call ran) are scored now; `learner`, any values they hold are dropped (a step never mixes the two)."""
         if not self.precomputed:
             for item in self.buffer:
                 item.reference = None
@@ -380,6 +422,8 @@ class ReplayTerm(PairsTerm):
 
     def close(self) -> None:
         self.inbox.close()
+        if self.scorer is not None:
+            self.scorer.shutdown(wait=False, cancel_futures=True)
 
 
 class ShardPairsTerm(PairsTerm):
