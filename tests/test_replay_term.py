@@ -213,6 +213,7 @@ def test_pairs_are_scored_once_beside_the_step_and_their_datums_carry_the_refere
     assert term.drain(1)["replay/reference_pending"] == 6 and len(term.scoring[1]) == 4  # one call at a time
     reference.gate.set()
     term.scoring[0].result(timeout=10)
+    reference.gate.clear()  # the next call waits again, so that what ran so far can be checked
     datums, metrics = term.datums(1)  # the 4 enter the buffer, 2 train; a call for the other 2 starts
     assert sorted(reference.calls) == [2, 2]  # the 4 pairs, split over the reference mesh's two ranks
     assert metrics["replay/reference_scored"] == 4 and len(term.buffer) == 2
@@ -225,6 +226,7 @@ def test_pairs_are_scored_once_beside_the_step_and_their_datums_carry_the_refere
     n_chosen = int(chosen.loss_fn_inputs["mask"].sum())
     n_rejected = int(rejected.loss_fn_inputs["mask"].sum())
     assert values == pytest.approx([-n_chosen + prompt_first / 100, -n_rejected + prompt_first / 100])
+    reference.gate.set()
     metrics = scored(term, 1)
     assert sorted(reference.calls) == [1, 1, 2, 2] and metrics["replay/reference_scored"] == 6  # each pair once
     assert metrics["replay/reference_pending"] == 0 and len(term.buffer) == 4
