@@ -259,11 +259,6 @@ class ReplayTerm(PairsTerm):
             item.reference = value
         self.counts["reference_scored"] += len(items)
 
-    def score_references(self, items: list[PreferenceItem]) -> None:
-        """Set each pair's `reference` now, waiting for the call (a resumed buffer's pairs)."""
-        if items:
-            self._set_references(items, self._reference_values(items)[0])
-
     def _score_beside_the_step(self, arrived: list[PreferenceItem]) -> float:
         """Pairs enter the buffer once scored, and the step never waits for the scoring: each drain
         moves the pairs whose call has returned into the buffer (in arrival order; a failed call
@@ -413,12 +408,15 @@ class ReplayTerm(PairsTerm):
     def _restore_references(self) -> None:
         """Resumed pairs follow this run's `replay.reference.source`: precomputed, the pairs a
         checkpoint holds without reference values (written before they existed, under `learner`,
-        or while their scoring call ran) are scored now; `learner`, any values they hold are dropped (a step never mixes the two)."""
+        or while their scoring call ran) are scored now, waiting for the call; `learner`, any
+        values they hold are dropped (a step never mixes the two)."""
         if not self.precomputed:
             for item in self.buffer:
                 item.reference = None
             return
-        self.score_references([i for i in self.buffer if i.reference is None])
+        unscored = [i for i in self.buffer if i.reference is None]
+        if unscored:
+            self._set_references(unscored, self._reference_values(unscored)[0])
 
     def close(self) -> None:
         self.inbox.close()

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 from typing import Callable
+
+from meshrl.testing.ports import free_port
 
 
 def free_address() -> str:
     """A loopback TCP address for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def run_ranks(worker: Callable, ranks: list[tuple], here: tuple, what: str, timeout_s: float = 300) -> dict:

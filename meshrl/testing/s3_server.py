@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ import uuid
 
 import httpx
 
+from meshrl.testing.ports import free_port
+
 CREDENTIALS = {"key": "testing", "secret": "testing"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoS3Server:
@@ -27,7 +22,7 @@ class MotoS3Server:
     bucket on a loopback moto server."""
 
     def __init__(self, timeout_s: float = 30.0):
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.bucket = f"meshrl-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
