@@ -362,6 +362,7 @@ def test_inflight_sampling_clients_follow_the_newest_inflight_save(service):
     assert after[1:] == pytest.approx(newer.compute_logprobs(prompt).result(timeout=120)[1:], abs=1e-5)
 
 
+@pytest.mark.slow  # ~35 s with its teardown on 2 cores
 def test_a_generator_killed_mid_sample_is_replaced_and_the_call_fails_alone(service):
     from meshrl.meshes.client import RequestLost
 

@@ -13,6 +13,7 @@ from tests.test_channels_e2e import COMMON, _teachers
 pytestmark = pytest.mark.monarch
 
 
+@pytest.mark.slow  # ~45 s on 2 cores
 def test_channel_actors_are_replaced_and_lost_replies_resubmitted(tiny_run_config, tiny_session):
     faults = ("faults.inject=["
               "{mesh: teacher_replay, at_step: 1, action: drop, endpoint: submit},"

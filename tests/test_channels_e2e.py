@@ -27,6 +27,7 @@ COMMON = ["trainer.eval.every=0", "trainer.eval.at_start=false", "trainer.checkp
           "trainer.checkpoint.every=0"]
 
 
+@pytest.mark.slow  # ~14 s on 2 cores
 def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     """The replay pairs' reference log-probabilities come from the reference actor (the default
     `replay.reference.source: precomputed`): the learner, made to fail if it is ever asked for its

@@ -5,6 +5,10 @@ expected values never reach the sandbox."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from meshrl.envs.grading import grade, grade_many, sandbox_files
 from meshrl.envs.humaneval import load_humaneval, split_check
 from meshrl.envs.sandbox import Sandbox
+from meshrl.envs.sandbox_channel import Channel
 from meshrl.envs.tasks import CODE_TASKS_FILE, CodeTask, TestCase, load_code_tasks, task_by_id
 
 
@@ -113,6 +118,7 @@ def test_humaneval_loads_and_splits():
     assert tests == ["import math\nx = 2\nassert candidate(x) == 4", "for i in range(3):\n    assert candidate(i) == 2 * i"]
 
 
+@pytest.mark.slow  # ~12 s: 164 gradings on 2 cores
 def test_humaneval_references_pass_and_stubs_fail(sb):
     he = load_humaneval()
     # Generous limits: this checks the references' correctness, not their speed. HumanEval/32's
@@ -144,3 +150,41 @@ def test_task_roundtrip_and_validation():
     with pytest.raises(ValueError):
         CodeTask("x", "p", "f", tests=("assert f() == 1",), difficulty=5)
     assert CODE_TASKS_FILE.is_file()
+
+
+BUSY_FOR_AT_MOST_2_MIN = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def test_a_host_too_busy_to_run_the_worker_does_not_time_out_a_correct_candidate(sb, monkeypatch):
+    """The grader, its worker and twelve busy processes (each a session of its own, so each gets
+    the worker's share of the CPU) share one core: HumanEval/32's 100 calls into the worker are
+    then in flight for longer than the test's limit, which fails when the kernel's count of the
+    time spent waiting for the CPU is left out; the worker's own time stays within it."""
+    t, limit = task_by_id("HumanEval/32"), 0.3
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread; the sandbox and the busy loops inherit it
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY_FOR_AT_MOST_2_MIN], start_new_session=True)
+            for _ in range(12)]
+    try:
+        time.sleep(0.3)
+        with monkeypatch.context() as m:
+            m.setattr(Channel, "runqueue_wait_s", lambda self: 0.0)
+            unforgiven = grade(t, t.reference, sb, exec_timeout=60.0, test_timeout=limit)
+        r = grade(t, t.reference, sb, exec_timeout=60.0, test_timeout=limit)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        os.sched_setaffinity(0, allowed)
+    assert not unforgiven.success and unforgiven.tests[0].kind == "timeout"
+    assert r.success, r.tests
+
+
+def test_a_candidate_that_sleeps_or_spins_times_out_at_the_tests_limit(sb):
+    """Sleeping and spinning are the candidate's own time: each ends the test at its limit, long
+    before the attempt's wall-clock limit."""
+    t = task_by_id("meshrl/celsius_to_fahrenheit")
+    for body in ("time.sleep(30)", "while True:\n        pass"):
+        r = grade(t, f"import time\ndef celsius_to_fahrenheit(c):\n    {body}\n", sb, exec_timeout=30.0, test_timeout=0.5)
+        assert r.tests[0].kind == "timeout" and not r.success, body
+        assert r.exec.wall_s < 10.0, body

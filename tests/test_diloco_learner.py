@@ -55,6 +55,7 @@ def _cfg(store, replica, replicas=2):
                         round_timeout_s=60, op_timeout_s=30)
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_tiny_policy_replicas_sync_follow_and_resume(tmp_path):
     store = f"file://{tmp_path / 'store'}"
     lcfg = LearnerConfig(lr=1e-3, torch_threads=1)

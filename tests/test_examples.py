@@ -37,6 +37,7 @@ API_TINY = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_
             "weight_sync.max_arenas=4"]
 
 
+@pytest.mark.slow  # ~25 s on 2 cores
 @pytest.mark.monarch
 def test_sl_basic_and_rl_basic_run_on_the_api(tmp_path):
     """The two `meshrl.api` examples, short, on the tiny model."""

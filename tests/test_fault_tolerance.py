@@ -101,7 +101,8 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
         assert [i["version"] for i in infos.values()] == [2, 2]
 
 
-@pytest.mark.parametrize("killed_at, checkpoint_every, resumed_from", [(4, 2, 2), (2, 3, 0)],
+@pytest.mark.parametrize("killed_at, checkpoint_every, resumed_from",
+                         [(4, 2, 2), pytest.param(2, 3, 0, marks=pytest.mark.slow)],  # each ~25 s: one in the default suite
                          ids=["from-checkpoint", "before-the-first-checkpoint"])
 def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session, killed_at,
                                                                      checkpoint_every, resumed_from, tmp_path):

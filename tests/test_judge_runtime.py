@@ -5,7 +5,6 @@ PID, grading real episodes of the tutor example through the env host."""
 
 import json
 import re
-import socket
 
 import pytest
 
@@ -18,6 +17,7 @@ from meshrl.envs.task_sets import EpisodeSpec
 from meshrl.judges import Judge
 from meshrl.metrics.records import read_metrics
 from meshrl.testing.fake_openai import FakeOpenAIServer
+from meshrl.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +65,6 @@ def test_meshrl_train_on_judged_episodes(tiny_run_config, tiny_session):
         assert e["reward_parts"]["task"] == pytest.approx(0.5 * env_return + 0.5 * score)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(900)
 def test_a_real_model_judges_tutor_episodes_through_the_env_host():
     """vLLM serving SmolLM2-135M as the judge of `AdditionTutorEnv` episodes (one right answer, one
@@ -82,7 +76,7 @@ def test_a_real_model_judges_tutor_episodes_through_the_env_host():
     from meshrl.models.provision import resolve_model
     from meshrl.teachers.serve import LocalTeacherServer
 
-    server = LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2", port=_free_port(),
+    server = LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2", port=free_port(),
                                 max_model_len=2048)
     with server:
         cfg = load_config(RunConfig, None, [

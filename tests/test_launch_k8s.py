@@ -7,7 +7,6 @@ the HTTP layer of the client (`RESTClientObject.request`) is replaced, never Mon
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from meshrl.config.run import RunConfig  # noqa: E402
 from meshrl.launch import make_launcher  # noqa: E402
 from meshrl.launch.k8s import label_value  # noqa: E402
 from meshrl.meshes.placement import plan_run  # noqa: E402
+from meshrl.testing.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "launch" / "k8s"
@@ -317,9 +317,7 @@ def test_the_example_worker_command_serves_monarch(tmp_path):
         finally:
             os.killpg(worker.pid, signal.SIGKILL)
     """)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     env = {e["name"]: e["value"] for e in c["env"]} | {"MONARCH_PORT": port, "HF_HUB_OFFLINE": "example"}
     out = subprocess.run([sys.executable, "-c", script, c["command"][3], *[x for kv in env.items() for x in kv]],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "MONARCH_PORT": port})

@@ -60,6 +60,7 @@ def test_respawn_kills_a_hung_process_and_dead_process_sees_a_kill():
         group.stop(timeout_s=30)
 
 
+@pytest.mark.slow  # ~14 s on 2 cores
 def test_each_process_sees_only_its_placed_gpus_also_after_a_respawn():
     """The bootstrap sets CUDA_VISIBLE_DEVICES per rank in real processes (no CUDA is needed to
     read it back): host GPUs 2 and 5 for a 2-process mesh, none for a CPU-only mesh on a GPU host."""

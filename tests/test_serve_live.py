@@ -10,7 +10,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import tinker
 from tinker import types as T
 
 from meshrl.losses import dro, gspo, token_losses
+from meshrl.testing.ports import free_port
 from tests.conftest import sdk_user_error
 
 pytestmark = [pytest.mark.monarch, pytest.mark.slow]
@@ -46,9 +46,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp / "server.log"
     keys = tmp / "keys.txt"
     keys.write_text(f"{KEY} tester\n{OTHER_KEY} other\n")

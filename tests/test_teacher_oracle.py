@@ -27,6 +27,7 @@ from meshrl.teachers.client import TeacherClient, TeacherError
 from meshrl.teachers.oracle import (ARITHMETIC_REPLIES, CODE_REPLIES, UNKNOWN_REPLY, CodeSource, Oracle,
                                     OracleConfig, OracleTeacherServer)
 from meshrl.teachers.serve import TeacherServerError
+from meshrl.testing.ports import free_port
 
 MESHRL_TASKS = tasks_from_config(EnvConfig(split="all"))
 
@@ -159,12 +160,6 @@ def test_every_code_source_is_indexed_over_all_splits(source):
 # ----------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _endpoint(srv: OracleTeacherServer, **kw) -> TeacherEndpointConfig:
     return TeacherEndpointConfig(**{"name": "oracle", "base_url": srv.base_url, "model": "oracle", "max_retries": 0,
                                     "timeout_s": 10, "max_concurrency": 16, **kw})
@@ -190,7 +185,7 @@ def test_arithmetic_server_end_to_end():
     cfg = OracleConfig(error_rate=0.5, latency_s=0.2, latency_jitter=0.25, seed=3)
     task = ArithmeticTask(ArithmeticConfig(operators=["+", "-", "*"]))
     problems = task.heldout(16)
-    with OracleTeacherServer(cfg, port=_free_port()) as srv:
+    with OracleTeacherServer(cfg, port=free_port()) as srv:
         assert httpx.get(f"{srv.base_url}/models", timeout=5).json()["data"][0]["id"] == "oracle"
         assert httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5).status_code == 200
 
@@ -236,7 +231,7 @@ def test_arithmetic_server_end_to_end():
 
 def test_code_server_answers_with_the_reference_and_honours_max_tokens(sandbox):
     task = next(t for t in MESHRL_TASKS if t.difficulty == 3)
-    with OracleTeacherServer(OracleConfig(task="code", error_rate=0.0, served_name="coder"), port=_free_port()) as srv:
+    with OracleTeacherServer(OracleConfig(task="code", error_rate=0.0, served_name="coder"), port=free_port()) as srv:
         async def ask():
             async with TeacherClient(_endpoint(srv, model="coder")) as client:
                 return await client.chat(_opening(task, sandbox))

@@ -2,7 +2,6 @@
 packaged SmolLM2 model on loopback."""
 
 import asyncio
-import socket
 
 import pytest
 
@@ -11,18 +10,13 @@ from meshrl.config.replay import TeacherPanelConfig
 from meshrl.config.teachers import TeacherEndpointConfig
 from meshrl.replay.trace import Trace, TraceStep, replay_trace, teacher_clients
 from meshrl.teachers.serve import LocalTeacherServer
+from meshrl.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_replay_against_a_real_vllm_server():
-    server = LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2", port=_free_port())
+    server = LocalTeacherServer(resolve_model("smollm2-135m-instruct"), "smollm2", port=free_port())
     with server:
         teachers = [TeacherEndpointConfig(name=f"t{i}", base_url=server.base_url, model="smollm2", max_tokens=48,
                                           temperature=0.0, timeout_s=60) for i in range(3)]

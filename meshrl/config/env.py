@@ -99,7 +99,9 @@ class CodeEnvConfig(Section):
     """Wall-clock limit of one attempt (loading the code plus all hidden tests)."""
 
     test_timeout_s: float = Field(3.0, gt=0)
-    """Limit of loading the code and of each single test inside the attempt."""
+    """Limit of loading the code and of each single test inside the attempt, in the worker's time:
+    the wall clock while the candidate is called, less the time the host's load kept the worker
+    (or the grader) waiting for a CPU (meshrl.envs.grading)."""
 
     system_prompt: str | None = None
     """System message at the start of every episode; None adds none."""

@@ -18,6 +18,15 @@ two pipes; so whatever its code does in its own process -- patch json, math, bui
 worker, walk frames or the garbage collector, write to every descriptor, exit, signal, return an
 object whose ``__eq__`` lies -- it yields at most a wrong value or a broken conversation.
 
+Time limits: each test has ``test_timeout`` seconds of the worker's time: the wall clock while a
+call to the candidate is in flight (the test's own statements here do not count), less the time
+the conversation's threads -- the worker's, and the grader's two here -- spent ready to run but
+waiting for a CPU (the kernel's count, read from outside the sandbox). A host busy with a
+generator beside the grader therefore does not time out a correct candidate, while the candidate's
+own computing, sleeping and hanging all count; the candidate cannot shorten the count, so a
+solution too slow for the limit still fails it. The sandbox's wall-clock limit (``exec_timeout``)
+still bounds the whole attempt.
+
 Anomalies: what an honest worker never does -- a reply that is not data or not the answer to the
 call in flight, replies nobody asked for, exiting by itself before the tests are over, lines on
 its output shaped like a grading report -- grade the attempt 0 with ``error_kind``
@@ -56,6 +65,8 @@ from meshrl.envs.tasks import CodeTask
 SOLUTION_FILE = "solution.py"
 WORKER_FILE = "_meshrl_worker.py"
 MAX_TEXT = 2000
+#: runqueue waiting below this, found when a reply is late, is noise: the test has timed out
+STARVED_MIN_S = 0.01
 
 #: what an attempt that tampers with grading did (``GradeResult.anomaly``)
 ANOMALIES: dict[str, str] = {
@@ -176,6 +187,8 @@ class _Judge:
         self.anomaly: str | None = None
         self.anomaly_text = ""
         self.deadline = 0.0
+        self.waited = 0.0  # the conversation's runqueue wait when the clock last resumed
+        self.idle_since = 0.0  # when the last reply came (the grader's own time since does not count)
 
     # ---------------------------------------------------------------- the conversation
     def talk(self, channel: Channel) -> None:
@@ -186,10 +199,12 @@ class _Judge:
             pass
 
     def _run_tests(self) -> None:
-        t = self.task
+        t, channel = self.task, self.channel
+        assert channel is not None
         self.deadline = time.monotonic() + self.exec_timeout  # the interpreter starting (the sandbox's clock bounds it)
         self._reply()
-        self.deadline = time.monotonic() + self.limit
+        channel.locate_program()  # before the candidate's code is loaded
+        self._start_clock()
         self.load = self._ask({"op": "load", "solution": SOLUTION_FILE, "entry_point": t.entry_point,
                                "preamble": t.preamble})
         if not self.load["ok"]:
@@ -209,7 +224,7 @@ class _Judge:
             if self.hung:  # one test hung: the rest would too, and the worker is gone
                 self.outcomes.append(TestOutcome(i, False, "timeout", "Timeout", "not run: an earlier test took too long"))
                 continue
-            self.deadline = time.monotonic() + self.limit
+            self._start_clock()
             self.outcomes.append(self._judge(i, test, tns))
         self.done = True
 
@@ -255,13 +270,52 @@ class _Judge:
     def _ask(self, request: dict) -> dict:
         """Send one request, wait for its reply until the current deadline."""
         assert self.channel is not None
+        self._resume_clock()
         self._io(self.channel.send, json.dumps(request).encode(), max(self.deadline - time.monotonic(), 0.0))
         return self._reply()
 
+    def _start_clock(self) -> None:
+        """A test's time starts: ``limit`` seconds of the worker's time from now."""
+        assert self.channel is not None
+        self.deadline = self.idle_since = time.monotonic()
+        self.deadline += self.limit
+        self.waited = self.channel.runqueue_wait_s()
+
+    def _resume_clock(self) -> None:
+        """A call goes out: the time since the last reply (or the clock's start) was the grader's
+        own, running the test here, and does not count."""
+        assert self.channel is not None
+        now = time.monotonic()
+        self.deadline += now - self.idle_since
+        self.idle_since = now
+        self.waited = self.channel.runqueue_wait_s()
+
+    def _recv(self) -> bytes:
+        """The next reply line by the deadline, which moves out by whatever time the conversation
+        spent waiting for a CPU meanwhile (the host's load, not the candidate's slowness)."""
+        assert self.channel is not None
+        while True:
+            try:
+                line = self.channel.recv(self.deadline - time.monotonic())
+            except ChannelTimeout:
+                if self._forgive_waiting() < STARVED_MIN_S:
+                    raise
+                continue
+            self._forgive_waiting()
+            self.idle_since = time.monotonic()
+            return line
+
+    def _forgive_waiting(self) -> float:
+        """Move the deadline out by the conversation's waiting for a CPU since last counted."""
+        assert self.channel is not None
+        waited = self.channel.runqueue_wait_s()
+        starved, self.waited = waited - self.waited, waited
+        self.deadline += starved
+        return starved
+
     def _reply(self) -> dict:
         """The worker's next reply, by the current deadline."""
-        assert self.channel is not None
-        line = self._io(self.channel.recv, self.deadline - time.monotonic())
+        line = self._io(self._recv)
         try:
             reply = json.loads(line)
         except (ValueError, RecursionError):

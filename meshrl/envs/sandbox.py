@@ -621,7 +621,7 @@ class Sandbox:
             failure: list[BaseException] = []
             talker = None
             if channel is not None:
-                channel.child_started()
+                channel.child_started(proc.pid)
                 talker = threading.Thread(target=_talk, args=(talk, channel, failure), name="sandbox-talk", daemon=True)
                 talker.start()
             try:

@@ -48,6 +48,10 @@ class Channel:
         """A reply line passed ``max_line_bytes`` (the program is killed)."""
         self.extra_lines = 0
         """Reply lines left unread when the conversation ended (nobody asked for them)."""
+        self._started_pid: int | None = None
+        self._threads: list[str] = []  # schedstat files of the conversation's threads
+        self.program_pid: int | None = None
+        """The program's own process, once ``locate_program`` found it."""
 
     # ---------------------------------------------------------------- the program's side
     def child_fds(self) -> tuple[int, int]:
@@ -56,10 +60,45 @@ class Channel:
     def child_env(self) -> dict[str, str]:
         return {"MESHRL_CALL_FD": str(self.call_r), "MESHRL_REPLY_FD": str(self.reply_w)}
 
-    def child_started(self) -> None:
+    def child_started(self, pid: int) -> None:
+        """The program's process ``pid`` (or the isolation layer's, above it) started; the calling
+        thread is the I/O loop's."""
         for fd in (self.call_r, self.reply_w):
             os.close(fd)
         self.call_r = self.reply_w = -1
+        self._started_pid = pid
+        self._threads = [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
+
+    def locate_program(self) -> None:
+        """Find the program's own process: the end of the chain of only children below the
+        started one (bubblewrap puts two of its own above the program); the calling thread is the
+        conversation's. Call it once the program answered and before it runs anything untrusted,
+        so nothing it forks can pass for it."""
+        pid = self._started_pid
+        while pid is not None:
+            children = _children(pid)
+            if len(children) != 1:
+                break
+            pid = children[0]
+        self.program_pid = pid
+        self._threads = self._threads[:1] + [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
+        if pid is not None:
+            self._threads.append(f"/proc/{pid}/schedstat")
+
+    def runqueue_wait_s(self) -> float:
+        """Seconds the conversation's three threads (the program's main thread, the I/O loop's
+        and the conversation's, once ``locate_program`` ran) have spent ready to run but waiting
+        for a CPU, by the kernel's count (``schedstat``): time the host's load took from the
+        conversation, which its program cannot shorten. A thread that is gone, or a kernel that
+        does not count, adds 0.0."""
+        total = 0.0
+        for path in self._threads:
+            try:
+                with open(path) as f:
+                    total += int(f.read().split()[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
 
     # ---------------------------------------------------------------- the conversation's side
     def send(self, line: bytes, timeout_s: float) -> None:
@@ -163,3 +202,15 @@ class Channel:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid``'s threads (empty when it is gone)."""
+    found: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return found
