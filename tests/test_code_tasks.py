@@ -15,6 +15,7 @@ import pytest
 
 from meshrl.envs.grading import grade, grade_many, sandbox_files
 from meshrl.envs.humaneval import load_humaneval, split_check
+from meshrl.config.env import SandboxConfig
 from meshrl.envs.sandbox import Sandbox
 from meshrl.envs.sandbox_channel import Channel
 from meshrl.envs.tasks import CODE_TASKS_FILE, CodeTask, TestCase, load_code_tasks, task_by_id
@@ -155,29 +156,40 @@ def test_task_roundtrip_and_validation():
 BUSY_FOR_AT_MOST_2_MIN = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def test_a_host_too_busy_to_run_the_worker_does_not_time_out_a_correct_candidate(sb, monkeypatch):
-    """The grader, its worker and twelve busy processes (each a session of its own, so each gets
-    the worker's share of the CPU) share one core: HumanEval/32's 100 calls into the worker are
-    then in flight for longer than the test's limit, which fails when the kernel's count of the
-    time spent waiting for the CPU is left out; the worker's own time stays within it."""
-    t, limit = task_by_id("HumanEval/32"), 0.3
+def _burning(cpu_s: float) -> str:
+    """A correct celsius_to_fahrenheit that first computes for ``cpu_s`` of its own CPU time."""
+    return ("import time\n\ndef celsius_to_fahrenheit(c):\n    end = time.process_time() + %r\n"
+            "    while time.process_time() < end:\n        pass\n    return c * 9 / 5 + 32\n" % cpu_s)
+
+
+def test_a_host_too_busy_to_run_the_worker_does_not_time_out_a_correct_candidate(monkeypatch):
+    """The grader, its worker and six busy processes share one core, each getting a seventh of it:
+    a candidate computing 0.05 s per call is then in flight for up to about 0.35 s, past the test's
+    0.2 s limit, and fails when the kernel's count of the time spent waiting for the CPU is left out. Its
+    own time is within the limit, and that is what the limit counts; a candidate needing 0.3 s of
+    its own still fails it."""
+    t, limit = task_by_id("meshrl/celsius_to_fahrenheit"), 0.2
+    sandbox = Sandbox(SandboxConfig(nice=0))  # the worker on equal terms with the busy processes
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})  # this thread; the sandbox and the busy loops inherit it
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_FOR_AT_MOST_2_MIN], start_new_session=True)
-            for _ in range(12)]
+            for _ in range(6)]
     try:
         time.sleep(0.3)
         with monkeypatch.context() as m:
             m.setattr(Channel, "runqueue_wait_s", lambda self: 0.0)
-            unforgiven = grade(t, t.reference, sb, exec_timeout=60.0, test_timeout=limit)
-        r = grade(t, t.reference, sb, exec_timeout=60.0, test_timeout=limit)
+            unforgiven = grade(t, _burning(0.05), sandbox, exec_timeout=60.0, test_timeout=limit)
+        correct = grade(t, _burning(0.05), sandbox, exec_timeout=60.0, test_timeout=limit)
+        too_slow = grade(t, _burning(0.3), sandbox, exec_timeout=60.0, test_timeout=limit)
     finally:
         for p in busy:
             p.kill()
             p.wait()
         os.sched_setaffinity(0, allowed)
-    assert not unforgiven.success and unforgiven.tests[0].kind == "timeout"
-    assert r.success, r.tests
+        sandbox.close()
+    assert not unforgiven.success and unforgiven.error_kind == "timeout", unforgiven.tests
+    assert correct.success, correct.tests
+    assert not too_slow.success and too_slow.tests[0].kind == "timeout", too_slow.tests
 
 
 def test_a_candidate_that_sleeps_or_spins_times_out_at_the_tests_limit(sb):

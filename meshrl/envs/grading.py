@@ -21,11 +21,12 @@ object whose ``__eq__`` lies -- it yields at most a wrong value or a broken conv
 Time limits: each test has ``test_timeout`` seconds of the worker's time: the wall clock while a
 call to the candidate is in flight (the test's own statements here do not count), less the time
 the conversation's threads -- the worker's, and the grader's two here -- spent ready to run but
-waiting for a CPU (the kernel's count, read from outside the sandbox). A host busy with a
-generator beside the grader therefore does not time out a correct candidate, while the candidate's
-own computing, sleeping and hanging all count; the candidate cannot shorten the count, so a
-solution too slow for the limit still fails it. The sandbox's wall-clock limit (``exec_timeout``)
-still bounds the whole attempt.
+waiting for a CPU, and never less than the CPU time the worker's main thread used (the kernel's
+counts, read from outside the sandbox). A host busy with a generator beside the grader therefore
+does not time out a correct candidate, while the candidate's own computing, sleeping and hanging
+all count, and a solution too slow for the limit still fails it: the candidate can lengthen the
+waits (by competing with itself for the CPU) but not shorten its own CPU time. The sandbox's
+wall-clock limit (``exec_timeout``) still bounds the whole attempt.
 
 Anomalies: what an honest worker never does -- a reply that is not data or not the answer to the
 call in flight, replies nobody asked for, exiting by itself before the tests are over, lines on
@@ -65,8 +66,6 @@ from meshrl.envs.tasks import CodeTask
 SOLUTION_FILE = "solution.py"
 WORKER_FILE = "_meshrl_worker.py"
 MAX_TEXT = 2000
-#: runqueue waiting below this, found when a reply is late, is noise: the test has timed out
-STARVED_MIN_S = 0.01
 
 #: what an attempt that tampers with grading did (``GradeResult.anomaly``)
 ANOMALIES: dict[str, str] = {
@@ -174,6 +173,30 @@ def _in_tests(filename: str) -> bool:
     return filename.startswith("<test")
 
 
+class _WorkerClock:
+    """One test's time in the worker's time (the module docstring says why): the wall clock while
+    a call is in flight, less the time the conversation's threads waited for a CPU meanwhile, and
+    never less than the CPU time the worker's main thread used."""
+
+    def __init__(self, channel: Channel, limit: float):
+        self.channel, self.limit, self.used = channel, limit, 0.0
+        self.call = (time.monotonic(), channel.runqueue_wait_s(), channel.program_cpu_s())
+
+    def start_call(self) -> None:
+        self.call = (time.monotonic(), self.channel.runqueue_wait_s(), self.channel.program_cpu_s())
+
+    def used_now(self) -> float:
+        started, waited, ran = self.call
+        in_flight = time.monotonic() - started - (self.channel.runqueue_wait_s() - waited)
+        return self.used + max(in_flight, self.channel.program_cpu_s() - ran)
+
+    def left(self) -> float:
+        return self.limit - self.used_now()
+
+    def end_call(self) -> None:
+        self.used = self.used_now()
+
+
 class _Judge:
     """One attempt's grading: the conversation with its worker (``talk``) and the verdict
     (``result``)."""
@@ -186,9 +209,7 @@ class _Judge:
         self.done = self.hung = self.ended = False
         self.anomaly: str | None = None
         self.anomaly_text = ""
-        self.deadline = 0.0
-        self.waited = 0.0  # the conversation's runqueue wait when the clock last resumed
-        self.idle_since = 0.0  # when the last reply came (the grader's own time since does not count)
+        self.clock: _WorkerClock | None = None
 
     # ---------------------------------------------------------------- the conversation
     def talk(self, channel: Channel) -> None:
@@ -201,10 +222,9 @@ class _Judge:
     def _run_tests(self) -> None:
         t, channel = self.task, self.channel
         assert channel is not None
-        self.deadline = time.monotonic() + self.exec_timeout  # the interpreter starting (the sandbox's clock bounds it)
-        self._reply()
+        self._parse(self._io(channel.recv, self.exec_timeout))  # the interpreter started (the sandbox's clock bounds it)
         channel.locate_program()  # before the candidate's code is loaded
-        self._start_clock()
+        self.clock = _WorkerClock(channel, self.limit)
         self.load = self._ask({"op": "load", "solution": SOLUTION_FILE, "entry_point": t.entry_point,
                                "preamble": t.preamble})
         if not self.load["ok"]:
@@ -224,7 +244,7 @@ class _Judge:
             if self.hung:  # one test hung: the rest would too, and the worker is gone
                 self.outcomes.append(TestOutcome(i, False, "timeout", "Timeout", "not run: an earlier test took too long"))
                 continue
-            self._start_clock()
+            self.clock = _WorkerClock(channel, self.limit)
             self.outcomes.append(self._judge(i, test, tns))
         self.done = True
 
@@ -268,54 +288,27 @@ class _Judge:
             self._tampered("a value that is not data")
 
     def _ask(self, request: dict) -> dict:
-        """Send one request, wait for its reply until the current deadline."""
-        assert self.channel is not None
-        self._resume_clock()
-        self._io(self.channel.send, json.dumps(request).encode(), max(self.deadline - time.monotonic(), 0.0))
-        return self._reply()
-
-    def _start_clock(self) -> None:
-        """A test's time starts: ``limit`` seconds of the worker's time from now."""
-        assert self.channel is not None
-        self.deadline = self.idle_since = time.monotonic()
-        self.deadline += self.limit
-        self.waited = self.channel.runqueue_wait_s()
-
-    def _resume_clock(self) -> None:
-        """A call goes out: the time since the last reply (or the clock's start) was the grader's
-        own, running the test here, and does not count."""
-        assert self.channel is not None
-        now = time.monotonic()
-        self.deadline += now - self.idle_since
-        self.idle_since = now
-        self.waited = self.channel.runqueue_wait_s()
+        """Send one request and wait for its reply, within the test's time."""
+        assert self.channel is not None and self.clock is not None
+        self.clock.start_call()
+        self._io(self.channel.send, json.dumps(request).encode(), max(self.clock.left(), 0.0))
+        return self._parse(self._io(self._recv))
 
     def _recv(self) -> bytes:
-        """The next reply line by the deadline, which moves out by whatever time the conversation
-        spent waiting for a CPU meanwhile (the host's load, not the candidate's slowness)."""
-        assert self.channel is not None
+        """The reply to the call in flight, before the test's time is used up."""
+        assert self.channel is not None and self.clock is not None
         while True:
+            left = self.clock.left()
+            if left <= 0:
+                raise ChannelTimeout("the test's time is used up")
             try:
-                line = self.channel.recv(self.deadline - time.monotonic())
+                line = self.channel.recv(left)
             except ChannelTimeout:
-                if self._forgive_waiting() < STARVED_MIN_S:
-                    raise
-                continue
-            self._forgive_waiting()
-            self.idle_since = time.monotonic()
+                continue  # the conversation may have waited for a CPU meanwhile: count again
+            self.clock.end_call()
             return line
 
-    def _forgive_waiting(self) -> float:
-        """Move the deadline out by the conversation's waiting for a CPU since last counted."""
-        assert self.channel is not None
-        waited = self.channel.runqueue_wait_s()
-        starved, self.waited = waited - self.waited, waited
-        self.deadline += starved
-        return starved
-
-    def _reply(self) -> dict:
-        """The worker's next reply, by the current deadline."""
-        line = self._io(self._recv)
+    def _parse(self, line: bytes) -> dict:
         try:
             reply = json.loads(line)
         except (ValueError, RecursionError):

@@ -89,16 +89,13 @@ class Channel:
         """Seconds the conversation's three threads (the program's main thread, the I/O loop's
         and the conversation's, once ``locate_program`` ran) have spent ready to run but waiting
         for a CPU, by the kernel's count (``schedstat``): time the host's load took from the
-        conversation, which its program cannot shorten. A thread that is gone, or a kernel that
-        does not count, adds 0.0."""
-        total = 0.0
-        for path in self._threads:
-            try:
-                with open(path) as f:
-                    total += int(f.read().split()[1]) / 1e9
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
+        conversation. A thread that is gone, or a kernel that does not count, adds 0.0."""
+        return sum(_schedstat(path)[1] for path in self._threads)
+
+    def program_cpu_s(self) -> float:
+        """Seconds the program's main thread has run on a CPU, by the kernel's count (0.0 when
+        not located, gone, or not counted)."""
+        return _schedstat(f"/proc/{self.program_pid}/schedstat")[0] if self.program_pid is not None else 0.0
 
     # ---------------------------------------------------------------- the conversation's side
     def send(self, line: bytes, timeout_s: float) -> None:
@@ -214,3 +211,13 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return found
+
+
+def _schedstat(path: str) -> tuple[float, float]:
+    """A thread's (seconds on a CPU, seconds waiting for one); zeros when it cannot be read."""
+    try:
+        with open(path) as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
