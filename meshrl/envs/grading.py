@@ -180,7 +180,7 @@ class _WorkerClock:
 
     def __init__(self, channel: Channel, limit: float):
         self.channel, self.limit, self.used = channel, limit, 0.0
-        self.call = (time.monotonic(), channel.runqueue_wait_s(), channel.program_cpu_s())
+        self.start_call()
 
     def start_call(self) -> None:
         self.call = (time.monotonic(), self.channel.runqueue_wait_s(), self.channel.program_cpu_s())
