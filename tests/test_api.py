@@ -368,6 +368,7 @@ def test_a_generator_killed_mid_sample_is_replaced_and_the_call_fails_alone(serv
 
     sampler = service.create_sampling_client(base_model="tiny")
     params = SamplingParams(max_tokens=240, temperature=1.0, seed=3)
+    sampler.sample(ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(max_tokens=2)).result(timeout=300)  # loaded
     [pid] = service.backend.session.meshes.pids["generator"]
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     with pytest.raises(RequestLost, match="not issued again"):  # it may be what killed it
@@ -376,8 +377,4 @@ def test_a_generator_killed_mid_sample_is_replaced_and_the_call_fails_alone(serv
     assert [e["mesh"] for e in service.backend.session.supervisor.events] == ["generator"]
     response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
     assert len(response.sequences) == 8  # the replacement serves the next request
-    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-    response = sampler.sample(ModelInput.from_ints([5, 6, 7]), 8, params).result(timeout=300)
-    assert len(response.sequences) == 8
-    assert service.backend.session.meshes.pids["generator"] != [pid]
     assert [e["mesh"] for e in service.backend.session.supervisor.events] == ["generator"]
