@@ -397,19 +397,19 @@ def _switches(d: dict) -> str:
 
 
 def _before_abusive(d: dict) -> str:
-    """The same arm at an earlier commit, run just before on the same machine (``before``), if any."""
+    """The same arm at earlier commits on the same machine (``before``), if any."""
     runs = d.get("before")
     if not runs:
         return ""
     def row(r: dict, label: str) -> list[str]:
         switches = r.get("version_switches") or {}
-        return [f"{r['commit']} ({label})", num(r["alone_p50_s"], 2, " s"), num(r["flooded_p50_s"], 2, " s"),
+        return [f"{r['commit']} ({label})", r["date"], num(r["alone_p50_s"], 2, " s"), num(r["flooded_p50_s"], 2, " s"),
                 num(r["flooded_p99_s"], 2, " s"), num(r["p50_ratio"], 1, "x"), num(r["p99_ratio"], 1, "x"),
                 str(switches["count"]) if switches else "—", num(r["load_average_1m"], 1)]
 
     rows = [row(b, b.get("what", "before")) for b in runs] + [row(d, "this")]
-    return ("\n\nAgainst earlier commits, run within the hour before this one on the same machine:\n\n"
-            + table(["commit", "alone p50", "flooded p50", "flooded p99", "p50 vs alone", "p99 vs alone",
+    return ("\n\nAgainst earlier commits, run on the same machine:\n\n"
+            + table(["commit", "date", "alone p50", "flooded p50", "flooded p99", "p50 vs alone", "p99 vs alone",
                      "weight loads", "load at the end"], rows))
 
 
