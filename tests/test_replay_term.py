@@ -195,7 +195,8 @@ def _expected_reference(item):
 
 
 def test_pairs_are_scored_once_beside_the_step_and_their_datums_carry_the_reference(make_term):
-    term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.reference.mesh.procs=2")
+    term, pool = make_term("replay.traces_per_step=8", "replay.max_pairs_per_step=2", "replay.reference.mesh.procs=2",
+                           "replay.reference.beside_the_step=true")
     reference = term.client.meshes["replay_reference"]
     reference.gate.clear()  # the scoring call hangs until the test lets it answer
     term.start_step(1)
@@ -239,7 +240,7 @@ def test_pairs_are_scored_once_beside_the_step_and_their_datums_carry_the_refere
 
 
 def test_a_failed_scoring_call_fails_the_step_that_collects_it(make_term):
-    term, pool = make_term("replay.traces_per_step=4")
+    term, pool = make_term("replay.traces_per_step=4", "replay.reference.beside_the_step=true")
     reference = term.client.meshes["replay_reference"]
     reference.failure = RuntimeError("replay_reference.score_pairs: timed out after 120 s")
     term.start_step(1)
@@ -249,6 +250,27 @@ def test_a_failed_scoring_call_fails_the_step_that_collects_it(make_term):
     with pytest.raises(RuntimeError, match="score_pairs: timed out"):
         term.scoring[0].result(timeout=10)
     with pytest.raises(RuntimeError, match="score_pairs: timed out"):
+        term.drain(1)
+
+
+def test_by_default_the_drain_waits_for_the_scoring_and_its_pairs_train_the_same_step(make_term):
+    term, pool = make_term("replay.traces_per_step=4", "replay.max_pairs_per_step=4")
+    term.start_step(1)
+    term.receive(Unit(failing(0, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    datums, metrics = term.datums(1)
+    assert term.scorer is None and term.scoring is None
+    assert metrics["replay/reference_scored"] == 4 and metrics["replay/reference_pending"] == 0
+    assert len(datums) == 2 * 4 and metrics["timing/replay_reference_s"] > 0
+    for item in term.buffer:
+        assert item.reference == pytest.approx(_expected_reference(item))
+    assert term.client.meshes["replay_reference"].calls == [4]
+    reference = term.client.meshes["replay_reference"]
+    reference.failure = RuntimeError("replay_reference.score_pairs: timed out after 120 s")
+    term.start_step(2)
+    term.receive(Unit(failing(1, groups=2, per_group=2, version=1)))
+    deliver(term, pool, version=1)
+    with pytest.raises(RuntimeError, match="score_pairs: timed out"):  # the step that drains them fails
         term.drain(1)
 
 

@@ -123,7 +123,8 @@ class ReplayTerm(PairsTerm):
         self.records: list[dict] = []
         self.precomputed = replay_reference_mesh(ctx.cfg)
         """Whether pairs get their reference log-probabilities from the reference mesh as they arrive."""
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="replay-reference") if self.precomputed else None
+        beside = self.precomputed and self.cfg.reference.beside_the_step
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="replay-reference") if beside else None
         self.scoring: tuple[Future, list[PreferenceItem]] | None = None  # the scoring call running
         self.unscored: list[PreferenceItem] = []  # arrived while it runs: the next call's pairs
         self._subscribe()
@@ -277,6 +278,13 @@ class ReplayTerm(PairsTerm):
             self.scoring = (self.scorer.submit(self._score_in_thread, items, self.client.step), items)
         return seconds
 
+    def _score_now(self, arrived: list[PreferenceItem]) -> float:
+        """Score the pairs that arrived, waiting for the call, and buffer them; its seconds."""
+        values, seconds = self._reference_values(arrived)
+        self._set_references(arrived, values)
+        self.buffer += arrived
+        return seconds
+
     def _score_in_thread(self, items: list[PreferenceItem], step: int) -> tuple[list[list[float]], float]:
         self.client.step = step  # fault injection keys on the step that started the call
         return self._reference_values(items)
@@ -311,8 +319,10 @@ class ReplayTerm(PairsTerm):
                     continue
                 arrived.append(item)
                 self.counts["dpo_items"] += 1
-        if self.precomputed:
+        if self.scorer is not None:
             reference_s = self._score_beside_the_step(arrived)
+        elif self.precomputed:
+            reference_s = self._score_now(arrived) if arrived else 0.0
         else:
             reference_s = 0.0
             self.buffer += arrived
