@@ -149,6 +149,34 @@ def test_a_late_reward_is_credited_and_a_missing_one_dropped_after_the_deadline(
     assert counts == {"env/delayed_reward_dropped": 2}
 
 
+def test_the_counts_of_episodes_closed_at_once_add_up():
+    """Many episodes whose reward never comes reach their deadline together, in the host's threads;
+    each is counted, and the counters are written only by the thread that called the host (a counter
+    bumped in the pool's threads lost counts when two bumped it at once)."""
+    import threading
+    from collections import Counter
+
+    class WritersCounter(Counter):
+        writers: set = set()
+
+        def __setitem__(self, key, value):
+            self.writers.add(threading.get_ident())
+            super().__setitem__(key, value)
+
+    cfg = _faulty("no_reward", "task.env.reward_deadline_s=0.05", "task.env.max_parallel=32")
+    host = EpisodeHost(env_source(cfg.task.env))
+    host.counts = WritersCounter()
+    ids = [f"e{s}" for s in range(64)]
+    try:
+        host.reset([(i, EpisodeSpec(i, {"seed": s})) for s, i in enumerate(ids)])
+        host.step([(i, "hello") for i in ids])
+        ends = host.finish(ids)
+    finally:
+        host.close()
+    assert sum("reward_dropped" in e for e in ends) == 32
+    assert host.counts == {"env/delayed_reward_dropped": 32} and WritersCounter.writers == {threading.get_ident()}
+
+
 def test_turn_cap_success_rule_and_recorded_context():
     cfg = _cfg("task.env.factory=meshrl.testing.envs:VowelChatEnv", "task.env.kwargs={turns: 5}", "task.env.max_turns=2",
                "task.env.success_reward=0.9")

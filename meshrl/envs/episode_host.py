@@ -274,6 +274,8 @@ class EpisodeHost:
                 out.append({"record": {}, "reward_dropped": line} if ep is not None and ep.reward_pending
                            else {"record": {}})
             else:
+                if "reward_dropped" in result:  # counted here: the pool's threads would race on the counter
+                    self.counts["env/delayed_reward_dropped"] += 1
                 out.append(result)
         if self.judge is not None:
             judged = [(ep, end) for (_, ep), end in zip(eps, out)
@@ -328,7 +330,6 @@ class EpisodeHost:
             if ep.reward_pending:
                 late = self._poll_reward(ep.env)
                 if late is None:
-                    self.counts["env/delayed_reward_dropped"] += 1
                     out["reward_dropped"] = (f"env {self.rules.label}: no reward within "
                                              f"task.env.reward_deadline_s={self.rules.reward_deadline_s:g}s")
                 else:
