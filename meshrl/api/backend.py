@@ -9,7 +9,10 @@ learner whose process dies replaced with every tenant brought back to where its 
 call left it. Every `save_weights_for_sampler` publishes the adapter's merged weights as a new
 version of the weight store (version 0 = the base model); the sampler brings every generator
 replica to a request's version (`hold`: `load_version`, no transfer when already held) between
-requests, and a generator that fails is replaced and brought back to that version by the supervisor;
+requests, or with `generator.lora_slots` each request names its version and the generators apply
+that version's adapter to it beside the others (no weight load between versions; a replica pulls
+an adapter the first time it is named), and a generator that fails is replaced and brought back to
+the version held by the supervisor;
 the requests that were running on it fail with the cause and are not issued again (one of them may
 be what broke it), while a request the generator refuses alone fails as the caller's error."""
 
@@ -107,15 +110,28 @@ class MeshBackend:
             self._sampled_version = version
             self._load_on_generators(version)
 
-    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
-        """One prompt sampled (and scored) on a generator replica, under the version they hold:
-        it runs in the engine beside the other requests in flight (continuous batching). An
-        exception the generator raises for this request alone is a UserError; one whose generator
-        died under it fails too (`RequestLost`), after the generator is replaced."""
+    @property
+    def mixes_versions(self) -> bool:
+        """Whether the generators sample any weight version beside others (`generator.lora_slots`:
+        each version is an adapter the engine applies per request), so none is ever `hold`-ed."""
+        return self.cfg.generator.lora_slots > 0
+
+    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring, version: int) -> Sampled:
+        """One prompt sampled (and scored) on a generator replica under weight ``version`` (the
+        version they hold, or with `mixes_versions` its adapter): it runs in the engine beside the
+        other requests in flight (continuous batching). An exception the generator raises for this
+        request alone is a UserError; one whose generator died under it fails too
+        (`RequestLost`), after the generator is replaced."""
         try:
-            return self.client.sample(prompt, request, scoring)
+            return self.client.sample(prompt, request, scoring, version if self.mixes_versions else None)
         except RequestFailed as e:  # this request's own fault: the generator serves on
+            if "not in the index" in str(e):
+                raise self._gone(version) from None
             raise UserError(f"the generator refused this request: {e}") from None
+
+    def _gone(self, version: int) -> UserError:
+        return UserError(f"the sampler weights of version {version} are no longer kept "
+                         f"(weight_sync.keep_versions = {self.cfg.weight_sync.keep_versions}): save them again")
 
     def _load_on_generators(self, version: int) -> None:
         """Every generator replica holds ``version`` (replaced first if one has failed)."""
@@ -135,9 +151,7 @@ class MeshBackend:
                      "/".join(f"{s['load_s']:.2f}" for s in stats))
         except ActorError as e:
             if "not in the index" in str(e):  # reclaimed: the caller's matter, not a failed generator
-                raise UserError(f"the sampler weights of version {version} are no longer kept "
-                                f"(weight_sync.keep_versions = {self.cfg.weight_sync.keep_versions}): save them "
-                                "again") from None
+                raise self._gone(version) from None
             raise
 
     def close(self) -> None:

@@ -3,7 +3,12 @@ batches it with every request in flight whatever their parameters (continuous ba
 the HF engine runs them one at a time), so concurrent `sample` calls with different seeds,
 temperatures, stop tokens and lengths share the engine's batch.
 
-The generators hold one weight version at a time. Requests for the version they hold start at
+With `generator.lora_slots` the generators apply each version's adapter per request
+(`backend.mixes_versions`): every request starts at once beside the others, whatever its version,
+in one piece, under its owner's share; the rest of this module's switching, chunking and
+anticipation is then idle.
+
+Otherwise the generators hold one weight version at a time. Requests for the version they hold start at
 once; a request for another version waits, and from then on no new request starts (even for the
 held version) until the requests in flight have finished; then the generators load the waiting
 request's version and every waiting request of that version starts, in arrival order. Weights
@@ -103,6 +108,9 @@ class Sampler:
     def __init__(self, backend, per_owner: int = MAX_IN_FLIGHT, chunk_tokens: int | None = None,
                  hold_s: float = 0.0, turn_s: float = 0.0):
         self.backend = backend
+        self.mixes = backend.mixes_versions
+        """The generators sample any version beside the others (each an adapter): nothing waits
+        for a version switch, and requests run uncut."""
         self.hold_s = hold_s
         """How long the held version waits for its last owner's next request while another
         version waits (`serve.limits.version_hold_s`; 0: never)."""
@@ -155,7 +163,7 @@ class Sampler:
     def _may_start(self, request: _Request) -> bool:
         """Whether ``request`` may run now: of the version held, its owner (if any) under its share
         (the lock is held)."""
-        return (request.version == self._held and not self._switching
+        return ((self.mixes or (request.version == self._held and not self._switching))
                 and (request.owner is None or self._running[request.owner] < self.per_owner))
 
     def _anticipated(self, request: _Request) -> bool:
@@ -199,7 +207,7 @@ class Sampler:
 
     def _switch_pending(self) -> bool:
         """Whether a waiting request needs another version (then nothing new starts; the lock is held)."""
-        return any(r.version != self._held for r in self._waiting)
+        return not self.mixes and any(r.version != self._held for r in self._waiting)
 
     def _start(self, request: _Request) -> None:
         """Send ``request`` to the generators (the lock is held)."""
@@ -281,9 +289,12 @@ class Sampler:
             request.future.set_result(response)
 
     def _chunk(self, request: _Request) -> int:
-        """The tokens ``request``'s engine call samples: all of them, or an owner's first chunk."""
+        """The tokens ``request``'s engine call samples: all of them, or an owner's first chunk
+        (versions mixed, no request waits for a chunk to end: none is cut)."""
         tokens = request.max_tokens(self.backend.cfg.model.max_model_len)
-        return tokens if request.owner is None or self.chunk_tokens is None else min(tokens, self.chunk_tokens)
+        if request.owner is None or self.chunk_tokens is None or self.mixes:
+            return tokens
+        return min(tokens, self.chunk_tokens)
 
     def _continue(self, request: _Request, response: SampleResponse) -> dict[int, Future]:
         """Queue a continuation of each sample of ``response`` that filled its chunk and has tokens
@@ -315,7 +326,7 @@ class Sampler:
         scoring = PromptScoring(logprobs=o.prompt_logprobs, topk=o.topk_prompt_logprobs,
                                 targets=o.target_prompt_logprobs, alt_k=o.prompt_alt_tokens_k,
                                 alt_temperature=p.temperature, alt_seed=p.seed)
-        return _response(self.backend.sample(request.prompt, engine_request, scoring), o)
+        return _response(self.backend.sample(request.prompt, engine_request, scoring, request.version), o)
 
     def close(self) -> None:
         """Take no more requests and fail those not yet sent; those in flight finish (or fail

@@ -75,5 +75,17 @@ class GeneratorConfig(Section):
     """torch intra-op threads in a generator process (HF backend and weight loading); at most the
     replica's share of its host's cores."""
 
+    lora_slots: int = Field(0, ge=0)
+    """Adapters the vLLM engine applies side by side in one batch (vLLM multi-LoRA): a sample
+    request names its weight version and runs beside requests of other versions, with no weight
+    load between them (`meshrl serve`: every tenant's sampler checkpoints sample together). 0: the
+    engine holds one version at a time, merged into its weights. Needs the vllm backend and
+    `learner.lora.sync: adapter`."""
+
+    lora_max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 128
+    """Largest adapter rank the engine applies with `lora_slots` (one of the ranks vLLM supports;
+    its adapter buffers are this wide): a version of a higher rank fails its sample requests,
+    naming its rank and this limit."""
+
     generate_timeout_s: float = Field(600.0, gt=0)
     """Deadline for one generate call to a generator replica; past it the call raises."""

@@ -140,6 +140,18 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_lora_slots(self) -> "RunConfig":
+        """Adapters applied by the engine (multi-LoRA) need vLLM and adapters on the wire."""
+        gen = self.generator
+        if not gen.lora_slots:
+            return self
+        if gen.backend != "vllm":
+            raise ValueError("generator.lora_slots > 0 needs generator.backend = 'vllm' (the engine applies the adapters)")
+        if not (self.learner.lora.enabled and self.learner.lora.sync == "adapter"):
+            raise ValueError("generator.lora_slots > 0 needs learner.lora.enabled = true and learner.lora.sync = 'adapter'")
+        return self
+
+    @model_validator(mode="after")
     def _check_generator_in_learner(self) -> "RunConfig":
         """A generator co-located with the learner samples with the learner's own parameters: they
         must not change under a generation (no steps off policy, one optimizer step per step) and

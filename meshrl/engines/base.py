@@ -103,6 +103,19 @@ class Sampled:
     prompt: PromptScores | None = None
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter on local disk (a PEFT adapter directory) that an engine applies per request
+    (`generator.lora_slots`)."""
+
+    id: int
+    """Unique per adapter in the engine's life (vLLM's `lora_int_id`, > 0)."""
+    path: Path
+    rank: int
+    modules: frozenset[str]
+    """The kinds of module it adapts (`q_proj`, ...)."""
+
+
 class Engine(Protocol):
     """What the Generator actor needs from an inference engine."""
 
@@ -116,10 +129,12 @@ class Engine(Protocol):
         """Log-probability of tokens 1..n-1 of each sequence given its prefix (temperature 1):
         n-1 values per sequence of n tokens, the i-th (from 0) being token i+1's."""
 
-    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring,
+               adapter: Adapter | None = None) -> Future:
         """Start sampling ``request.n`` completions of one prompt (and scoring it as ``scoring``
-        asks); a future of a `Sampled`. The vLLM engine admits it at its next step, beside the
-        requests already running (continuous batching); the HF engine runs it before returning."""
+        asks), with ``adapter`` applied if given (vLLM with `generator.lora_slots` only); a future
+        of a `Sampled`. The vLLM engine admits it at its next step, beside the requests already
+        running (continuous batching); the HF engine runs it before returning."""
 
     def paused(self) -> ContextManager[None]:
         """Within it no request runs: requests running on entry finish first (under the weights
@@ -142,12 +157,14 @@ def cpu_share(replicas: int) -> int:
 
 
 def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
-                replicas: int = 1, module: torch.nn.Module | None = None, colocated: bool = False) -> Engine:
+                replicas: int = 1, module: torch.nn.Module | None = None, colocated: bool = False,
+                lora_modules: Iterable[str] = ()) -> Engine:
     """The engine selected by `generator.backend`, one of ``replicas`` on this host (their threads
     share its cores). Tensor parallelism (vLLM's worker processes, on CUDA or CPU hosts) needs the
     vllm backend. ``module``: a policy in this process whose parameters the HF
     engine samples with (shared storage); the vLLM engine keeps its own copy regardless, and when
-    ``colocated`` with the learner on a GPU starts from dummy weights and sleeps between calls."""
+    ``colocated`` with the learner on a GPU starts from dummy weights and sleeps between calls.
+    ``lora_modules``: with `generator.lora_slots`, the kinds of module adapters adapt."""
     if cfg.tensor_parallel_size > 1 and cfg.backend != "vllm":
         raise ValueError(f"generator.tensor_parallel_size = {cfg.tensor_parallel_size}: tensor parallelism needs the "
                          f"vllm backend, not {cfg.backend}")
@@ -158,7 +175,7 @@ def make_engine(model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_le
     if cfg.backend == "vllm":
         from meshrl.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed, colocated=colocated)
+        return VLLMEngine(model_path, cfg, dtype, max_model_len, seed, colocated=colocated, lora_modules=lora_modules)
     from meshrl.engines.hf_engine import HFEngine
 
     return HFEngine(model_path, cfg.model_copy(update={"torch_threads": min(cfg.torch_threads, share)}), dtype,

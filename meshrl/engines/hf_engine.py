@@ -148,10 +148,12 @@ class HFEngine:
         top_ids, top_values = recorder.topk() if request.topk and logprobs.shape[1] else (None, None)
         return Decoded(out[:, width:].cpu(), logprobs, top_ids, top_values)
 
-    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring, adapter=None) -> Future:
         """Samples one prompt before returning (the HF engine batches per call, not per step)."""
         done: Future = Future()
         try:
+            if adapter is not None:
+                raise ValueError("the hf engine applies no adapters: generator.lora_slots needs the vllm backend")
             completions = self.generate([prompt], request)[0]
             scores = None
             if scoring.wanted:

@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from meshrl.config.generation import GeneratorConfig
-from meshrl.engines.base import Completion, PromptScores, PromptScoring, SampleRequest, Sampled, TopK
+from meshrl.engines.base import Adapter, Completion, PromptScores, PromptScoring, SampleRequest, Sampled, TopK
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.engines.vllm_loop import EngineLoop, gather
 from meshrl.engines.vllm_sharding import rank_payload, worker_fill_rank, worker_reload_rank, worker_tensor_slices
@@ -53,7 +53,9 @@ class VLLMEngine:
     """An in-process `vllm.LLM` returning token ids and the sampled-distribution logprobs."""
 
     def __init__(self, model_path: Path, cfg: GeneratorConfig, dtype: str, max_model_len: int, seed: int,
-                 colocated: bool = False):
+                 colocated: bool = False, lora_modules: Iterable[str] = ()):
+        """``lora_modules``: with `generator.lora_slots`, the kinds of module adapters adapt
+        (`learner.lora.target_modules`)."""
         configure_vllm_environment(cfg)
         from vllm import LLM
 
@@ -80,6 +82,15 @@ class VLLMEngine:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, CPU_STEP_TOKENS))
         if self.sleeps:
             kwargs.update(load_format="dummy", distributed_executor_backend="uni", enable_sleep_mode=True)
+        self.lora_modules = frozenset(lora_modules if cfg.lora_slots else ())
+        """The kinds of module an adapter may adapt (none: the engine applies no adapters)."""
+        if cfg.lora_slots:
+            # adapters applied side by side (vLLM multi-LoRA; `AdapterShelf` keeps twice as many), on
+            # the named modules only: with its unembedding adaptable, vLLM applies a LoRA to the
+            # logits of sampled positions only and fails a request that scores its prompt
+            kwargs.update(enable_lora=True, max_loras=cfg.lora_slots, max_cpu_loras=2 * cfg.lora_slots,
+                          max_lora_rank=cfg.lora_max_rank, lora_target_modules=sorted(self.lora_modules))
+        self.lora_max_rank = cfg.lora_max_rank
         self.holds_weights = not self.sleeps
         """False until the first `load_weights` when the engine started with dummy weights."""
         # logprobs of every token at a prompt position (PromptScoring.targets, alt_k): vLLM's
@@ -121,13 +132,39 @@ class VLLMEngine:
         return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=scoring.topk, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Future:
+    def submit(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring,
+               adapter: Adapter | None = None) -> Future:
+        """One prompt sampled (and scored) under the engine's weights, or with ``adapter`` applied."""
         items = [(prompt, self._sampling_params(request, 0))]
         if scoring.wanted:
             items.append((prompt, self._scoring_params(scoring)))
-        return gather(self._loop.submit(items), lambda outs: Sampled(
+        return gather(self._loop.submit(items, self._lora(adapter)), lambda outs: Sampled(
             _completions(outs[0], request.topk),
             self._prompt_scores(outs[1], prompt, scoring) if scoring.wanted else None))
+
+    def _lora(self, adapter: Adapter | None):
+        if adapter is None:
+            return None
+        if not self.lora_modules:
+            raise ValueError("this engine applies no adapters (generator.lora_slots = 0)")
+        if adapter.rank > self.lora_max_rank:
+            raise ValueError(f"an adapter of rank {adapter.rank} is over generator.lora_max_rank = {self.lora_max_rank}")
+        if not adapter.modules <= self.lora_modules:
+            raise ValueError(f"an adapter of {', '.join(sorted(adapter.modules - self.lora_modules))} cannot be applied per "
+                             f"request (generator.lora_slots applies adapters to {', '.join(sorted(self.lora_modules))})")
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"adapter-{adapter.id}", adapter.id, str(adapter.path))
+
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Load ``adapter`` into the engine's adapter cache now (between two steps), so that its
+        first request does not pay the load inside a step of everyone's batch."""
+        lora = self._lora(adapter)
+        self._loop.call(lambda llm: llm.llm_engine.add_lora(lora))
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        """Drop an adapter no request uses any more from the engine's cache."""
+        self._loop.call(lambda llm: llm.llm_engine.remove_lora(adapter_id))
 
     def generate(self, prompts: list[list[int]], request: SampleRequest) -> list[list[Completion]]:
         futures = self._loop.submit([(p, self._sampling_params(request, i)) for i, p in enumerate(prompts)])

@@ -41,6 +41,8 @@ class _Request:
     prompt: list[int]
     params: Any
     future: Future
+    lora: Any = None
+    """The request's `LoRARequest` (None: the engine's own weights)."""
 
 
 class EngineLoop:
@@ -64,11 +66,12 @@ class EngineLoop:
         self.llm = ready.result()
 
     # ---- what callers do ----------------------------------------------------------------------
-    def submit(self, items: list[tuple[list[int], Any]]) -> list[Future]:
-        """Queue (prompt token ids, `SamplingParams`) requests, admitted together at the next step
-        (after any pause); a future of each one's final `RequestOutput` (params with
-        `output_kind=FINAL_ONLY`: the engine reports a request once, when it is done)."""
-        requests = [_Request(list(prompt), params, Future()) for prompt, params in items]
+    def submit(self, items: list[tuple[list[int], Any]], lora: Any = None) -> list[Future]:
+        """Queue (prompt token ids, `SamplingParams`) requests, under adapter ``lora`` (a
+        `LoRARequest`) if given, admitted together at the next step (after any pause); a future of
+        each one's final `RequestOutput` (params with `output_kind=FINAL_ONLY`: the engine reports
+        a request once, when it is done)."""
+        requests = [_Request(list(prompt), params, Future(), lora) for prompt, params in items]
         with self._cond:
             self._raise_if_failed()
             self._pending.extend(requests)
@@ -150,7 +153,8 @@ class EngineLoop:
         for request in admitted:
             request_id = f"meshrl-{next(self._ids)}"
             try:
-                llm.llm_engine.add_request(request_id, {"prompt_token_ids": request.prompt}, request.params)
+                llm.llm_engine.add_request(request_id, {"prompt_token_ids": request.prompt}, request.params,
+                                          lora_request=request.lora)
                 running[request_id] = request.future
             except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                 settled.append((request.future, None, exc))

@@ -186,8 +186,10 @@ class MeshClient:
             timings[key] = timings.get(key, 0.0) + max(busiest.values())
         return [group for batch in batches for group in batch.completions]
 
-    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring) -> Sampled:
-        """One prompt's samples from the generator replica with the fewest requests in flight,
+    def sample(self, prompt: list[int], request: SampleRequest, scoring: PromptScoring,
+               version: int | None = None) -> Sampled:
+        """One prompt's samples from the generator replica with the fewest requests in flight
+        (under weight ``version``'s adapter beside other versions: `generator.lora_slots`),
         answered when that request is done: it runs in the engine beside the others in flight
         (continuous batching with vLLM). Safe to call from many threads at once.
 
@@ -211,7 +213,7 @@ class MeshClient:
             busy[rank] += 1
         try:
             [sampled] = self.unsupervised(GENERATOR, lambda actors: [
-                actor_at(actors, rank).sample.call_one(prompt, request, scoring)], "generator.sample")
+                actor_at(actors, rank).sample.call_one(prompt, request, scoring, version)], "generator.sample")
             return sampled
         except (EngineFailed, *process_errors()) as e:  # the generator is unusable: replace it
             cause = f"generator.sample: {first_line(e)}"

@@ -150,7 +150,7 @@ class MeshSession:
                           share_in_process=shared, publish_to_store=not shared or store_readers,
                           diloco_cfg=cfg.diloco, plugins=list(cfg.plugins))
         self.meshes.spawn(GENERATOR, Generator, path, cfg.model, cfg.generator, cfg.weight_sync, POLICY_STORE,
-                          in_learner_process=shared)
+                          in_learner_process=shared, lora_modules=tuple(cfg.learner.lora.target_modules))
 
     def spawn(self, name: str, actor_cls: type, *args, procs: int | None = None, colocate_with: str | None = None,
               timeout_s: float | None = None, **kwargs):

@@ -1,9 +1,11 @@
 """LoRA adapter sync: the learner publishes only the adapter matrices; each reader merges them into
-the base weights it holds (W = W0 + scale * B @ A) and loads the merged model. What crosses the
-wire is the adapter (a few MB), not the model."""
+the base weights it holds (W = W0 + scale * B @ A) and loads the merged model, or (an engine that
+applies adapters itself: vLLM multi-LoRA) writes it out as a PEFT adapter directory. What crosses
+the wire is the adapter (a few MB), not the model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -96,3 +98,31 @@ def load_base_state(model_path: Path, dtype: torch.dtype = torch.bfloat16) -> di
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def write_peft_adapter(adapter: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Write an adapter (as `adapter_state_dict` gives it) as a PEFT adapter directory
+    (`adapter_config.json`, `adapter_model.safetensors`) that PEFT and vLLM load; its rank. Every
+    module must share one rank and one scale (one `LoraConfig` made them); ``lora_alpha`` is
+    written as scale * rank, which gives that scale back."""
+    from safetensors.torch import save_file
+
+    modules = sorted(k.removesuffix(".lora_A") for k in adapter if k.endswith(".lora_A"))
+    if not modules:
+        raise ValueError("the adapter has no lora_A matrices")
+    ranks = {adapter[f"{m}.lora_A"].shape[0] for m in modules}
+    scales = {round(float(adapter[f"{m}{SCALING_SUFFIX}"].item()), 6) for m in modules}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise ValueError(f"the adapter's modules differ in rank {sorted(ranks)} or scale {sorted(scales)}")
+    (rank,), (scale,) = ranks, scales
+    tensors = {}
+    for m in modules:
+        for part in ("lora_A", "lora_B"):
+            tensors[f"base_model.model.{m}.{part}.weight"] = adapter[f"{m}.{part}"].to(dtype).contiguous()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+              "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
+              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), "modules_to_save": None}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return rank
