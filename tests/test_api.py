@@ -14,7 +14,7 @@ from meshrl.config.base import load_config
 from meshrl.config.run import RunConfig
 from meshrl.losses import token_losses
 
-pytestmark = pytest.mark.monarch
+pytestmark = [pytest.mark.monarch, pytest.mark.slow]  # a service of its own: ~45 s on 2 cores
 
 API_RUN = ["model.name_or_path=tiny", "model.max_model_len=256", "generator.kv_cache_gib=1",
            "learner.lora.enabled=true", "learner.lora.sync=adapter", "learner.autocast_bf16=false",

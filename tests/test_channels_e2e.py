@@ -59,6 +59,7 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
     assert requests and requests[0].body["messages"][0]["role"] == "system"
 
 
+@pytest.mark.slow  # ~18 s on 2 cores
 def test_sdpo_teacher_in_the_learner_with_alpha_warmup(tiny_run_config, tiny_session):
     """`sdpo.teacher: learner` spawns no teacher mesh and pulls nothing more; the warm-up keeps the
     first step's SDPO weight at 0 (nothing scored), then the term trains on the error sites."""

@@ -52,6 +52,7 @@ def test_config_errors_exit_2_with_one_line_naming_the_key(args, needle, capsys)
     assert needle in lines[0]
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_dry_run_and_plan_print_the_placement_of_the_multi_gpu_example():
     res = run_cli("train", "--dry-run", "-c", "configs/multi-gpu.yaml", "--host-gpus", "8")
     assert res.returncode == 0, res.stderr

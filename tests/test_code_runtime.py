@@ -46,6 +46,7 @@ def _check_run(run_dir, steps, group_size, prompts):
     return train, train_eps
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_code_task_runs_multi_turn_grpo_with_the_tiny_model(tiny_run_config, tiny_session, tmp_path):
     cfg = tiny_run_config("output.name=code-tiny", "trainer.steps=2", "trainer.prompts_per_step=2",
                           "trainer.group_size=2", *CODE,

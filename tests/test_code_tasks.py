@@ -162,6 +162,7 @@ def _burning(cpu_s: float) -> str:
             "    while time.process_time() < end:\n        pass\n    return c * 9 / 5 + 32\n" % cpu_s)
 
 
+@pytest.mark.slow  # ~11 s on 2 cores
 def test_a_host_too_busy_to_run_the_worker_does_not_time_out_a_correct_candidate(monkeypatch):
     """The grader, its worker and six busy processes share one core, each getting a seventh of it:
     a candidate computing 0.05 s per call is then in flight for up to about 0.35 s, past the test's

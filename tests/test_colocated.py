@@ -100,6 +100,7 @@ class _RecordingLLM:
         self.calls.append("wake_up")
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_colocated_vllm_on_a_gpu_starts_with_dummy_weights_and_sleeps_between_calls(monkeypatch):
     vllm = pytest.importorskip("vllm")
     import torch

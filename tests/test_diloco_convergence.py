@@ -36,6 +36,7 @@ def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(tmp_path)
     assert out["eval"] == pytest.approx(single["eval"], rel=1e-5)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_two_replicas_match_one_model_on_the_same_samples_with_h_fold_fewer_syncs(tmp_path):
     spec = ReplicaSpec("benchmarks.diloco_toy:run_replica",
                        {"store_url": f"file://{tmp_path}/store", "rounds": ROUNDS, "inner_steps": H,

@@ -76,7 +76,8 @@ def test_read_lines_follows_a_file_until_the_writer_ends(tmp_path):
         list(read_lines(path, lambda: False, timeout_s=0.05, poll_s=0.01))
 
 
-# each property on file://, and S3 (moto) once in the default suite; the other S3 variants in the slow tier
+# identical weights on file:// and S3 (moto) in the default suite; the other variants, the fault
+# tests and the executors' own tests in the slow tier
 SLOW = pytest.mark.slow
 
 
@@ -100,7 +101,8 @@ def test_replicas_end_every_round_with_identical_weights(store, n, tmp_path):
     assert json.loads((tmp_path / "work" / "replica-0.json").read_text())["result"]["hashes"] == out[0]["hashes"]
 
 
-@pytest.mark.parametrize("store", ["file", pytest.param("s3", marks=SLOW)], indirect=True)
+@pytest.mark.parametrize("store", ["file", "s3"], indirect=True)
+@pytest.mark.slow  # each ~10 s on 2 cores
 def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     rounds = 6
     spec = _spec(store, rounds=rounds, quorum=2, straggler_wait_s=1.0)  # a round waits 1s for a missing replica
@@ -123,7 +125,8 @@ def test_a_replica_sigkilled_mid_run_is_tolerated_at_quorum(store, tmp_path):
     assert [0, 1, 2] in parts and parts[-1] == [0, 1]  # the last rounds go on without replica 2
 
 
-@pytest.mark.parametrize("store", ["file", pytest.param("s3", marks=SLOW)], indirect=True)
+@pytest.mark.parametrize("store", ["file", "s3"], indirect=True)
+@pytest.mark.slow  # each ~10 s on 2 cores
 def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(store, tmp_path):
     """Replica 1 uploads a truncated delta in round 2 and commits it: the others (and replica 1
     itself, which verifies its stored delta before sealing) reject it; all average the rest."""
@@ -142,6 +145,7 @@ def test_a_corrupt_delta_is_rejected_and_its_round_goes_on(store, tmp_path):
     assert sum(o["rounds"][1]["rejected_total"] for o in out) >= 1  # at least by whoever sealed round 2
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_cancel_kills_only_the_replicas_process_group(tmp_path):
     bystander = subprocess.Popen(["sleep", "60"])
     try:
@@ -169,6 +173,7 @@ def test_a_replica_that_raises_fails_with_its_error_line(tmp_path):
 
 
 @pytest.mark.monarch
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_monarch_job_executor_runs_two_replicas_as_hosts_of_a_process_job(tmp_path):
     from meshrl.diloco.executors.monarch_job import MonarchJobExecutor
     from meshrl.launch.process import replica_job

@@ -156,6 +156,7 @@ def test_pass_at_k_eval_of_a_checkpoint(trained_run, tiny_session, tmp_path, cap
 
 
 @pytest.mark.monarch
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_eval_of_the_exported_model_reproduces_the_runs_evaluation(trained_run, tmp_path, capsys):
     """Meshes of its own (a session serves one model): about 25 s."""
     run_dir, last = trained_run

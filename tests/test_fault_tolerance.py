@@ -102,8 +102,8 @@ def test_a_slowed_generator_replica_holds_neither_the_steps_nor_the_sync(tiny_ru
 
 
 @pytest.mark.parametrize("killed_at, checkpoint_every, resumed_from",
-                         [(4, 2, 2), pytest.param(2, 3, 0, marks=pytest.mark.slow)],  # each ~25 s: one in the default suite
-                         ids=["from-checkpoint", "before-the-first-checkpoint"])
+                         [(4, 2, 2), (2, 3, 0)], ids=["from-checkpoint", "before-the-first-checkpoint"])
+@pytest.mark.slow  # each ~30 s on 2 cores
 def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_config, tiny_session, killed_at,
                                                                      checkpoint_every, resumed_from, tmp_path):
     """The learner is killed during a step's training: the run goes back to its last checkpoint (or,
@@ -129,7 +129,7 @@ def test_killed_learner_resumes_and_reproduces_the_uninterrupted_run(tiny_run_co
     assert kept[0] == kept[1] and [s for s, _, _ in kept[0]] == [s for s in range(1, 6) for _ in range(16)]
 
 
-@pytest.mark.slow  # ~70 s on 2 cores; one-process learner resume stays in the default suite
+@pytest.mark.slow  # ~70 s on 2 cores
 def test_killed_rank_of_a_two_process_learner_resumes(tiny_run_config):
     """A data-parallel learner (2 processes, FSDP2) loses rank 1: both are replaced, the process
     group forms again, and training resumes from the checkpoint (DCP, written by both ranks)."""

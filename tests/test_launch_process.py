@@ -105,6 +105,7 @@ CONTROLLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_a_controller_killed_with_sigkill_leaves_no_workers():
     controller = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -65,6 +65,7 @@ def test_merge_rejects_an_adapter_for_an_unknown_module():
 
 
 @pytest.mark.monarch
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_adapter_only_sync_in_a_real_run(tiny_run_config, tiny_session):
     from meshrl.controller.runtime import Runtime
 

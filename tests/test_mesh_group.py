@@ -30,6 +30,7 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_respawn_kills_a_hung_process_and_dead_process_sees_a_kill():
     cfg = MeshesConfig(spawn_timeout_s=60)
     prepare_environment(cfg)

@@ -259,6 +259,7 @@ def test_checkpoint_names_are_a_whitelist(served):
     assert saved["path"].endswith("/weights/ok-1.v2")
 
 
+@pytest.mark.slow  # ~10 s on 2 cores
 def test_a_tenant_flooding_training_is_held_to_its_quota(served):
     headers = {"Content-Type": "application/x-protobuf"}
     bodies = [_forward_backward(served, [ce_datum([1, 2, 3])]) for _ in range(6)]

@@ -31,6 +31,7 @@ def _all_gone(pids: set[int], within_s: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_a_mesh_failing_its_setup_stops_every_mesh_and_the_closers_run_newest_first():
     before = _children()
     closed = []
@@ -49,6 +50,7 @@ def test_a_mesh_failing_its_setup_stops_every_mesh_and_the_closers_run_newest_fi
     assert started and _all_gone(started), "a process of the session outlived it"
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_a_run_whose_bring_up_fails_after_spawning_leaves_no_process(tiny_run_config):
     from meshrl.controller.runtime import Runtime
     from meshrl.plugins import import_plugins

@@ -156,6 +156,7 @@ def _records(run_dir, kind):
 
 
 @pytest.mark.monarch
+@pytest.mark.slow  # ~11 s on 2 cores
 def test_sft_trains_checkpoints_and_resumes(tiny_session, tmp_path, capsys):
     data = _arithmetic(tmp_path)
     cfg = load_config(SFTRunConfig, None, [
@@ -190,6 +191,7 @@ def test_sft_trains_checkpoints_and_resumes(tiny_session, tmp_path, capsys):
 
 
 @pytest.mark.monarch
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_a_lora_sft_run_exports_and_its_directory_evaluates(tiny_session, tmp_path, capsys):
     from meshrl.controller.evaluate import eval_main
 

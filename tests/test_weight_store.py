@@ -638,6 +638,7 @@ def test_pull_waits_for_a_future_version_or_times_out_clearly(cluster):
     assert time.monotonic() - start < 6
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_pull_from_a_dead_owner_raises_within_the_timeout(cluster):
     crash_pm = this_host().spawn_procs(per_host={"procs": 1})
     crashy = crash_pm.spawn("publisher", Publisher, "crashy", CFG)
@@ -710,6 +711,7 @@ def _stop(meshes):
             pass
 
 
+@pytest.mark.slow  # ~13 s on 2 cores
 def test_a_sharded_version_appears_once_every_rank_published_and_readers_assemble_it(cluster):
     cfg = CFG.model_copy(update={"max_arenas": 3})
     ranks = _spawn_ranks("sharded", cfg, 2)
