@@ -22,6 +22,7 @@ PROMPT = ModelInput.from_ints([5, 17, 42, 9])
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     cfg = load_config(RunConfig, None, API_RUN + ["generator.lora_slots=2", "generator.lora_max_rank=16",
+                                                  "serve.limits.max_lora_rank=16",
                                                   f"output.dir={tmp_path_factory.mktemp('api')}"])
     with ServiceClient(cfg) as svc:
         yield svc

@@ -43,6 +43,11 @@ def test_dry_run_prints_resolved_config_with_overrides():
          "meshes.generator.devices = [1]: GPU 1 is already meshes.learner's"),
         (["--host-gpus", "2", "meshes.learner.procs=3", "meshes.learner.gpus_per_proc=1"],
          "meshes.learner.gpus_per_proc = 1: 3 process(es) need 3 GPU(s) but only 2 of the host's 2 are free"),
+        (["generator.lora_slots=2", "generator.backend=hf"], "generator.lora_slots > 0 needs generator.backend = 'vllm'"),
+        (["generator.lora_slots=2"], "generator.lora_slots > 0 needs learner.lora.enabled = true"),
+        (["-c", "configs/serve.yaml", "generator.lora_slots=2", "generator.lora_max_rank=32"],
+         "serve.limits.max_lora_rank = 128 is over generator.lora_max_rank = 32"),
+        (["generator.lora_max_rank=12"], "generator.lora_max_rank = 12"),
     ],
 )
 def test_config_errors_exit_2_with_one_line_naming_the_key(args, needle, capsys):

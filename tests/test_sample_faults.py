@@ -23,7 +23,7 @@ class Engine:
         self.broken = False
         self.served = 0
 
-    def sample(self, prompt, request, scoring):
+    def sample(self, prompt, request, scoring, version=None):
         if self.broken:
             raise EngineFailed("the vLLM engine failed: earlier step raised")
         if request.seed is not None and request.seed >= 2**63:
@@ -92,7 +92,7 @@ def test_a_generator_found_dead_before_a_request_is_replaced_and_the_request_ser
 def test_a_process_that_dies_under_a_request_fails_it_with_the_cause():
     client, group, sup = _client()
 
-    def dies(prompt, request, scoring):
+    def dies(prompt, request, scoring, version=None):
         raise ProcessDied("generator.sample: process 12 of mesh 'generator' died")
 
     group["generator"].actors[0].sample = dies

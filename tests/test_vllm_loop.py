@@ -29,7 +29,7 @@ class ScriptedEngine:
         self.thread: threading.Thread | None = None
         self.fail_at_step: int | None = None
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         if params.steps < 1:
             raise ValueError(f"steps = {params.steps}")
         self.running[request_id] = [params.steps, prompt["prompt_token_ids"]]

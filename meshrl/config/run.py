@@ -149,6 +149,9 @@ class RunConfig(Section):
             raise ValueError("generator.lora_slots > 0 needs generator.backend = 'vllm' (the engine applies the adapters)")
         if not (self.learner.lora.enabled and self.learner.lora.sync == "adapter"):
             raise ValueError("generator.lora_slots > 0 needs learner.lora.enabled = true and learner.lora.sync = 'adapter'")
+        if self.serve.limits.max_lora_rank > gen.lora_max_rank:
+            raise ValueError(f"serve.limits.max_lora_rank = {self.serve.limits.max_lora_rank} is over generator.lora_max_rank = "
+                             f"{gen.lora_max_rank}: `meshrl serve` would create adapters its generators cannot apply")
         return self
 
     @model_validator(mode="after")
