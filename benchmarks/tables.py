@@ -397,7 +397,8 @@ def _switches(d: dict) -> str:
 
 
 def _before_abusive(d: dict) -> str:
-    """The same arm at earlier commits on the same machine (``before``), if any."""
+    """The same arm at earlier commits or with other settings (its ``what``) on the same machine
+    (``before``), if any."""
     runs = d.get("before")
     if not runs:
         return ""
@@ -408,7 +409,7 @@ def _before_abusive(d: dict) -> str:
                 str(switches["count"]) if switches else "—", num(r["load_average_1m"], 1)]
 
     rows = [row(b, b.get("what", "before")) for b in runs] + [row(d, "this")]
-    return ("\n\nAgainst earlier commits, run on the same machine:\n\n"
+    return ("\n\nAgainst earlier commits and other settings, run on the same machine:\n\n"
             + table(["commit", "date", "alone p50", "flooded p50", "flooded p99", "p50 vs alone", "p99 vs alone",
                      "weight loads", "load at the end"], rows))
 
