@@ -1,10 +1,14 @@
 """`generator.lora_slots` for real: Monarch processes, the tiny model, vLLM applying each weight
 version's adapter per request (multi-LoRA). Versions sample side by side with no weight load between
 them, each under its own adapter; a version dropped from a replica's shelf is pulled again; an
-adapter over the engine's rank fails its own requests only."""
+adapter over the engine's rank fails its own requests only; a replaced generator pulls what it is
+asked for."""
 
+import os
+import signal
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -91,3 +95,22 @@ def test_a_version_dropped_from_the_shelf_is_pulled_again_and_a_rank_over_the_li
     with pytest.raises(UserError, match="rank 32 is over generator.lora_max_rank = 16"):
         wide.save_weights_and_get_sampling_client("wide").sample(PROMPT, 1, SamplingParams(max_tokens=2)).result(120)
     _assert_matches_learner(kept, first)  # the generator serves on
+
+
+def test_a_replaced_generator_pulls_the_adapters_it_is_asked_for(service):
+    """A generator killed between requests: the next request of a version finds the process dead,
+    the generator is replaced (with no weight version to restore), and the replacement pulls that
+    version's adapter and samples under it."""
+    client = _trained(service, seed=71)
+    sampler = client.save_weights_and_get_sampling_client("before-the-kill")
+    _assert_matches_learner(sampler, client)
+    [pid] = service.backend.session.meshes.pids["generator"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"generator {pid} still running"
+        time.sleep(0.1)
+    _assert_matches_learner(sampler, client)
+    assert service.backend.session.meshes.pids["generator"] != [pid]
+    assert [e["mesh"] for e in service.backend.session.supervisor.events] == ["generator"]
+    assert _held(service) == [sampler.version]

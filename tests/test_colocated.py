@@ -78,7 +78,7 @@ class _RecordingLLM:
     def get_tokenizer(self):
         return None
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         self.calls.append("add_request")
         self._added.append(request_id)
 
