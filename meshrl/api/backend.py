@@ -64,10 +64,11 @@ class MeshBackend:
             session.spawn_policy()
             session.wait_ready()
             self.client = session.client
-            # a replaced generator comes back to the version being sampled, not the newest one (with
-            # versions side by side it holds none: it pulls each adapter when a request names it)
-            if not self.mixes_versions:
-                session.supervisor.on_respawn(GENERATOR, lambda: self._load_on_generators(self._sampled_version))
+            # a replaced generator comes back to the version being sampled, not the newest one; with
+            # versions side by side it keeps the base weights it starts with (a merged version under
+            # the adapters would apply one twice) and pulls each adapter when a request names it
+            session.supervisor.on_respawn(GENERATOR, (lambda: None) if self.mixes_versions else
+                                          (lambda: self._load_on_generators(self._sampled_version)))
             self._generator_lock = threading.Lock()
             self._sampled_version = 0
             journal = LearnerJournal(checkpoint_root(cfg) / RECOVERY, cfg.weight_sync.keep_versions)
