@@ -48,6 +48,8 @@ def test_dry_run_prints_resolved_config_with_overrides():
         (["-c", "configs/serve.yaml", "generator.lora_slots=2", "generator.lora_max_rank=32"],
          "serve.limits.max_lora_rank = 128 is over generator.lora_max_rank = 32"),
         (["generator.lora_max_rank=12"], "generator.lora_max_rank = 12"),
+        (["generator.lora_slots=2", "learner.lora.enabled=true", "learner.lora.sync=adapter"],
+         "generator.lora_slots = 2 is for the API's generators"),
     ],
 )
 def test_config_errors_exit_2_with_one_line_naming_the_key(args, needle, capsys):

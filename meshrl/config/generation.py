@@ -80,7 +80,7 @@ class GeneratorConfig(Section):
     request names its weight version and runs beside requests of other versions, with no weight
     load between them (`meshrl serve`: every tenant's sampler checkpoints sample together). 0: the
     engine holds one version at a time, merged into its weights. Needs the vllm backend and
-    `learner.lora.sync: adapter`."""
+    `learner.lora.sync: adapter`; a run of `meshrl train`, `eval` or `sft` refuses it."""
 
     lora_max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 128
     """Largest adapter rank the engine applies with `lora_slots` (one of the ranks vLLM supports;

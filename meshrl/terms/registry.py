@@ -58,13 +58,17 @@ def _built_in(cfg) -> list[type[LossTerm]]:
 
 
 def check_config(cfg, trains: bool = True) -> None:
-    """Import `plugins`; check `trainer.loss` and `trainer.terms` against the registries and, for
+    """Import `plugins`; refuse `generator.lora_slots` (the API's); check `trainer.loss` and
+    `trainer.terms` against the registries and, for
     a run that ``trains`` (not `meshrl eval`), that the learner can score the rollouts' sampling
     distribution (ConfigError in one line naming the key)."""
     try:
         import_plugins(cfg.plugins)
     except PluginError as e:
         raise ConfigError(str(e)) from None
+    if cfg.generator.lora_slots:
+        raise ConfigError(f"config: generator.lora_slots = {cfg.generator.lora_slots} is for the API's generators (meshrl "
+                          "serve, meshrl.api): a run's generators hold one merged weight version; set it to 0")
     top_p = cfg.generator.sampling.top_p
     if trains and top_p < 1:
         raise ConfigError(f"config: generator.sampling.top_p = {top_p}: training needs 1.0; the learner scores "
