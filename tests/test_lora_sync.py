@@ -47,7 +47,7 @@ def test_the_published_adapter_written_as_a_peft_directory_loads_as_the_same_mod
 
     trainer = _trained_lora_trainer()
     adapter = {name: shard.load() for name, shard in trainer.sync_shards().items()}
-    assert write_peft_adapter(adapter, tmp_path / "v1", torch.float32) == 4
+    assert write_peft_adapter(adapter, tmp_path / "v1", torch.float32) == (4, frozenset(trainer.cfg.lora.target_modules))
     base = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, tmp_path / "v1").merge_and_unload().state_dict()
     expected = trainer.inference_state_dict(dtype=torch.float32)

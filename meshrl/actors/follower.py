@@ -153,9 +153,7 @@ class AdapterShelf:
             result = self.puller.pull(version, exact=True)
             directory = self.root / f"v{version}"
             try:
-                modules = frozenset(k.removesuffix(".lora_A").rsplit(".", 1)[-1] for k in result.tensors
-                                    if k.endswith(".lora_A"))
-                adapter = Adapter(version + 1, directory, write_peft_adapter(result.tensors, directory), modules)
+                adapter = Adapter(version + 1, directory, *write_peft_adapter(result.tensors, directory))
                 self.engine.add_adapter(adapter)
             except BaseException:
                 shutil.rmtree(directory, ignore_errors=True)

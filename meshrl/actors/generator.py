@@ -87,7 +87,7 @@ class Generator(MeshrlActor):
         self.follower = InProcessFollower(store, sync_cfg.transfer_timeout_s, shares,
                                           loaded=self.engine.holds_weights) \
             if in_learner_process else PolicyFollower(store, sync_cfg, Path(model_path))
-        self.adapters = AdapterShelf(store, sync_cfg, self.engine, 2 * gen_cfg.lora_slots) \
+        self.adapters = AdapterShelf(store, sync_cfg, self.engine, self.engine.adapters_kept) \
             if gen_cfg.lora_slots else None
         """With `generator.lora_slots`: the weight versions sampled as adapters (`sample(version=...)`)."""
         self.version = 0

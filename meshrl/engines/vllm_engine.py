@@ -84,11 +84,13 @@ class VLLMEngine:
             kwargs.update(load_format="dummy", distributed_executor_backend="uni", enable_sleep_mode=True)
         self.lora_modules = frozenset(lora_modules if cfg.lora_slots else ())
         """The kinds of module an adapter may adapt (none: the engine applies no adapters)."""
+        self.adapters_kept = 2 * cfg.lora_slots
+        """Adapters loaded at once (vLLM's CPU-side cache): its generator's `AdapterShelf` keeps as many."""
         if cfg.lora_slots:
-            # adapters applied side by side (vLLM multi-LoRA; `AdapterShelf` keeps twice as many), on
-            # the named modules only: with its unembedding adaptable, vLLM applies a LoRA to the
-            # logits of sampled positions only and fails a request that scores its prompt
-            kwargs.update(enable_lora=True, max_loras=cfg.lora_slots, max_cpu_loras=2 * cfg.lora_slots,
+            # adapters applied side by side (vLLM multi-LoRA), on the named modules only: with its
+            # unembedding adaptable, vLLM applies a LoRA to the logits of sampled positions only
+            # and fails a request that scores its prompt
+            kwargs.update(enable_lora=True, max_loras=cfg.lora_slots, max_cpu_loras=self.adapters_kept,
                           max_lora_rank=cfg.lora_max_rank, lora_target_modules=sorted(self.lora_modules))
         self.lora_max_rank = cfg.lora_max_rank
         self.holds_weights = not self.sleeps
@@ -142,9 +144,19 @@ class VLLMEngine:
             _completions(outs[0], request.topk),
             self._prompt_scores(outs[1], prompt, scoring) if scoring.wanted else None))
 
-    def _lora(self, adapter: Adapter | None):
+    @staticmethod
+    def _lora(adapter: Adapter | None):
+        """vLLM's request for ``adapter`` (checked when it was added)."""
         if adapter is None:
             return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"adapter-{adapter.id}", adapter.id, str(adapter.path))
+
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Check ``adapter`` against what the engine applies and load it into the engine's adapter
+        cache now (between two steps), so that its first request does not pay the load inside a
+        step of everyone's batch; requests then name it in `submit`."""
         if not self.lora_modules:
             raise ValueError("this engine applies no adapters (generator.lora_slots = 0)")
         if adapter.rank > self.lora_max_rank:
@@ -152,13 +164,6 @@ class VLLMEngine:
         if not adapter.modules <= self.lora_modules:
             raise ValueError(f"an adapter of {', '.join(sorted(adapter.modules - self.lora_modules))} cannot be applied per "
                              f"request (generator.lora_slots applies adapters to {', '.join(sorted(self.lora_modules))})")
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(f"adapter-{adapter.id}", adapter.id, str(adapter.path))
-
-    def add_adapter(self, adapter: Adapter) -> None:
-        """Load ``adapter`` into the engine's adapter cache now (between two steps), so that its
-        first request does not pay the load inside a step of everyone's batch."""
         lora = self._lora(adapter)
         self._loop.call(lambda llm: llm.llm_engine.add_lora(lora))
 

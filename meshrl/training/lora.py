@@ -100,9 +100,11 @@ def load_base_state(model_path: Path, dtype: torch.dtype = torch.bfloat16) -> di
     return state
 
 
-def write_peft_adapter(adapter: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype = torch.bfloat16) -> int:
+def write_peft_adapter(adapter: dict[str, torch.Tensor], directory: Path,
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[int, frozenset[str]]:
     """Write an adapter (as `adapter_state_dict` gives it) as a PEFT adapter directory
-    (`adapter_config.json`, `adapter_model.safetensors`) that PEFT and vLLM load; its rank. Every
+    (`adapter_config.json`, `adapter_model.safetensors`) that PEFT and vLLM load; its rank and the
+    kinds of module it adapts (`q_proj`, ...: its config's `target_modules`). Every
     module must share one rank and one scale (one `LoraConfig` made them); ``lora_alpha`` is
     written as scale * rank, which gives that scale back."""
     from safetensors.torch import save_file
@@ -121,8 +123,9 @@ def write_peft_adapter(adapter: dict[str, torch.Tensor], directory: Path, dtype:
             tensors[f"base_model.model.{m}.{part}.weight"] = adapter[f"{m}.{part}"].to(dtype).contiguous()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
+    kinds = frozenset(m.rsplit(".", 1)[-1] for m in modules)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
               "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "fan_in_fan_out": False,
-              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}), "modules_to_save": None}
+              "target_modules": sorted(kinds), "modules_to_save": None}
     (directory / "adapter_config.json").write_text(json.dumps(config))
-    return rank
+    return rank, kinds
