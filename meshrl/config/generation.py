@@ -62,7 +62,8 @@ class GeneratorConfig(Section):
 
     omp_threads_bind: str = "auto"
     """VLLM_CPU_OMP_THREADS_BIND for the CPU engine: `auto`, `all`, a core list like `0-1`, or with
-    `tensor_parallel_size` > 1 one list per worker joined by `|` (`0|1`)."""
+    `tensor_parallel_size` > 1 one list per worker joined by `|` (`0|1`). `auto` gives each worker a
+    NUMA node, or, with more workers than nodes, an equal share of the process's cores."""
 
     hf_decode: Literal["auto", "eager", "static"] = "auto"
     """How the HF backend decodes: `static` = a static KV cache with batches padded to power-of-two

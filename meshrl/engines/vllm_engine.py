@@ -38,11 +38,31 @@ from meshrl.transport.weight_index import WeightSyncError
 
 
 def configure_vllm_environment(cfg: GeneratorConfig) -> None:
-    """Environment vLLM reads at import/engine start: in-process engine, small CPU KV cache."""
+    """Environment vLLM reads at engine start, from the config alone (a value an earlier engine of
+    this process left, or its parent passed down, must not override this engine's config)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.omp_threads_bind)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+        cfg.omp_threads_bind, cfg.tensor_parallel_size, sorted(os.sched_getaffinity(0)), numa_nodes())
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def omp_threads_bind(setting: str, workers: int, cpus: list[int], nodes: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `generator.omp_threads_bind`. vLLM's `auto` binds each tensor
+    parallel worker to a NUMA node of its own and refuses more workers than nodes; then the
+    allowed ``cpus`` are split instead, in ``workers`` consecutive runs (`0|1`)."""
+    if setting != "auto" or workers <= nodes:
+        return setting
+    if len(cpus) < workers:
+        raise ValueError(f"generator.tensor_parallel_size = {workers} needs a core per worker; this process may "
+                         f"use {len(cpus)} (set generator.omp_threads_bind to a list per worker, like 0|1)")
+    per = len(cpus) // workers
+    return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(workers))
+
+
+def numa_nodes() -> int:
+    """NUMA nodes of this host (1 where the kernel shows none)."""
+    return max(len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))), 1)
 
 
 CPU_STEP_TOKENS = 4096

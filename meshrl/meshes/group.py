@@ -148,7 +148,10 @@ class MeshGroup:
             self.proc_meshes[owner] = self.hosts.host_mesh(group).spawn_procs(
                 per_host={"procs": count}, name=f"{owner}-g{self.generation[owner]}", bootstrap=bootstrap
             )
-            self.hosts.on_spawn(self.proc_meshes[owner])
+            try:  # log forwarding waits for the processes to start
+                self.hosts.on_spawn(self.proc_meshes[owner])
+            except Exception as e:  # noqa: BLE001 - Monarch raises a bare ValueError for a spawn that failed
+                raise MeshSpawnError(f"mesh '{owner}': its processes did not start: {first_line(e)}") from None
         return self.proc_meshes[owner]
 
     def spawn(self, name: str, actor_cls: type, *args, **kwargs):
@@ -211,10 +214,24 @@ class MeshGroup:
                 log.warning("abandoning mesh '%s': one of its hosts is lost (stopping it would hang)", owner)
             else:  # stop the damaged mesh in the background: the replacement need not wait for it
                 self._stopping.append((owner, old.stop()))
+        try:
+            self._bring_up(names)
+        except MeshSpawnError as e:
+            # a host that failed with the mesh can still look alive for a moment (a killed worker
+            # that is still exiting), and the replacement then waits for it in vain; once the
+            # host is seen lost, the replacement comes up on the surviving hosts
+            if not any(group == self._group(owner) for group, _ in self.hosts.refresh()):
+                raise
+            log.warning("mesh '%s' did not come up on a host that is now lost (%s); spawning it on the "
+                        "surviving hosts", owner, e)
+            self.proc_meshes.pop(owner)  # abandoned: stopping a mesh on a lost host would hang
+            self._bring_up(names)
+        return names
+
+    def _bring_up(self, names: list[str]) -> None:
         for n in names:
             self.actor_meshes[n] = self._spawn_actors(n, self._specs[n])
         self.wait_ready(names)
-        return names
 
     def dead_process(self, name: str) -> str | None:
         """A one-line reason if a process of mesh ``name`` (or of the mesh whose processes it
