@@ -57,9 +57,12 @@ def test_two_host_grpo_run_survives_losing_a_generator_host_and_leaves_no_proces
             assert psutil.Process(rt.meshes.pids["learner"][0]).ppid() == workers[("trainer", 0)]
 
             record, _ = rt.loop.step()
-            # both replicas pulled by RDMA: nothing is shared through memory across hosts
-            transports = {k: v for k, v in record.items() if k.startswith("sync/")}
-            assert rt.loop.version == 1 and record["sync/transport/rdma"] == 2 and "sync/transport/shm" not in record, transports
+            # the replicas pulled by RDMA: nothing is shared through memory across hosts. A replica
+            # still busy with a late hedged duplicate pulls once it is done, outside the step's
+            # record (a busy host), so the record counts one or both
+            transports = {k: v for k, v in record.items() if k.startswith("sync/transport/")}
+            assert rt.loop.version == 1 and list(transports) == ["sync/transport/rdma"], transports
+            assert transports["sync/transport/rdma"] in (1, 2), transports
 
             killer = threading.Timer(0.5, os.kill, (workers[("sampler", 1)], signal.SIGKILL))
             killer.start()  # mid-step: generation or weight sync in flight
