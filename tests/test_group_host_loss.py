@@ -63,11 +63,13 @@ class _HostMesh:
 
 
 def _group(probe, on_spawn=None):
+    """The group, every spawn it makes, and the set of sampler hosts that are down (none yet)."""
     spawned: list = []
+    down: set[int] = set()
     cfg = LaunchConfig(launcher="process", hosts={"trainer": 1, "sampler": 2}, place={"generator": "sampler"})
-    hosts = Hosts({"trainer": _HostMesh(range(1), set(), spawned), "sampler": _HostMesh(range(2), {1}, spawned)},
+    hosts = Hosts({"trainer": _HostMesh(range(1), set(), spawned), "sampler": _HostMesh(range(2), down, spawned)},
                   cfg, probe, on_spawn)
-    return MeshGroup(MeshesConfig(spawn_timeout_s=5), hosts), spawned
+    return MeshGroup(MeshesConfig(spawn_timeout_s=5), hosts), spawned, down
 
 
 class _Probe:
@@ -81,11 +83,11 @@ class _Probe:
         return {"sampler": {1}} if self.calls >= self.seen_from else {}
 
 
-def _spawn_generator(group, spawned):
-    group.hosts._meshes["sampler"].dead = set()  # both hosts up at the start
+def _spawn_generator(group, spawned, down):
+    """The generator on both sampler hosts; then host 1 goes down. Its proc mesh."""
     group.spawn("generator", object)
     group.wait_ready(["generator"])
-    group.hosts._meshes["sampler"].dead = {1}  # then host 1 goes down
+    down.add(1)
     return spawned[-1][2]
 
 
@@ -96,8 +98,8 @@ def test_a_replacement_that_waited_on_a_host_not_yet_seen_lost_comes_up_on_the_s
             raise ValueError("error spawning proc mesh: statuses: Running=0..1;Timeout(30s)=1..2")
 
     probe = _Probe(seen_from=2)  # the respawn's first look finds every host alive
-    group, spawned = _group(probe, forward_logs if on_spawn_fails else None)
-    first = _spawn_generator(group, spawned)
+    group, spawned, down = _group(probe, forward_logs if on_spawn_fails else None)
+    first = _spawn_generator(group, spawned, down)
     assert group.respawn("generator") == ["generator"]
     assert [(name, hosts) for name, hosts, _ in spawned] == [
         ("generator-g0", [0, 1]), ("generator-g1", [0, 1]), ("generator-g2", [0])]
@@ -107,16 +109,16 @@ def test_a_replacement_that_waited_on_a_host_not_yet_seen_lost_comes_up_on_the_s
     assert first.stopped and not spawned[1][2].stopped  # the mesh waiting on the lost host is abandoned
 
 
-def test_a_replacement_that_fails_with_every_host_alive_still_fails_naming_the_mesh():
-    group, spawned = _group(_Probe(seen_from=10**9))
-    _spawn_generator(group, spawned)
+def test_a_replacement_that_fails_while_no_host_is_found_lost_still_fails_naming_the_mesh():
+    group, spawned, down = _group(_Probe(seen_from=10**9))
+    _spawn_generator(group, spawned, down)
     with pytest.raises(MeshSpawnError, match=r"^mesh 'generator' failed during setup: error spawning proc mesh"):
         group.respawn("generator")
     assert len(spawned) == 2  # no second try: no host was found lost
 
 
 def test_a_host_already_seen_lost_is_left_out_of_the_first_replacement():
-    group, spawned = _group(_Probe(seen_from=1))
-    _spawn_generator(group, spawned)
+    group, spawned, down = _group(_Probe(seen_from=1))
+    _spawn_generator(group, spawned, down)
     group.respawn("generator")
     assert [hosts for _, hosts, _ in spawned] == [[0, 1], [0]]

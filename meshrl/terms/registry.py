@@ -59,9 +59,9 @@ def _built_in(cfg) -> list[type[LossTerm]]:
 
 def check_config(cfg, trains: bool = True) -> None:
     """Import `plugins`; refuse `generator.lora_slots` (the API's); check `trainer.loss` and
-    `trainer.terms` against the registries and, for
-    a run that ``trains`` (not `meshrl eval`), that the learner can score the rollouts' sampling
-    distribution (ConfigError in one line naming the key)."""
+    `trainer.terms` against the registries and, for a run that ``trains`` (not `meshrl eval`), that
+    the learner can score the rollouts' sampling distribution (ConfigError in one line naming the
+    key)."""
     try:
         import_plugins(cfg.plugins)
     except PluginError as e:
