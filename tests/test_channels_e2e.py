@@ -62,17 +62,24 @@ def test_full_arm_trains_on_all_three_terms(tiny_run_config, tiny_session):
 @pytest.mark.slow  # ~18 s on 2 cores
 def test_sdpo_teacher_in_the_learner_with_alpha_warmup(tiny_run_config, tiny_session):
     """`sdpo.teacher: learner` spawns no teacher mesh and pulls nothing more; the warm-up keeps the
-    first step's SDPO weight at 0 (nothing scored), then the term trains on the error sites."""
-    cfg = tiny_run_config("output.name=learner-teacher", "trainer.steps=3", *COMMON, "sdpo.alpha=0.4",
-                          "sdpo.teacher=learner", "sdpo.alpha_warmup_steps=2", "sdpo.token_clip=5")
+    first step's SDPO weight at 0 (nothing scored), then the term trains on the error sites: it
+    scores twice its budget (`candidates_per_site`) and trains the budget's worth, and the budget
+    follows the measured cost (`cost_share`) under its ceiling."""
+    cfg = tiny_run_config("output.name=learner-teacher", "trainer.steps=4", *COMMON, "sdpo.alpha=0.4",
+                          "sdpo.teacher=learner", "sdpo.alpha_warmup_steps=2", "sdpo.token_clip=5",
+                          "sdpo.max_sites_per_step=4", "sdpo.candidates_per_site=2", "sdpo.cost_share=0.01")
     train = _run(cfg, tiny_session)
-    assert [r["step"] for r in train] == [1, 2, 3]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert train[0]["loss/sdpo_jsd"] == 0 and "sdpo/error_sites" not in train[0]
-    for r, weight in zip(train[1:], (0.2, 0.4)):  # the warm-up: 0, alpha / 2, alpha
+    for r, weight in zip(train[1:], (0.2, 0.4, 0.4)):  # the warm-up: 0, alpha / 2, alpha
         assert r["sdpo/hints"] > 0 and r["loss/sdpo_jsd"] > 0 and r["timing/sdpo_teacher_s"] > 0
         assert r["loss/total"] == pytest.approx(r["loss/grpo"] + weight * r["loss/sdpo_jsd"])
         assert 0 <= r["sdpo/token_clip_frac"] <= 1
         assert not any(k.startswith("sync/sdpo_teacher") for k in r)
+        assert 1 <= r["sdpo/trained_sites"] <= r["sdpo/site_budget"] <= 4 and r["sdpo/cost_s"] > 0
+        assert r["sdpo/trained_sites"] < r["sdpo/scored_sites"] <= 2 * r["sdpo/site_budget"]
+        assert r["sdpo/disagreement_kept"] >= r["sdpo/disagreement_dropped"]
+    assert train[1]["sdpo/site_budget"] == 4 and train[3]["sdpo/site_budget"] < 4  # 1 % of a step buys fewer
 
 
 # slow tier: a run with the terms' weights at 0 builds only the policy-gradient term

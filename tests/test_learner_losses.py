@@ -300,7 +300,8 @@ def test_sdpo_full_vocabulary_equals_the_top_k_path_with_every_token(model_path)
 
 def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path):
     """SDPO's teacher in the learner's processes (`sdpo.teacher: learner`) scores a site as the
-    teacher mesh's HF engine does: same top-k indices, log-probs equal to float32 rounding."""
+    teacher mesh's HF engine does, and as the learner's micro-batched path (under FSDP2) does:
+    same top-k indices, log-probs (and the site tokens' own) equal to float32 rounding."""
     from meshrl.config.generation import GeneratorConfig
     from meshrl.engines.hf_engine import HFEngine
     from meshrl.sdpo.sites import ErrorSite
@@ -310,15 +311,20 @@ def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path)
     engine = HFEngine(model_path, GeneratorConfig(torch_threads=1), "float32", 256, seed=0)
     sites = [ErrorSite(f"t{i}", "wrong_answer", "hint", [], 0, _tokens(i, n), start, n - start, [])
              for i, (n, start) in enumerate([(20, 12), (9, 3), (31, 30)])]
-    learner = trainer.topk_logprobs([teacher_datum(s) for s in sites], 5)
+    datums = [teacher_datum(s) for s in sites]
+    learner = trainer.topk_logprobs(datums, 5)
+    micro_batched = trainer._topk_in_micro_batches(datums, 5, padding=False)
     reference = engine.topk_logprobs([s.teacher_tokens for s in sites], [s.teacher_start for s in sites],
                                      [s.length for s in sites], 5)
-    for site, (idx, lp), (ref_idx, ref_lp) in zip(sites, learner, reference):
-        assert idx.shape == (site.length, 5) and idx.dtype == torch.int32
-        assert torch.equal(idx, ref_idx)
-        assert torch.allclose(lp, ref_lp, atol=1e-4)
+    for site, got, other, ref in zip(sites, learner, micro_batched, reference):
+        assert got[0].shape == (site.length, 5) and got[0].dtype == torch.int32
+        for scored in (got, other):
+            assert torch.equal(scored[0], ref[0])
+            assert torch.allclose(scored[1], ref[1], atol=1e-4) and torch.allclose(scored[2], ref[2], atol=1e-4)
     full = trainer.topk_logprobs([teacher_datum(sites[1])], 0)[0]
     assert full[0] is None and torch.allclose(full[1].exp().sum(-1), torch.ones(sites[1].length), atol=1e-4)
+    own = full[1].gather(-1, torch.tensor(sites[1].teacher_tokens[3:])[:, None]).squeeze(-1)
+    assert torch.allclose(full[2], own, atol=1e-5)  # the site tokens' own log-probs
 
 
 def test_optim_step_reports_the_learners_memory(model_path):

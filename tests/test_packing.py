@@ -172,14 +172,15 @@ def test_packed_micro_batches_under_fsdp2_and_ddp_equal_one_padded_process():
 
 def test_packed_topk_and_custom_loss_equal_padded(model_path):
     """The other learner calls read the same packed forward: top-k logprobs at the mask's positions
-    and a custom loss's gradient equal padded ones."""
+    (in the micro-batches, as under FSDP2) and a custom loss's gradient equal padded ones."""
     from meshrl.testing.custom_losses import importance_sampling_custom
 
     datums = _datums()
     padded, packed = _trainer(model_path, 0), _trainer(model_path, 64)
-    for (ia, va), (ib, vb) in zip(padded.topk_logprobs(datums, 5), packed.topk_logprobs(datums, 5)):
-        torch.testing.assert_close(vb, va, rtol=0, atol=2e-5)
-        assert torch.equal(ia, ib)
+    for a, b in zip(padded._topk_in_micro_batches(datums, 5, False), packed._topk_in_micro_batches(datums, 5, False)):
+        torch.testing.assert_close(b[1], a[1], rtol=0, atol=2e-5)
+        torch.testing.assert_close(b[2], a[2], rtol=0, atol=2e-5)
+        assert torch.equal(a[0], b[0])
     out_a = padded.forward_backward_custom(datums, importance_sampling_custom)
     out_b = packed.forward_backward_custom(datums, importance_sampling_custom)
     assert out_b["loss"] == pytest.approx(out_a["loss"], rel=1e-5)

@@ -171,11 +171,12 @@ class Learner(MeshrlActor):
         return [lp.tolist() for lp in self.trainer.forward(datums, reference, padding, temperature)]
 
     @endpoint
-    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False) -> list[tuple]:
+    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False, min_prefix: int = 0) -> list[tuple]:
         """Per datum, the current weights' top-``k`` next-token log-probs at its `mask` positions
-        (no grad; SDPO's teacher in the learner's processes)."""
+        and its own tokens' log-probs there (no grad; SDPO's teacher in the learner's processes),
+        each prefix of at least ``min_prefix`` tokens that datums share forwarded once."""
         self.fault_point("topk_logprobs")
-        return self.trainer.topk_logprobs(datums, k, padding)
+        return self.trainer.topk_logprobs(datums, k, padding, min_prefix)
 
     @endpoint
     def scale_grads(self, factor: float) -> None:

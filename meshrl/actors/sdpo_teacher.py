@@ -41,11 +41,13 @@ class SDPOTeacherActor(MeshrlActor):
         return stats
 
     @endpoint
-    def score_sites(self, sites: list[tuple[list[int], int, int]], top_k: int) -> dict:
-        """``sites`` = [(teacher_tokens, start, length)]; returns per-site (indices, logprobs)."""
+    def score_sites(self, sites: list[tuple[list[int], int, int]], top_k: int, min_prefix: int = 0) -> dict:
+        """``sites`` = [(teacher_tokens, start, length)]; returns per site (top-k indices, their
+        log-probs, the site tokens' log-probs), shared prefixes of ``min_prefix`` tokens or more
+        forwarded once."""
         self.fault_point("score_sites")
         require_complete(self.follower)
         started = time.perf_counter()
         scored = self.engine.topk_logprobs([s[0] for s in sites], [s[1] for s in sites],
-                                           [s[2] for s in sites], top_k)
+                                           [s[2] for s in sites], top_k, min_prefix)
         return {"topk": scored, "version": self.version, "seconds": time.perf_counter() - started}

@@ -184,12 +184,12 @@ def _thresholds(loss_fn: str, config: dict, data: list[Datum]) -> tuple[float, f
 
 def metrics_with_reductions(metrics: dict[str, float]) -> dict[str, float]:
     """Core metrics keyed ``name:reduction`` as Tinker reports them: sums for the loss and token
-    counts, maxima for `*_max`, means otherwise (learner bookkeeping such as `seconds`, and the
-    per-datum `logprobs`, left out). Keys that already name their reduction (a custom loss's own
-    metrics) are kept."""
+    counts, maxima for `*_max`, means otherwise (the learner's bookkeeping, `seconds` and
+    `pass_share`, and the per-datum `logprobs` left out). Keys that already name their reduction
+    (a custom loss's own metrics) are kept."""
     out = {}
     for name, value in metrics.items():
-        if name in ("seconds", "tokens", "logprobs"):
+        if name in ("seconds", "pass_share", "tokens", "logprobs"):
             continue
         if ":" in name:
             out[name] = float(value)

@@ -83,7 +83,24 @@ class SDPOConfig(Section):
     """Teacher tokens kept per position (both distributions renormalised on them); 0 = full vocabulary."""
 
     max_sites_per_step: int = Field(16, ge=1)
-    """Most error sites distilled per step."""
+    """Most error sites distilled per step (the budget's ceiling under `cost_share`)."""
+
+    candidates_per_site: float = Field(1.0, ge=1.0)
+    """Error sites the hinted teacher scores per site a step may train: with more than 1, the step
+    trains those where the teacher and the student disagree most (the mean, over a site's tokens,
+    of the sampler's log-probability minus the teacher's: a sampled KL(student || teacher)) and
+    drops the rest; 1 = it trains every site it scores."""
+
+    cost_share: float = Field(0.0, ge=0)
+    """Adaptive budget: 0 = every step may train `max_sites_per_step` sites; above 0 = after each
+    step, the next may train as many as cost about this fraction of the rest of the step's
+    seconds, at the channel's measured cost per site (the teacher's scoring when it runs in the
+    learner, plus the learner's time on the rows only SDPO reads), between 1 and
+    `max_sites_per_step`."""
+
+    min_shared_prefix: int = Field(16, ge=0)
+    """Sites whose hinted contexts share at least this many leading tokens (one prompt's samples
+    share the prompt) are scored with that prefix forwarded once; 0 = each site forwarded whole."""
 
     max_sites_per_episode: int = Field(4, ge=1)
     """Most error sites taken from one multi-turn episode: its earliest failing turns (every turn

@@ -20,8 +20,8 @@ from meshrl.engines.base import Completion, PromptScoring, SampleRequest, Sample
 from meshrl.engines.device_sampler import sample_step
 from meshrl.engines.hf_static import Decoded, row_seeds, static_generate
 from meshrl.engines.prompt_scores import prompt_scores
-from meshrl.logprobs import topk_logprobs
 from meshrl.training.gpu_budget import claim_device
+from meshrl.training.prefix_scoring import topk_at_positions
 
 
 class SampledLogprobs:
@@ -189,19 +189,16 @@ class HFEngine:
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
         return [lp[i, : len(seq) - 1].tolist() for i, seq in enumerate(sequences)]
 
-    @torch.no_grad()
     def topk_logprobs(self, sequences: list[list[int]], starts: list[int], lengths: list[int],
-                      k: int) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+                      k: int, min_prefix: int = 0) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
         """For each sequence, the top-``k`` (indices int32, log-probs float32) of the next-token
-        distribution (temperature 1) at the positions predicting ``seq[start:start+length]``;
-        ``k = 0`` returns the full vocabulary's log-probs with indices None. One batched forward;
-        the log-softmax and top-k run on the device."""
-        _, logits = self._batched_logits(sequences)
-        out = []
-        for i, (start, length) in enumerate(zip(starts, lengths)):
-            indices, values = topk_logprobs(logits[i, start - 1 : start - 1 + length], k)
-            out.append((None if indices is None else indices.cpu(), values.cpu()))
-        return out
+        distribution (temperature 1) at the positions predicting ``seq[start:start+length]``, and
+        the log-probs of those tokens themselves; ``k = 0`` returns the full vocabulary's log-probs
+        with indices None. One batched forward, each prefix of at least ``min_prefix`` tokens
+        that sequences share forwarded once (meshrl.training.prefix_scoring); the vocabulary
+        projection, log-softmax and top-k run on the device, at the scored positions only."""
+        return topk_at_positions(self.model, sequences, starts, lengths, k, pad_id=self.pad_id,
+                                 max_rows=max(len(sequences), 1), min_prefix=min_prefix, device=self.device)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

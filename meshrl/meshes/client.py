@@ -310,9 +310,10 @@ class MeshClient:
     def forward(self, datums: list[Datum], reference: bool = False, temperature: float = 1.0) -> list[list[float]]:
         return self._per_datum("forward", datums, reference, temperature=temperature)
 
-    def topk_logprobs(self, datums: list[Datum], k: int) -> list[tuple]:
-        """Per datum, the learner's top-``k`` (indices, log-probs) at its `mask` positions."""
-        return self._per_datum("topk_logprobs", datums, k)
+    def topk_logprobs(self, datums: list[Datum], k: int, min_prefix: int = 0) -> list[tuple]:
+        """Per datum, the learner's top-``k`` (indices, log-probs) at its `mask` positions and its
+        own tokens' log-probs there, shared prefixes of ``min_prefix`` tokens or more forwarded once."""
+        return self._per_datum("topk_logprobs", datums, k, min_prefix=min_prefix)
 
     def scale_grads(self, factor: float) -> None:
         self.on_learners("scale_grads", factor)

@@ -1,9 +1,12 @@
 """The SDPO term (channel 2): per unit of rollouts, find the error sites of the sampled
 trajectories (every failing turn of an episode, at most `sdpo.max_sites_per_episode` of one and
-`sdpo.max_sites_per_step` a step), have the hinted teacher (the current policy, no grad) score each
-site's response tokens under the hinted context, and turn the teacher's top-k into `sdpo_jsd`
-Datums; the optimizer step's loss gains ``alpha * JSD`` on exactly the error-site tokens
-(token-mean weights, meshrl.terms.base), alpha warmed up from 0 (`sdpo.alpha_warmup_steps`).
+`sdpo.candidates_per_site` times the step's budget in all), have the hinted teacher (the current
+policy, no grad) score each site's response tokens under the hinted context (the sites' shared
+prefixes forwarded once), keep the budget's worth where the teacher and the student disagree most
+(meshrl.sdpo.selection), and turn the teacher's top-k into `sdpo_jsd` Datums; the optimizer
+step's loss gains ``alpha * JSD`` on exactly the error-site tokens (token-mean weights,
+meshrl.terms.base), alpha warmed up from 0 (`sdpo.alpha_warmup_steps`). The budget is
+`sdpo.max_sites_per_step`, or with `sdpo.cost_share` what the channel's measured cost allows.
 
 Where the teacher runs (`sdpo.teacher`): `mesh` = the SDPOTeacherActor mesh, a weight reader like
 the generators, which scores the sites where the trajectories are produced, while it holds the
@@ -21,8 +24,9 @@ from meshrl.config.meshes import SDPO_TEACHER
 from meshrl.meshes.dispatch import split_evenly
 from meshrl.meshes.ranks import actor_at
 from meshrl.sdpo.schedule import warmup_weight
+from meshrl.sdpo.selection import ScoredSite, candidates, disagreement, most_informative, next_budget
 from meshrl.sdpo.sites import ErrorSite, select_error_sites
-from meshrl.terms.base import DatumTerm, TermContext
+from meshrl.terms.base import DatumTerm, TermContext, add_metrics, token_mean_weights
 from meshrl.types import Datum, LossPart
 
 
@@ -69,6 +73,11 @@ class SDPOTerm(DatumTerm):
         self.on_learner = self.cfg.teacher == "learner"
         self.renderer = ctx.renderer
         self.counts: dict[str, int] = {}
+        self.budget = self.cfg.max_sites_per_step
+        """Sites a step may train (`sdpo.cost_share` adapts it after each step)."""
+        self.trained_sites = 0
+        self.cost_s = 0.0  # the step's channel seconds on the learner's side
+        self.step_started = 0.0
         if not self.on_learner:
             self.client.add_reader(SDPO_TEACHER)
         self.hint_source = None
@@ -103,32 +112,61 @@ class SDPOTerm(DatumTerm):
     def start_step(self, step: int) -> None:
         super().start_step(step)
         self.weight = self.weight_at(step)
+        self.trained_sites, self.cost_s, self.step_started = 0, 0.0, time.perf_counter()
 
     def make_datums(self, unit, state) -> list:
-        """At most the step's remaining error sites of the unit's samples (none while the weight
-        is 0), scored by the teacher mesh, or, with the teacher in the learner, left for `finish`
-        to score; the channel's counters (cumulative over the run) go into the unit's metrics."""
+        """At most the step's remaining candidate error sites of the unit's samples (none while
+        the weight is 0), scored by the teacher mesh (`ScoredSite`s), or, with the teacher in the
+        learner, left for `finish` to score; the channel's counters (cumulative over the run) go
+        into the unit's metrics."""
         if self.weight_at(state.step) == 0:
             return []
         done = state.extra.get("sdpo_sites", 0)
         started = time.perf_counter()
-        sites, metrics = self.select(unit.sampled, self.cfg.max_sites_per_step - done)
+        limit = max(candidates(self.budget, self.cfg.candidates_per_site) - done, 0)
+        sites, metrics = self.select(unit.sampled, limit)
         unit.metrics.update(metrics)
         unit.metrics["timing/sdpo_select_s"] = time.perf_counter() - started
         state.extra["sdpo_sites"] = done + len(sites)
         if self.on_learner or not sites:
             return sites
         started = time.perf_counter()
-        datums = self.score_on_mesh(sites)
+        scored = self.score_on_mesh(sites)
         unit.metrics["timing/sdpo_teacher_s"] = time.perf_counter() - started
-        return datums
+        return scored
 
     def finish(self, version: int, metrics: dict) -> LossPart:
-        if self.on_learner and self.gathered:
+        """The gathered sites scored (the teacher in the learner: now, by the current weights),
+        the most informative of them that the step's budget still allows as the term's part."""
+        gathered, self.gathered = self.gathered, []
+        if self.trained_sites >= self.budget:
+            gathered = []  # the step's budget is spent (an earlier optimizer step of it): nothing more is scored
+        if self.on_learner and gathered:
             started = time.perf_counter()
-            self.gathered = self.score_on_learner(self.gathered)
-            metrics["timing/sdpo_teacher_s"] = metrics.get("timing/sdpo_teacher_s", 0.0) + time.perf_counter() - started
-        return super().finish(version, metrics)
+            gathered = self.score_on_learner(gathered)
+            seconds = time.perf_counter() - started
+            self.cost_s += seconds
+            metrics["timing/sdpo_teacher_s"] = metrics.get("timing/sdpo_teacher_s", 0.0) + seconds
+        kept, dropped = most_informative(gathered, self.budget - self.trained_sites)
+        self.trained_sites += len(kept)
+        if gathered:
+            add_metrics(metrics, {"sdpo/scored_sites": float(len(gathered)), "sdpo/trained_sites": float(len(kept))})
+            metrics.update({"sdpo/disagreement_kept": _mean([s.disagreement for s in kept]),
+                            "sdpo/disagreement_dropped": _mean([s.disagreement for s in dropped])})
+        datums = [site_datum(s.site, s.indices, s.logprobs) for s in kept]
+        return self.part(token_mean_weights(datums, self.weight) if datums else [])
+
+    def trained(self, part: LossPart, result: dict, metrics: dict) -> float:
+        self.cost_s += result["seconds"] * result.get("pass_share", 1.0)
+        return super().trained(part, result, metrics)
+
+    def end_step(self, output, metrics: dict) -> None:
+        """With `sdpo.cost_share`, the next step's budget from this step's cost per site trained."""
+        metrics["sdpo/site_budget"] = float(self.budget)
+        metrics["sdpo/cost_s"] = self.cost_s
+        if self.cfg.cost_share and self.trained_sites and self.cost_s > 0:
+            self.budget = next_budget(self.cfg.cost_share, time.perf_counter() - self.step_started, self.cost_s,
+                                      self.trained_sites, self.cfg.max_sites_per_step)
 
     def select(self, trajectories: list, limit: int) -> tuple[list[ErrorSite], dict]:
         """At most ``limit`` error sites of ``trajectories`` with their hints, and the channel's
@@ -143,27 +181,38 @@ class SDPOTerm(DatumTerm):
             self.counts[k] = self.counts.get(k, 0) + v
         return sites, {f"sdpo/{k}": float(v) for k, v in self.counts.items()}
 
-    def score_on_mesh(self, sites: list[ErrorSite]) -> list[Datum]:
-        """`sdpo_jsd` Datums of ``sites`` scored by the teacher mesh (which holds the weights that
-        sampled them)."""
+    def score_on_mesh(self, sites: list[ErrorSite]) -> list[ScoredSite]:
+        """``sites`` scored by the teacher mesh (which holds the weights that sampled them)."""
         c = self.cfg
         parts = split_evenly(sites, self.client.procs(SDPO_TEACHER))
 
         def issue(teachers):
             return [actor_at(teachers, r).score_sites.call_one(
-                [(s.teacher_tokens, s.teacher_start, s.length) for s in part], c.top_k) for r, part in enumerate(parts)]
+                [(s.teacher_tokens, s.teacher_start, s.length) for s in part], c.top_k, c.min_shared_prefix)
+                for r, part in enumerate(parts)]
 
         scored = self.client.call(SDPO_TEACHER, "sdpo", issue, f"{SDPO_TEACHER}.score_sites", c.call_timeout_s)
-        topk = [t for reply in scored for t in reply["topk"]]
-        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)]
+        return _scored(sites, [t for reply in scored for t in reply["topk"]])
 
-    def score_on_learner(self, sites: list[ErrorSite]) -> list[Datum]:
-        """`sdpo_jsd` Datums of ``sites`` scored by the learner's current weights."""
-        topk = self.client.topk_logprobs([teacher_datum(s) for s in sites], self.cfg.top_k)
-        return [site_datum(s, idx, lp) for s, (idx, lp) in zip(sites, topk)]
+    def score_on_learner(self, sites: list[ErrorSite]) -> list[ScoredSite]:
+        """``sites`` scored by the learner's current weights."""
+        return _scored(sites, self.client.topk_logprobs([teacher_datum(s) for s in sites], self.cfg.top_k,
+                                                        self.cfg.min_shared_prefix))
 
     def state_dict(self) -> dict:
-        return {"counts": dict(self.counts)}
+        return {"counts": dict(self.counts), "budget": self.budget}
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = dict(state.get("counts", {}))
+        self.budget = int(state.get("budget", self.cfg.max_sites_per_step))
+
+
+def _scored(sites: list[ErrorSite], replies: list[tuple]) -> list[ScoredSite]:
+    """``sites`` with the teacher's replies: (top-k indices, their log-probs, the site tokens' log-probs)."""
+    if len(replies) != len(sites):
+        raise ValueError(f"the SDPO teacher scored {len(replies)} sites of {len(sites)}")
+    return [ScoredSite(s, idx, lp, disagreement(s.sampler_logprobs, own)) for s, (idx, lp, own) in zip(sites, replies)]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

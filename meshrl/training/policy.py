@@ -20,9 +20,10 @@ import torch
 
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
+from meshrl.training.prefix_scoring import topk_at_positions
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pack_rows, pad_datums, split_micro_batches
-from meshrl.training.shared_pass import SharedForward, pack_shared
+from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
@@ -243,7 +244,8 @@ class PolicyTrainer:
         Per part, its summed (unscaled) ``loss`` and combined metrics: ``tokens`` counts the
         positions that carry its training signal (the loss's ``signal``, else every position it
         reads): the policy entropy is their mean, and the micro-batches' metrics are weighted by
-        them; ``seconds`` is the whole call's. ``padding`` datums add nothing (see
+        them; ``seconds`` is the whole call's and ``pass_share`` the part's share of it (the tokens
+        of the rows it adds to the parts before it, over all rows'). ``padding`` datums add nothing (see
         :meth:`_passes`); with ``outputs`` each datum's target-token logprobs (``logprobs``). With
         `learner.release_heap_each_micro_batch` the free heap goes back to the kernel after each
         micro-batch. Without ``backward`` the same losses and metrics, computed without grad and
@@ -263,6 +265,7 @@ class PolicyTrainer:
         real = 0 if padding else len(batches)
         metrics: list[list[tuple[float, dict[str, float]]]] = [[] for _ in parts]
         tokens = [0] * len(parts)
+        added = [0] * len(parts)  # the tokens of the rows each part adds to the parts before it
         per_datum: dict[int, list[float]] = {}
         for i, batch in enumerate(batches + [batches[-1]] * extra):
             shared = SharedForward(batch.rows, self.pad_id, self.device)
@@ -276,6 +279,7 @@ class PolicyTrainer:
                 (total * float(i < real)).backward()
             if i >= real:
                 continue
+            added = [a + b for a, b in zip(added, first_reader_tokens(batch))]
             for k, group, fp, out in outs:
                 if outputs:
                     logp = fp.logprobs().detach().float().cpu()
@@ -295,7 +299,7 @@ class PolicyTrainer:
         results = []
         for k, part in enumerate(parts):
             result = combine_metrics(metrics[k])
-            result.update(tokens=float(tokens[k]), seconds=seconds)
+            result.update(tokens=float(tokens[k]), seconds=seconds, pass_share=added[k] / max(sum(added), 1))
             if outputs:
                 result["logprobs"] = [per_datum[id(d)] for d in part.datums]
             results.append(result)
@@ -333,20 +337,48 @@ class PolicyTrainer:
         return [out[id(d)] for d in datums]
 
     @torch.no_grad()
-    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False) -> list[tuple]:
+    def topk_logprobs(self, datums: list[Datum], k: int, padding: bool = False, min_prefix: int = 0) -> list[tuple]:
         """Per datum, the current policy's top-``k`` (indices int32, log-probs float32; ``k = 0``:
-        indices None and the full vocabulary) at its non-zero `mask` positions, without grad: the
-        next-token distributions that predict those target tokens (SDPO's hinted teacher scored
-        in the learner's processes)."""
+        indices None and the full vocabulary) at its non-zero `mask` positions, and the log-probs
+        of its own target tokens there (float32), without grad: the next-token distributions that
+        predict those target tokens (SDPO's hinted teacher scored in the learner's processes).
+        The mask must be one run of positions. Datums whose sequences share at least
+        ``min_prefix`` leading tokens before their runs have that prefix forwarded once
+        (meshrl.training.prefix_scoring); under FSDP2, whose forward gathers the sharded weights
+        in step with the other ranks, every datum is forwarded whole in the learner's micro-batches."""
+        if self.dp.mode == "fsdp2":
+            return self._topk_in_micro_batches(datums, k, padding)
+        if padding or not datums:
+            return []
+        sequences, starts, lengths = [], [], []
+        for d in datums:
+            where = (d.loss_fn_inputs["mask"] != 0).nonzero().flatten().tolist()
+            if not where or where[-1] - where[0] + 1 != len(where):
+                raise ValueError("topk_logprobs: each datum's mask must be one run of positions")
+            inputs, targets = d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist()
+            if inputs[1:] != targets[:-1]:
+                raise ValueError("topk_logprobs: each datum's targets must be its model input shifted by one")
+            sequences.append(inputs + targets[-1:])
+            starts.append(where[0] + 1)
+            lengths.append(len(where))
+        with self._autocast():
+            return topk_at_positions(self.model, sequences, starts, lengths, k, pad_id=self.pad_id,
+                                     max_rows=self.cfg.micro_batch_size, min_prefix=min_prefix, device=self.device)
+
+    def _topk_in_micro_batches(self, datums: list[Datum], k: int, padding: bool) -> list[tuple]:
+        """`topk_logprobs` in the learner's micro-batches (each datum forwarded whole)."""
         out: dict[int, tuple] = {}
         for group, fp, scale in self._passes(datums, "mask", padding=padding):
-            indices, values = topk_logprobs(fp.logits(), k)
+            logits = fp.logits()
+            indices, values = topk_logprobs(logits, k)
+            own = torch.log_softmax(logits.float(), dim=-1).gather(-1, fp.inputs["target_tokens"][fp.valid][:, None])
             rows = fp.valid.sum(-1).tolist()
             starts = [sum(rows[:i]) for i in range(len(rows))]
             for row, d in enumerate(group):
                 if scale:
                     part = slice(starts[row], starts[row] + rows[row])
-                    out.setdefault(id(d), (None if indices is None else indices[part].cpu(), values[part].cpu()))
+                    out.setdefault(id(d), (None if indices is None else indices[part].cpu(), values[part].cpu(),
+                                           own[part, 0].cpu()))
         return [out[id(d)] for d in datums] if not padding else []
 
     @torch.no_grad()

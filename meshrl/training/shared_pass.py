@@ -115,6 +115,18 @@ def pack_shared(parts: list[list[Datum]], per_item: list[int], size: int, max_to
     return out
 
 
+def first_reader_tokens(batch: SharedBatch) -> list[int]:
+    """Per loss, the tokens of ``batch``'s rows it is the first (in the losses' order) to read:
+    what forwarding and training it adds to the losses before it (its share of the pass)."""
+    seen: set[int] = set()
+    out = []
+    for view in batch.views:
+        rows = {r for _, r in view} - seen
+        out.append(sum(len(batch.rows[r]) for r in rows))
+        seen |= rows
+    return out
+
+
 class SharedForward:
     """One micro-batch's rows on the model: the views of its losses register the positions they
     read (`add`) and the first logits asked for runs the decoder once, with the vocabulary
