@@ -74,7 +74,7 @@ def _whole(model, seqs, starts, lengths, k):
 def test_shared_prefixes_give_the_values_of_whole_forwards_and_forward_fewer_tokens(model):
     seqs, starts, lengths = _sites()
     whole = _whole(model, seqs, starts, lengths, 8)
-    forwarded = []
+    forwarded, totals = [], {}
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].numel()))
     try:
         for min_prefix in (0, 16):
@@ -91,13 +91,18 @@ def test_shared_prefixes_give_the_values_of_whole_forwards_and_forward_fewer_tok
                                                                                 (40, [0, 1, 2, 3, 4])]
             else:
                 assert [(g.prefix, len(g.members)) for g in groups] == [(0, 11)]
-            expected = 0
-            for g in groups:  # the prefix once, then chunks of 3 rows padded to their longest rest
-                chunks = [g.members[i : i + 3] for i in range(0, len(g.members), 3)]
-                expected += g.prefix + sum(len(c) * max(len(seqs[i]) - g.prefix for i in c) for c in chunks)
+            shared = [g for g in groups if g.prefix]
+            rests = sorted(len(seqs[i]) - g.prefix for g in shared for i in g.members)
+            lone = sorted(len(seqs[i]) for g in groups if not g.prefix for i in g.members)
+            # the prefixes together, padded to the longest; then the rests, then the lone, in chunks of 3 rows
+            expected = len(shared) * max((g.prefix for g in shared), default=0)
+            for widths in (rests, lone):
+                expected += sum(len(widths[i : i + 3]) * widths[i : i + 3][-1] for i in range(0, len(widths), 3))
             assert sum(forwarded) == expected
+            totals[min_prefix] = expected
     finally:
         hook.remove()
+    assert totals[16] < 0.7 * totals[0]
     full = topk_at_positions(model, seqs[:2], starts[:2], lengths[:2], 0, pad_id=0, max_rows=4, min_prefix=16,
                              device=torch.device("cpu"))
     assert full[0][0] is None and full[0][1].shape == (lengths[0], model.config.vocab_size)

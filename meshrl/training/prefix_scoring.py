@@ -3,16 +3,16 @@
 episode's sites its opening turns).
 
 `prefix_groups` sorts the sequences and groups neighbours whose common prefix is long enough to be
-worth sharing. `score_positions` runs each group's prefix through the decoder once, keeps its
-keys and values, and runs the members' remaining tokens as one right-padded batch on top of them
-(micro-batched); the vocabulary projection runs only at the positions asked for. A sequence with
-no partner is forwarded whole, batched with the others like it.
+worth sharing. `topk_at_positions` runs the groups' prefixes through the decoder once, together,
+keeps their keys and values, and runs every member's remaining tokens on top of its group's
+(right-padded micro-batches that mix the groups); the vocabulary projection runs only at the
+positions asked for. A sequence with no partner is forwarded whole, batched with the others like it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -74,73 +74,97 @@ def prefix_groups(sequences: list[list[int]], first_positions: list[int], min_pr
     return groups
 
 
-def _prefix_cache(decoder, prefix: torch.Tensor):
-    """Per layer, the (keys, values) of ``prefix`` [P] (one forward of the decoder)."""
-    out = decoder(input_ids=prefix[None], use_cache=True)
-    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+def _right_padded(sequences: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, width] token ids right-padded with ``pad_id``, and their attention mask."""
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[b, : len(seq)] = 1
+    return ids, mask
 
 
-def _hidden_states(model, sequences: list[list[int]], start: int, kv, pad_id: int,
-                   device: torch.device) -> torch.Tensor:
-    """The decoder's last hidden states [B, S, H] of ``sequences[b][start:]`` (right-padded), on
-    top of the cached ``kv`` of the ``start`` tokens they share (None when ``start`` is 0)."""
+def _prefix_caches(decoder, prefixes: list[list[int]], pad_id: int, max_rows: int, device: torch.device):
+    """Per layer, the keys and values [G, heads, P, dim] of the right-padded ``prefixes`` (P the
+    longest), and their attention mask [G, P]: one forward per ``max_rows`` of them."""
+    ids, mask = _right_padded(prefixes, max(len(p) for p in prefixes), pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    layers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    for at in range(0, len(prefixes), max_rows):
+        cache = decoder(input_ids=ids[at : at + max_rows], attention_mask=mask[at : at + max_rows],
+                        use_cache=True).past_key_values
+        for n, layer in enumerate(cache.layers):
+            if n == len(layers):
+                layers.append(([], []))
+            layers[n][0].append(layer.keys)
+            layers[n][1].append(layer.values)
+    return [(torch.cat(k), torch.cat(v)) for k, v in layers], mask
+
+
+def _hidden_states(model, rows: list[list[int]], skip: list[int], cached, pad_id: int, device: torch.device):
+    """The decoder's last hidden states [B, S, H] of ``rows[b][skip[b]:]``, right-padded. With
+    ``cached`` = (per-layer keys and values, their mask, each row's index into them), row b runs
+    on top of its cached prefix, the ``skip[b]`` tokens before."""
     from transformers import DynamicCache
 
-    width = max(len(s) - start for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), start + width), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        ids[b, : len(seq) - start] = torch.tensor(seq[start:])
-        mask[b, : len(seq)] = 1
-    cache = None
-    if start:
-        n = len(sequences)
-        cache = DynamicCache(ddp_cache_data=[(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv],
-                             config=model.config)
-    positions = torch.arange(start, start + width, device=device).expand(len(sequences), -1)
-    out = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions,
+    ids, mask = _right_padded([r[s:] for r, s in zip(rows, skip)], max(len(r) - s for r, s in zip(rows, skip)), pad_id)
+    positions = torch.tensor(skip)[:, None] + torch.arange(ids.shape[1])[None, :]
+    cache, mask = None, mask.to(device)
+    if cached is not None:
+        kv, prefix_mask, index = cached
+        cache = DynamicCache(ddp_cache_data=[(k[index], v[index]) for k, v in kv], config=model.config)
+        mask = torch.cat([prefix_mask[index], mask], dim=1)
+    out = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
                               past_key_values=cache, use_cache=cache is not None)
     return out.last_hidden_state
 
 
 @torch.no_grad()
-def score_positions(model, sequences: list[list[int]], starts: list[int], lengths: list[int],
-                    reduce: Callable[[torch.Tensor, int], object], *, pad_id: int, max_rows: int,
-                    min_prefix: int, device: torch.device) -> list:
-    """For each sequence, ``reduce(logits, i)`` of the HF causal LM ``model``'s logits [length, V]
-    at the positions that predict ``sequences[i][start : start + length]``, each shared prefix of
-    at least ``min_prefix`` tokens forwarded once (`prefix_groups`; 0: none shared), at most
-    ``max_rows`` sequences a forward. Runs in the caller's autocast."""
+def topk_at_positions(model, sequences: list[list[int]], starts: list[int], lengths: list[int], k: int, *,
+                      pad_id: int, max_rows: int, min_prefix: int,
+                      device: torch.device) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """Per sequence, at the positions of the HF causal LM ``model`` that predict
+    ``seq[start : start + length]``: the top-``k`` next-token (indices int32, log-probs float32;
+    ``k = 0``: None and the full vocabulary) at temperature 1, and the log-probability of the
+    sequence's own token there (float32 [length]), on the CPU. The shared prefixes of at least
+    ``min_prefix`` tokens (`prefix_groups`; 0: none shared) run first, all together, then every
+    sequence's rest on top of its group's prefix, at most ``max_rows`` sequences a forward
+    (similar lengths together); the vocabulary projection runs at the scored positions only.
+    Runs in the caller's autocast."""
     if any(s < 1 or length < 1 or s + length > len(seq) for seq, s, length in zip(sequences, starts, lengths)):
-        raise ValueError("score_positions: every scored span needs a token before it and must lie in its sequence")
+        raise ValueError("topk_at_positions: every scored span needs a token before it and must lie in its sequence")
     first = [s - 1 for s in starts]
     groups = prefix_groups(sequences, first, min_prefix)
+    shared = [g for g in groups if g.prefix]
     head = model.get_output_embeddings()
     out: list = [None] * len(sequences)
-    for group in groups:
-        kv = _prefix_cache(model.get_decoder(), torch.tensor(sequences[group.members[0]][: group.prefix],
-                                                              device=device)) if group.prefix else None
-        for at in range(0, len(group.members), max_rows):
-            rows = group.members[at : at + max_rows]
-            hidden = _hidden_states(model, [sequences[i] for i in rows], group.prefix, kv, pad_id, device)
-            for b, i in enumerate(rows):
-                begin = first[i] - group.prefix
-                out[i] = reduce(head(hidden[b, begin : begin + lengths[i]]), i)
-    return out
-
-
-def topk_at_positions(model, sequences: list[list[int]], starts: list[int], lengths: list[int], k: int,
-                      **kwargs) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
-    """Per sequence, at the positions predicting ``seq[start:start+length]`` (`score_positions`,
-    whose keyword arguments ``kwargs`` are): the top-``k`` next-token (indices int32, log-probs
-    float32; ``k = 0``: None and the full vocabulary) at temperature 1, and the log-probability of
-    the sequence's own token there (float32 [length]), all on the CPU."""
-
-    def reduce(logits: torch.Tensor, i: int):
-        logp = torch.log_softmax(logits.float(), dim=-1)
+    batches: list[tuple[list[int], list[int], object]] = []  # (sequences, their skipped tokens, cached)
+    if shared:
+        kv, prefix_mask = _prefix_caches(model.get_decoder(), [sequences[g.members[0]][: g.prefix] for g in shared],
+                                         pad_id, max_rows, device)
+        rows = sorted(((i, n) for n, g in enumerate(shared) for i in g.members),
+                      key=lambda row: len(sequences[row[0]]) - shared[row[1]].prefix)
+        for at in range(0, len(rows), max_rows):
+            chunk = rows[at : at + max_rows]
+            index = torch.tensor([n for _, n in chunk], device=device)
+            batches.append(([i for i, _ in chunk], [shared[n].prefix for _, n in chunk], (kv, prefix_mask, index)))
+    alone = [i for g in groups if not g.prefix for i in g.members]
+    batches += [(alone[at : at + max_rows], [0] * len(alone[at : at + max_rows]), None)
+                for at in range(0, len(alone), max_rows)]
+    for members, skip, cached in batches:
+        hidden = _hidden_states(model, [sequences[i] for i in members], skip, cached, pad_id, device)
+        row = torch.cat([torch.full((lengths[i],), b) for b, i in enumerate(members)])
+        column = torch.cat([torch.arange(first[i] - s, first[i] - s + lengths[i]) for i, s in zip(members, skip)])
+        logp = torch.log_softmax(head(hidden[row.to(device), column.to(device)]).float(), dim=-1)
         indices, values = topk_logprobs(logp, k)  # a log-softmax of log-probabilities is themselves
-        targets = torch.tensor(sequences[i][starts[i] : starts[i] + lengths[i]], device=logits.device)
-        own = logp.gather(-1, targets[:, None]).squeeze(-1)
-        return None if indices is None else indices.cpu(), values.cpu(), own.cpu()
-
-    return score_positions(model, sequences, starts, lengths, reduce, **kwargs)
+        targets = torch.tensor([t for i in members for t in sequences[i][starts[i] : starts[i] + lengths[i]]],
+                               device=device)
+        own = logp.gather(-1, targets[:, None]).squeeze(-1).cpu()
+        values = values.cpu()
+        indices = None if indices is None else indices.cpu()
+        at = 0
+        for i in members:
+            part = slice(at, at + lengths[i])
+            out[i] = (None if indices is None else indices[part], values[part], own[part])
+            at += lengths[i]
+    return out
