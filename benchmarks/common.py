@@ -91,3 +91,22 @@ def write_result(name: str, payload: dict, out: str | Path | None = None) -> Pat
     path.write_text(json.dumps({**provenance(), **payload}, indent=1) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def learner_benchmark(doc: str):
+    """The command line of a learner micro-benchmark (``--reps``, ``--model``; ``doc``'s first
+    line describes it) and what it measures on: (args, a `PolicyTrainer` with the learner's
+    defaults, the model's tokenizer)."""
+    import argparse
+
+    from meshrl.config.learner import LearnerConfig
+    from meshrl.models.provision import resolve_model
+    from meshrl.training.policy import PolicyTrainer
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    args = parser.parse_args()
+    path = resolve_model(args.model)
+    return args, PolicyTrainer(path, LearnerConfig()), AutoTokenizer.from_pretrained(path)

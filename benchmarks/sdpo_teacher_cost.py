@@ -20,7 +20,6 @@ way, and the median seconds and their ratio.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -80,23 +79,15 @@ def steps(tokenizer, seed: int = 0) -> dict[str, list]:
 
 
 def main() -> None:
-    from benchmarks.common import write_result
-    from meshrl.config.learner import LearnerConfig
-    from meshrl.models.provision import resolve_model
+    from benchmarks.common import learner_benchmark, write_result
+    from benchmarks.term_cost import padded_tokens
     from meshrl.terms.sdpo import teacher_datum
-    from meshrl.training.policy import PolicyTrainer
     from meshrl.training.prefix_scoring import prefix_groups
-    from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=6)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    args = parser.parse_args()
-    path = resolve_model(args.model)
-    trainer = PolicyTrainer(path, LearnerConfig())
+    args, trainer, tokenizer = learner_benchmark(__doc__)
     rows = trainer.cfg.micro_batch_size
     result = {"model": args.model, "reps": args.reps, "top_k": TOP_K, "micro_batch_size": rows, "steps": {}}
-    for name, sites in steps(AutoTokenizer.from_pretrained(path)).items():
+    for name, sites in steps(tokenizer).items():
         datums = [teacher_datum(s) for s in sites]
         sequences = [s.teacher_tokens for s in sites]
         tokens = {}
@@ -105,8 +96,8 @@ def main() -> None:
             shared = [g for g in groups if g.prefix]
             rests = sorted(len(sequences[i]) - g.prefix for g in shared for i in g.members)
             lone = sorted(len(sequences[i]) for g in groups if not g.prefix for i in g.members)
-            tokens[min_prefix] = len(shared) * max((g.prefix for g in shared), default=0) + sum(
-                len(w[i : i + rows]) * w[i : i + rows][-1] for w in (rests, lone) for i in range(0, len(w), rows))
+            tokens[min_prefix] = len(shared) * max((g.prefix for g in shared), default=0) + padded_tokens(
+                [w[i : i + rows] for w in (rests, lone) for i in range(0, len(w), rows)])
         trainer.topk_logprobs(datums, TOP_K, min_prefix=16)  # warm-up
         seconds: dict[int, list[float]] = {0: [], 16: []}
         for rep in range(args.reps):

@@ -26,7 +26,6 @@ ratio, as medians over the repetitions.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -117,21 +116,12 @@ def padded_tokens(batches: list[list[int]]) -> int:
 
 
 def main() -> None:
-    from benchmarks.common import provenance, write_result
-    from meshrl.config.learner import LearnerConfig
-    from meshrl.models.provision import resolve_model
-    from meshrl.training.policy import PolicyTrainer
+    from benchmarks.common import learner_benchmark, provenance, write_result
     from meshrl.training.batching import split_micro_batches
     from meshrl.training.shared_pass import pack_shared
-    from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=6)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    args = parser.parse_args()
-    path = resolve_model(args.model)
-    trainer = PolicyTrainer(path, LearnerConfig())
-    parts = step_parts(AutoTokenizer.from_pretrained(path))
+    args, trainer, tokenizer = learner_benchmark(__doc__)
+    parts = step_parts(tokenizer)
     names = list(parts)
     pg = parts["policy_gradient"]
 
