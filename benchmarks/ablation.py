@@ -48,14 +48,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 ROUNDS = {"": "the first round (the channels as they were: a learner pass per term)",
-          "per-second": "the round of the shared learner pass (every term's datums in one forward/backward)"}
+          "per-second": "the round of the shared learner pass (every term's datums in one forward/backward)",
+          "budget": "the round of SDPO's budget (the hinted teacher's shared prefixes forwarded once, twice the "
+                    "sites scored and the most informative trained, a budget that follows the channel's cost)"}
 """A round of the ablation -> what it measured. Each round keeps its run files in
 benchmarks/results/ablation[-<round>]/ and its summary in ablation[-<round>].json/.png, so a later
 round never overwrites the runs an earlier one made (the earlier round is the "before")."""
-FIRST_ROUND = {"replay": ["replay.beta=0.1"], "full": ["replay.beta=0.1"]}
-"""config -> the first round's settings that the config has since changed (replay's weight is
-0.03 there now, the better setting that round found), so that that round's arms still run as they
-did (an arm's own overrides come after these)."""
+SDPO_BEFORE_BUDGET = ["sdpo.candidates_per_site=1", "sdpo.cost_share=0", "sdpo.min_shared_prefix=0"]
+"""SDPO as it ran before the budget round: every site it found trained, each forwarded whole."""
+PINNED = {"": {"replay": ["replay.beta=0.1"], "sdpo": SDPO_BEFORE_BUDGET, "full": ["replay.beta=0.1", *SDPO_BEFORE_BUDGET]},
+          "per-second": {"sdpo": SDPO_BEFORE_BUDGET, "full": SDPO_BEFORE_BUDGET}}
+"""round -> config -> the settings of that round that the config has since changed (replay's
+weight is 0.03 there now, the better setting the first round found; SDPO's budget came with the
+budget round), so that an earlier round's arms still run as they did (an arm's own overrides come
+after these)."""
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 
@@ -133,8 +139,7 @@ def settings(task: str, args: argparse.Namespace) -> dict:
 
 def command(arm: str, task: str, seed: int, s: dict, round_: str = "") -> list[str]:
     config, extra = ARMS[arm]
-    if not round_:
-        extra = [*FIRST_ROUND.get(config, []), *extra]
+    extra = [*PINNED.get(round_, {}).get(config, []), *extra]
     size = f"task.code.heldout_limit={s['eval_size']}" if task == "code" else f"trainer.eval.size={s['eval_size']}"
     overrides = [f"trainer.seed={seed}", f"generator.seed={seed}", *TASK_OVERRIDES[task], size, *extra]
     if task == "code" and teacher_kind(arm):

@@ -485,6 +485,20 @@ def term_cost(d: dict) -> str:
             + _precomputed_dpo(d))
 
 
+@renders("sdpo_teacher_cost", "python benchmarks/sdpo_teacher_cost.py",
+         "SDPO's hinted teacher in the learner: each site forwarded whole, or the shared prefixes once", flags=("reps",))
+def sdpo_teacher_cost(d: dict) -> str:
+    rows = [[name, str(t["sites"]), f"{t['site_tokens']:,}", f"{t['decoder_tokens_whole']:,} → {t['decoder_tokens_shared']:,}",
+             num(t["whole_s"], 3, " s"), num(t["shared_s"], 3, " s"), num(t["shared_vs_whole"], 2, "x")]
+            for name, t in d["steps"].items()]
+    return (f"`PolicyTrainer.topk_logprobs` (the teacher's top-{d['top_k']} at every site token) on `{d['model']}`, "
+            f"medians of {d['reps']} interleaved repetitions, micro-batches of {d['micro_batch_size']}: "
+            "`sdpo.min_shared_prefix` 0 (every site forwarded whole) against 16 (each prompt, or opening of an "
+            "episode, that sites share forwarded once, the rest of every site on its cached keys and values). "
+            "Decoder tokens count the positions the decoder runs over, padding included.\n\n"
+            + table(["step", "sites", "site tokens", "decoder tokens", "whole", "shared prefixes", "ratio"], rows))
+
+
 def _precomputed_dpo(d: dict) -> str:
     """The DPO term's marginal cost with its pairs' reference log-probabilities precomputed, where
     the file has it."""
@@ -597,13 +611,21 @@ def ablation(d: dict) -> str:
                      "single channel ≤ 0.75 of the steps, in every seed")
 
 
+PER_SECOND_TEXT = (f"target: full ≤ {PER_SECOND_FULL_MEAN:g} of the baseline's training time in the mean of the "
+                   f"seeds and ≤ {PER_SECOND_TARGETS['full'][1]:g} in every seed, each single channel ≤ "
+                   f"{PER_SECOND_TARGETS['sdpo'][1]:g} of the time in every seed")
+
+
 @renders("ablation-per-second", "python benchmarks/ablation.py --round per-second",
          "Ablation, per second: the channels with one shared learner pass")
 def ablation_per_second(d: dict) -> str:
-    return _ablation(d, "ablation-per-second", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN,
-                     f"target: full ≤ {PER_SECOND_FULL_MEAN:g} of the baseline's training time in the mean of the "
-                     f"seeds and ≤ {PER_SECOND_TARGETS['full'][1]:g} in every seed, each single channel ≤ "
-                     f"{PER_SECOND_TARGETS['sdpo'][1]:g} of the time in every seed")
+    return _ablation(d, "ablation-per-second", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
+
+
+@renders("ablation-budget", "python benchmarks/ablation.py --round budget --arms baseline sdpo full --tasks arithmetic",
+         "Ablation, per second, with SDPO's budget: shared prefixes, the most informative sites, a cost share")
+def ablation_budget(d: dict) -> str:
+    return _ablation(d, "ablation-budget", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
 
 
 def _ablation(d: dict, name: str, targets: dict, full_mean: float | None, target_text: str) -> str:

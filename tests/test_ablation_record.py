@@ -74,6 +74,22 @@ def test_the_first_round_runs_replay_at_the_weight_it_used_and_later_rounds_at_t
     assert beta(ablation.command("replay", "arithmetic", 0, s, "per-second")) == 0.03
 
 
+def test_rounds_before_the_budget_run_sdpo_as_it_was_and_the_budget_round_at_the_configs():
+    from meshrl.config.base import load_config
+    from meshrl.config.run import RunConfig
+
+    def sdpo(cmd):
+        overrides = cmd[cmd.index("-c") + 2:]
+        c = load_config(RunConfig, cmd[cmd.index("-c") + 1], [o for o in overrides if "=" in o]).sdpo
+        return c.candidates_per_site, c.cost_share, c.min_shared_prefix
+
+    s = ablation.settings("arithmetic", _args())
+    for arm in ("sdpo", "full", "sdpo-a0.3"):
+        for round_ in ("", "per-second"):
+            assert sdpo(ablation.command(arm, "arithmetic", 0, s, round_)) == (1.0, 0.0, 0)
+        assert sdpo(ablation.command(arm, "arithmetic", 0, s, "budget")) == (2.0, 0.1, 16)
+
+
 def test_a_sweep_arm_gets_the_teachers_of_its_config():
     assert ablation.teacher_kind("replay-b1.0") == ablation.teacher_kind("replay") == "oracle"
     assert ablation.teacher_kind("replay-student") == "student"
