@@ -68,9 +68,11 @@ def test_batched_score_and_topk_equal_per_sequence_forwards(engine):
     starts, lengths = [2, 1, 3], [3, 2, 4]
     for k in (0, 5):
         out = engine.topk_logprobs(seqs, starts, lengths, k)
-        for seq, start, length, (indices, values) in zip(seqs, starts, lengths, out):
+        for seq, start, length, (indices, values, own) in zip(seqs, starts, lengths, out):
             logits = engine.model(input_ids=torch.tensor([seq])).logits[0, start - 1: start - 1 + length].float()
             ref = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(seq[start : start + length])[:, None]
+            torch.testing.assert_close(own, ref.gather(-1, targets).squeeze(-1), rtol=0, atol=1e-5)
             if k == 0:
                 assert indices is None
                 torch.testing.assert_close(values, ref, rtol=0, atol=1e-5)
@@ -105,7 +107,7 @@ def test_submit_samples_one_prompt_with_its_topk_and_prompt_scores(engine):
     assert scores.logprobs == pytest.approx(engine.score([prompt])[0], abs=1e-5)
     assert [row[0] for row in scores.targets] == pytest.approx(scores.logprobs, abs=1e-6)
     assert all(row[1] == 0.0 for row in scores.targets)
-    [(top_ids, top_values)] = engine.topk_logprobs([prompt], [1], [len(prompt) - 1], 2)
+    [(top_ids, top_values, _)] = engine.topk_logprobs([prompt], [1], [len(prompt) - 1], 2)
     assert scores.topk[0] == top_ids.tolist()
     torch.testing.assert_close(torch.tensor(scores.topk[1]), top_values, rtol=0, atol=1e-5)
     assert len(scores.alt[0]) == len(prompt) - 1 and all(len(row) == 2 for row in scores.alt[0])

@@ -128,9 +128,13 @@ def test_the_shared_pass_gives_the_gradients_of_separate_passes(model_path, micr
     for e, o in zip(expected, got):
         assert o.keys() == e.keys()
         for k in e:
-            if k != "seconds":
+            if k not in ("seconds", "pass_share"):
                 assert o[k] == pytest.approx(e[k], rel=1e-5, abs=1e-7), k
     assert got[2]["num_pairs"] == 2 and got[1]["num_tokens"] == 15
+    assert [e["pass_share"] for e in expected] == [1.0, 1.0, 1.0]  # a pass of its own
+    # the rows each part adds to those before it: the 5 trajectories (95 input tokens); the SDPO site
+    # on a trajectory of its own (15); DPO's answers but the trained one (10 + 7 + 10)
+    assert [o["pass_share"] for o in got] == pytest.approx([95 / 137, 15 / 137, 27 / 137])
 
 
 def test_a_forward_only_pass_gives_the_losses_metrics_and_logprobs_without_gradients(model_path):
