@@ -56,12 +56,15 @@ benchmarks/results/ablation[-<round>]/ and its summary in ablation[-<round>].jso
 round never overwrites the runs an earlier one made (the earlier round is the "before")."""
 SDPO_BEFORE_BUDGET = ["sdpo.candidates_per_site=1", "sdpo.cost_share=0", "sdpo.min_shared_prefix=0"]
 """SDPO as it ran before the budget round: every site it found trained, each forwarded whole."""
+SDPO_BUDGET = ["sdpo.candidates_per_site=2", "sdpo.cost_share=0.1"]
+"""SDPO in the budget round: twice the sites scored, the most informative trained, a tenth of the step's cost."""
 PINNED = {"": {"replay": ["replay.beta=0.1"], "sdpo": SDPO_BEFORE_BUDGET, "full": ["replay.beta=0.1", *SDPO_BEFORE_BUDGET]},
-          "per-second": {"sdpo": SDPO_BEFORE_BUDGET, "full": SDPO_BEFORE_BUDGET}}
-"""round -> config -> the settings of that round that the config has since changed (replay's
-weight is 0.03 there now, the better setting the first round found; SDPO's budget came with the
-budget round), so that an earlier round's arms still run as they did (an arm's own overrides come
-after these)."""
+          "per-second": {"sdpo": SDPO_BEFORE_BUDGET, "full": SDPO_BEFORE_BUDGET},
+          "budget": {"sdpo": SDPO_BUDGET, "full": SDPO_BUDGET}}
+"""round -> config -> the round's settings that differ from the config's (replay's weight is 0.03
+there now, the better setting the first round found; the shared prefixes of SDPO's teacher came
+after the per-second round; the budget round's SDPO selection did not become the configs'), so
+that every round's arms run as they did (an arm's own overrides come after these)."""
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 

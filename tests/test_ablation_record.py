@@ -74,7 +74,7 @@ def test_the_first_round_runs_replay_at_the_weight_it_used_and_later_rounds_at_t
     assert beta(ablation.command("replay", "arithmetic", 0, s, "per-second")) == 0.03
 
 
-def test_rounds_before_the_budget_run_sdpo_as_it_was_and_the_budget_round_at_the_configs():
+def test_each_round_runs_sdpo_as_it_did():
     from meshrl.config.base import load_config
     from meshrl.config.run import RunConfig
 
@@ -88,6 +88,7 @@ def test_rounds_before_the_budget_run_sdpo_as_it_was_and_the_budget_round_at_the
         for round_ in ("", "per-second"):
             assert sdpo(ablation.command(arm, "arithmetic", 0, s, round_)) == (1.0, 0.0, 0)
         assert sdpo(ablation.command(arm, "arithmetic", 0, s, "budget")) == (2.0, 0.1, 16)
+        assert sdpo(["meshrl", "train", "-c", f"configs/ablation-{ablation.ARMS[arm][0]}.yaml"]) == (1.0, 0.0, 16)
 
 
 def test_a_sweep_arm_gets_the_teachers_of_its_config():
