@@ -21,7 +21,7 @@ from meshrl.engines.device_sampler import sample_step
 from meshrl.engines.hf_static import Decoded, row_seeds, static_generate
 from meshrl.engines.prompt_scores import prompt_scores
 from meshrl.training.gpu_budget import claim_device
-from meshrl.training.prefix_scoring import topk_at_positions
+from meshrl.training.prefix_scoring import right_padded, topk_at_positions
 
 
 class SampledLogprobs:
@@ -171,12 +171,7 @@ class HFEngine:
 
     def _batched_logits(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One right-padded forward over ``sequences``: (ids, float32 logits), both on the device."""
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for i, seq in enumerate(sequences):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attention[i, : len(seq)] = 1
+        ids, attention = right_padded(sequences, max(len(s) for s in sequences), self.pad_id)
         ids = ids.to(self.device)
         return ids, self.model(input_ids=ids, attention_mask=attention.to(self.device)).logits.float()
 

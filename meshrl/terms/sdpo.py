@@ -157,7 +157,7 @@ class SDPOTerm(DatumTerm):
         return self.part(token_mean_weights(datums, self.weight) if datums else [])
 
     def trained(self, part: LossPart, result: dict, metrics: dict) -> float:
-        self.cost_s += result["seconds"] * result.get("pass_share", 1.0)
+        self.cost_s += result["seconds"] * result["pass_share"]
         return super().trained(part, result, metrics)
 
     def end_step(self, output, metrics: dict) -> None:

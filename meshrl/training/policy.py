@@ -20,13 +20,13 @@ import torch
 
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
-from meshrl.training.prefix_scoring import topk_at_positions
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
 from meshrl.training.batching import MicroBatch, pack_rows, pad_datums, split_micro_batches
 from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
+from meshrl.training.prefix_scoring import topk_at_positions
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -369,9 +369,9 @@ class PolicyTrainer:
         """`topk_logprobs` in the learner's micro-batches (each datum forwarded whole)."""
         out: dict[int, tuple] = {}
         for group, fp, scale in self._passes(datums, "mask", padding=padding):
-            logits = fp.logits()
-            indices, values = topk_logprobs(logits, k)
-            own = torch.log_softmax(logits.float(), dim=-1).gather(-1, fp.inputs["target_tokens"][fp.valid][:, None])
+            logp = torch.log_softmax(fp.logits().float(), dim=-1)
+            indices, values = topk_logprobs(logp, k)  # a log-softmax of log-probabilities is themselves
+            own = logp.gather(-1, fp.inputs["target_tokens"][fp.valid][:, None])
             rows = fp.valid.sum(-1).tolist()
             starts = [sum(rows[:i]) for i in range(len(rows))]
             for row, d in enumerate(group):

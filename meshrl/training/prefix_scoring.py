@@ -74,7 +74,7 @@ def prefix_groups(sequences: list[list[int]], first_positions: list[int], min_pr
     return groups
 
 
-def _right_padded(sequences: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_padded(sequences: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, width] token ids right-padded with ``pad_id``, and their attention mask."""
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -87,7 +87,7 @@ def _right_padded(sequences: list[list[int]], width: int, pad_id: int) -> tuple[
 def _prefix_caches(decoder, prefixes: list[list[int]], pad_id: int, max_rows: int, device: torch.device):
     """Per layer, the keys and values [G, heads, P, dim] of the right-padded ``prefixes`` (P the
     longest), and their attention mask [G, P]: one forward per ``max_rows`` of them."""
-    ids, mask = _right_padded(prefixes, max(len(p) for p in prefixes), pad_id)
+    ids, mask = right_padded(prefixes, max(len(p) for p in prefixes), pad_id)
     ids, mask = ids.to(device), mask.to(device)
     layers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     for at in range(0, len(prefixes), max_rows):
@@ -107,7 +107,7 @@ def _hidden_states(model, rows: list[list[int]], skip: list[int], cached, pad_id
     on top of its cached prefix, the ``skip[b]`` tokens before."""
     from transformers import DynamicCache
 
-    ids, mask = _right_padded([r[s:] for r, s in zip(rows, skip)], max(len(r) - s for r, s in zip(rows, skip)), pad_id)
+    ids, mask = right_padded([r[s:] for r, s in zip(rows, skip)], max(len(r) - s for r, s in zip(rows, skip)), pad_id)
     positions = torch.tensor(skip)[:, None] + torch.arange(ids.shape[1])[None, :]
     cache, mask = None, mask.to(device)
     if cached is not None:
