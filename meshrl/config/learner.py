@@ -70,6 +70,16 @@ class LearnerConfig(Section):
     way. Attention runs over each whole row (a block-diagonal mask), so wide rows cost attention
     that padding did not (see docs/benchmarks.md)."""
 
+    shared_prefix_tokens: int = Field(16, ge=0)
+    """N > 0: in each micro-batch, sequences that share a prefix of at least N tokens (the samples
+    of one prompt, a DPO pair's two sides, a multi-turn episode's steps) run as one tree: the
+    prefix once, then each sequence's rest, attending to the prefix and to itself (a tree
+    attention mask; position ids continue from the prefix). The decoder computes each shared
+    prefix once, forward and backward; every loss reads the values a separate forward would give.
+    The shared pass then groups sequences into micro-batches by their tokens, so a prompt's
+    samples share one. 0: every sequence runs whole (right-padded, or packed end to end with
+    `packed_row_tokens`, which also lays trees end to end)."""
+
     autocast_bf16: bool = True
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
 

@@ -43,20 +43,25 @@ def pad_datums(datums: list[Datum], pad_id: int) -> MicroBatch:
     return MicroBatch(ids, attention, inputs, lengths)
 
 
-def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1, max_tokens: int = 0) -> list[list[Datum]]:
+def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1, max_tokens: int = 0,
+                        by_tokens: bool = False) -> list[list[Datum]]:
     """Micro-batches of at most ``size`` Datums (at least one item), sorted by length to limit
-    padding, and (``max_tokens`` > 0) of at most ``max_tokens`` padded tokens (Datums x the
+    padding, or (``by_tokens``) by their tokens, to put shared prefixes together, and
+    (``max_tokens`` > 0) of at most ``max_tokens`` padded tokens (Datums x the
     longest) unless one item alone is longer. Datums come in items of ``per_item`` consecutive
     Datums (e.g. a DPO pair) that stay together and in order."""
     if len(datums) % per_item:
         raise ValueError(f"{len(datums)} datums do not form items of {per_item}")
     items = [datums[i : i + per_item] for i in range(0, len(datums), per_item)]
-    items.sort(key=lambda item: max(d.length for d in item))
+    if by_tokens:
+        items.sort(key=lambda item: min(d.model_input.to_ints() for d in item))
+    else:
+        items.sort(key=lambda item: max(d.length for d in item))
     per_batch = max(1, size // per_item)
     batches: list[list[list[Datum]]] = []
     for item in items:
         batch = batches[-1] if batches else None
-        longest = max(d.length for d in item)  # items come shortest first: the batch's padded length
+        longest = max(d.length for d in item + [d for it in (batch or []) for d in it])  # the padded length
         if (batch is None or len(batch) == per_batch
                 or (max_tokens and (len(batch) + 1) * per_item * longest > max_tokens)):
             batches.append([item])
@@ -67,21 +72,28 @@ def split_micro_batches(datums: list[Datum], size: int, per_item: int = 1, max_t
 
 @dataclass
 class PackedRows:
-    """A padded micro-batch's sequences laid end to end in a few rows (`learner.packed_row_tokens`):
-    each sequence's position ids restart at 0, which is what keeps its attention inside it (the
-    HF decoders here turn position ids that restart, with no 2D attention mask, into a
-    block-diagonal causal mask), and a row's unused tail is pad tokens of a sequence of their own."""
+    """A padded micro-batch's sequences laid end to end in a few rows (`learner.packed_row_tokens`),
+    and (`learner.shared_prefix_tokens`) sequences with a common prefix laid as one tree: the
+    prefix once, then each sequence's rest after it. A row's unused tail is pad tokens.
+
+    Without trees (``mask`` None) each sequence's position ids restart at 0, which is what keeps
+    its attention inside it (the HF decoders here turn position ids that restart, with no 2D
+    attention mask, into a block-diagonal causal mask). With trees, a rest's position ids
+    continue from its prefix and ``mask`` says what each position attends to: the positions
+    before it in its own branch and in its tree's prefix."""
 
     source: torch.Tensor
     """[R, W] long: the padded micro-batch's flat position (row-major over [B, T]) each packed
-    position holds, -1 in a row's tail."""
+    position holds (a shared prefix: its first sequence's), -1 in a row's tail."""
     position_ids: torch.Tensor
     """[R, W] long: positions within each packed sequence (and within a row's tail)."""
     target: torch.Tensor
     """[B * T] long: the packed flat position (row-major over [R, W]) of each padded position, -1
-    for padding."""
+    for padding (the positions of a shared prefix map to the one packed copy)."""
     width: int
     """T, the padded micro-batch's width (what flat selections of it are counted in)."""
+    mask: torch.Tensor | None = None
+    """[R, 1, W, W] bool, whether query position q attends to key position k (trees only)."""
 
     def input_ids(self, padded: torch.Tensor, pad_id: int) -> torch.Tensor:
         """The packed token ids ([R, W]) of ``padded`` ([B, T]) on its device."""
@@ -100,30 +112,54 @@ class PackedRows:
         return packed
 
 
-def pack_rows(lengths: list[int], width: int, row_tokens: int) -> PackedRows:
-    """Lay sequences of ``lengths`` (rows of a [B, ``width``] padded micro-batch) end to end in
-    rows of at most ``row_tokens`` tokens, or as wide as the longest sequence if that is longer:
-    as few rows as the tokens need, filled evenly (longest first, each into the emptiest row, a
-    new row when it fits in none), so the rows' common width wastes little."""
-    capacity = max(row_tokens, max(lengths))
-    fill = [0] * -(-sum(lengths) // capacity)
-    place = [(0, 0)] * len(lengths)  # (packed row, offset) per sequence
-    for b in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = min(range(len(fill)), key=fill.__getitem__)
-        if fill[row] + lengths[b] > capacity:
+def pack_rows(lengths: list[int], width: int, row_tokens: int,
+              trees: list[tuple[int, list[int]]] | None = None) -> PackedRows:
+    """Lay sequences of ``lengths`` (rows of a [B, ``width``] padded micro-batch) in rows. Each
+    ``trees`` entry ``(prefix, members)`` lays its members as one tree: their first ``prefix``
+    tokens (the same in all of them) once, then each member's rest; every other sequence is laid
+    alone. ``row_tokens`` > 0: trees and sequences end to end in rows of at most ``row_tokens``
+    tokens, or as wide as the largest if that is more: as few rows as the tokens need, filled
+    evenly (largest first, each into the emptiest row, a new row when it fits in none), so the
+    rows' common width wastes little. ``row_tokens`` 0: each in a row of its own."""
+    in_tree = {b for _, members in (trees or []) for b in members}
+    segments = [(prefix, members) for prefix, members in (trees or [])]
+    segments += [(0, [b]) for b in range(len(lengths)) if b not in in_tree]
+    sizes = [prefix + sum(lengths[b] - prefix for b in members) for prefix, members in segments]
+    capacity = max(row_tokens, max(sizes))
+    fill: list[int] = [0] * (-(-sum(sizes) // capacity) if row_tokens else 0)
+    place = [(0, 0)] * len(segments)  # (packed row, offset) per segment
+    for s in sorted(range(len(segments)), key=lambda i: -sizes[i]):
+        row = min(range(len(fill)), key=fill.__getitem__) if fill else 0
+        if not fill or fill[row] + sizes[s] > capacity:
             fill.append(0)
             row = len(fill) - 1
-        place[b] = (row, fill[row])
-        fill[row] += lengths[b]
+        place[s] = (row, fill[row])
+        fill[row] += sizes[s]
     packed_width = max(fill)
     source = torch.full((len(fill), packed_width), -1, dtype=torch.long)
     positions = torch.zeros((len(fill), packed_width), dtype=torch.long)
     target = torch.full((len(lengths) * width,), -1, dtype=torch.long)
-    for b, (row, offset) in enumerate(place):
-        n = lengths[b]
-        source[row, offset : offset + n] = torch.arange(b * width, b * width + n)
-        positions[row, offset : offset + n] = torch.arange(n)
-        target[b * width : b * width + n] = torch.arange(row * packed_width + offset, row * packed_width + offset + n)
+    segment = -1 - torch.arange(packed_width).repeat(len(fill), 1)  # a tail position: a segment of its own
+    branch = torch.zeros((len(fill), packed_width), dtype=torch.long)  # 0: a tree's prefix
+    for s, ((prefix, members), (row, offset)) in enumerate(zip(segments, place)):
+        base = row * packed_width
+        source[row, offset : offset + prefix] = torch.arange(members[0] * width, members[0] * width + prefix)
+        positions[row, offset : offset + prefix] = torch.arange(prefix)
+        segment[row, offset : offset + sizes[s]] = s
+        at = offset + prefix
+        for m, b in enumerate(members):
+            n = lengths[b] - prefix
+            source[row, at : at + n] = torch.arange(b * width + prefix, b * width + lengths[b])
+            positions[row, at : at + n] = torch.arange(prefix, lengths[b])
+            branch[row, at : at + n] = m + 1
+            target[b * width : b * width + prefix] = torch.arange(base + offset, base + offset + prefix)
+            target[b * width + prefix : b * width + lengths[b]] = torch.arange(base + at, base + at + n)
+            at += n
     for row, used in enumerate(fill):
         positions[row, used:] = torch.arange(packed_width - used)
-    return PackedRows(source, positions, target, width)
+    mask = None
+    if any(prefix for prefix, _ in segments):
+        order = torch.arange(packed_width)
+        mask = ((segment[:, :, None] == segment[:, None, :]) & (order[:, None] >= order[None, :])
+                & ((branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])))[:, None]
+    return PackedRows(source, positions, target, width, mask)

@@ -21,12 +21,12 @@ import torch
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
-from meshrl.training.batching import MicroBatch, pack_rows, pad_datums, split_micro_batches
+from meshrl.training.batching import MicroBatch, PackedRows, pack_rows, pad_datums, split_micro_batches
 from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
-from meshrl.training.prefix_scoring import topk_at_positions
+from meshrl.training.prefix_scoring import prefix_groups, topk_at_positions
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -175,14 +175,28 @@ class PolicyTrainer:
         sequences packed end to end instead of padded (the logits are the same, in the same order)
         where that puts two or more in a row."""
         module = self.logits_module if model is None else model
+        packed = self._layout(mb)
         ids = mb.input_ids.to(self.device)
-        packed = pack_rows(mb.lengths, ids.shape[1], self.cfg.packed_row_tokens) if self.cfg.packed_row_tokens else None
-        if packed is not None and packed.source.shape[0] < len(mb.lengths):  # else every row holds one: pad
-            with self._autocast():
-                return module(packed.input_ids(ids, self.pad_id), None, *(packed.index(v) for v in valid),
-                              position_ids=packed.position_ids.to(self.device))
         with self._autocast():
-            return module(ids, mb.attention_mask.to(self.device), *valid)
+            if packed is None:
+                return module(ids, mb.attention_mask.to(self.device), *valid)
+            mask = None if packed.mask is None else packed.mask.to(self.device)
+            return module(packed.input_ids(ids, self.pad_id), mask, *(packed.index(v) for v in valid),
+                          position_ids=packed.position_ids.to(self.device))
+
+    def _layout(self, mb: MicroBatch) -> PackedRows | None:
+        """How the decoder runs ``mb``: its shared prefixes as trees (`learner.shared_prefix_tokens`)
+        and its sequences packed end to end (`learner.packed_row_tokens`), or None (padded) where
+        neither leaves fewer positions than padding."""
+        trees = None
+        if self.cfg.shared_prefix_tokens and len(mb.lengths) > 1:
+            rows = [row[:n].tolist() for row, n in zip(mb.input_ids, mb.lengths)]
+            trees = [(g.prefix, g.members) for g in prefix_groups(rows, mb.lengths, self.cfg.shared_prefix_tokens)
+                     if g.prefix]
+        if not (self.cfg.packed_row_tokens or trees):
+            return None
+        packed = pack_rows(mb.lengths, mb.input_ids.shape[1], self.cfg.packed_row_tokens, trees)
+        return packed if packed.source.numel() < mb.input_ids.numel() else None
 
     @contextlib.contextmanager
     def reference_model(self):
@@ -210,8 +224,8 @@ class PolicyTrainer:
         drops the outputs of passes whose scale is 0. Those are ``padding`` datums (sent to a
         data-parallel rank only to keep it in step) and, under FSDP2, repeats of a rank's last
         micro-batch until it has run as many passes as the busiest rank (the collectives match)."""
-        groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item,
-                                     self.cfg.micro_batch_tokens) if datums else []
+        groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item, self.cfg.micro_batch_tokens,
+                                     self.cfg.shared_prefix_tokens > 0) if datums else []
         extra = self.dp.padding_passes(len(groups))
         if extra and not groups:
             raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
@@ -258,7 +272,8 @@ class PolicyTrainer:
         configs = [dict(p.loss_fn_config or {}) for p in parts]
         started = time.perf_counter()
         batches = pack_shared([p.datums for p in parts], [s.datums_per_item for s in specs], self.cfg.micro_batch_size,
-                              self.cfg.micro_batch_tokens) if any(p.datums for p in parts) else []
+                              self.cfg.micro_batch_tokens, self.cfg.shared_prefix_tokens > 0
+                              ) if any(p.datums for p in parts) else []
         extra = self.dp.padding_passes(len(batches))
         if extra and not batches:
             raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")

@@ -6,8 +6,9 @@ error site is a trajectory the policy-gradient term trains too (or a prefix of i
 turn). :func:`pack_shared` forwards each distinct token sequence once: a datum whose model input
 equals, or is a prefix of, another's is read off that row (causal attention makes a prefix's
 hidden states those of the prefix alone). Rows are then grouped into micro-batches like
-:func:`meshrl.training.batching.split_micro_batches` does (sorted by length, at most ``size`` rows
-and ``max_tokens`` padded tokens each), with the rows of one item (e.g. a DPO pair) kept together.
+:func:`meshrl.training.batching.split_micro_batches` does (sorted by length, or by their tokens
+where the learner shares prefixes, at most ``size`` rows and ``max_tokens`` padded tokens each),
+with the rows of one item (e.g. a DPO pair) kept together.
 
 Each micro-batch lists, per loss, its datums there and the row each is read from; the learner
 (meshrl.training.policy) runs the decoder once on the rows and hands every loss a view of its own
@@ -82,12 +83,14 @@ def _components(n_rows: int, items: list[list[int]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def pack_shared(parts: list[list[Datum]], per_item: list[int], size: int, max_tokens: int = 0) -> list[SharedBatch]:
+def pack_shared(parts: list[list[Datum]], per_item: list[int], size: int, max_tokens: int = 0,
+                by_tokens: bool = False) -> list[SharedBatch]:
     """Shared micro-batches for several losses' datums (``parts[k]``, in items of ``per_item[k]``
     consecutive datums): each distinct sequence forwarded once (a datum that is a prefix of
     another's sequence reads that row), at most ``size`` rows per micro-batch and (``max_tokens``
     > 0) at most ``max_tokens`` padded tokens (rows x the longest) unless one group of rows that
-    must stay together is larger."""
+    must stay together is larger. Rows are grouped in order of length, or (``by_tokens``) of their
+    tokens, which puts the rows that share a prefix together (`learner.shared_prefix_tokens`)."""
     for datums, n in zip(parts, per_item):
         if len(datums) % n:
             raise ValueError(f"{len(datums)} datums do not form items of {n}")
@@ -96,11 +99,14 @@ def pack_shared(parts: list[list[Datum]], per_item: list[int], size: int, max_to
     index = {key: j for j, key in enumerate(flat)}
     items = [[row_of[index[(k, i + j)]] for j in range(per_item[k])]
              for k, datums in enumerate(parts) for i in range(0, len(datums), per_item[k])]
-    groups = sorted(_components(len(rows), items), key=lambda g: max(len(rows[r]) for r in g))
+    if by_tokens:
+        groups = sorted(_components(len(rows), items), key=lambda g: min(rows[r].tolist() for r in g))
+    else:
+        groups = sorted(_components(len(rows), items), key=lambda g: max(len(rows[r]) for r in g))
     batches: list[list[int]] = []
     for group in groups:
         batch = batches[-1] if batches else None
-        longest = max(len(rows[r]) for r in group)  # groups come shortest first: the batch's padded length
+        longest = max(len(rows[r]) for r in group + (batch or []))  # the batch's padded length with the group
         count = len(group) + (len(batch) if batch else 0)
         if batch is None or count > size or (max_tokens and count * longest > max_tokens):
             batches.append(list(group))
