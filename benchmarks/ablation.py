@@ -50,7 +50,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 ROUNDS = {"": "the first round (the channels as they were: a learner pass per term)",
           "per-second": "the round of the shared learner pass (every term's datums in one forward/backward)",
           "budget": "the round of SDPO's budget (the hinted teacher's shared prefixes forwarded once, twice the "
-                    "sites scored and the most informative trained, a budget that follows the channel's cost)"}
+                    "sites scored and the most informative trained, a budget that follows the channel's cost)",
+          "trees": "the round of the learner's shared prefixes (a prompt's samples, a DPO pair's two sides: the "
+                   "prefix forwarded and trained once, as a tree)"}
 """A round of the ablation -> what it measured. Each round keeps its run files in
 benchmarks/results/ablation[-<round>]/ and its summary in ablation[-<round>].json/.png, so a later
 round never overwrites the runs an earlier one made (the earlier round is the "before")."""
@@ -58,13 +60,19 @@ SDPO_BEFORE_BUDGET = ["sdpo.candidates_per_site=1", "sdpo.cost_share=0", "sdpo.m
 """SDPO as it ran before the budget round: every site it found trained, each forwarded whole."""
 SDPO_BUDGET = ["sdpo.candidates_per_site=2", "sdpo.cost_share=0.1"]
 """SDPO in the budget round: twice the sites scored, the most informative trained, a tenth of the step's cost."""
-PINNED = {"": {"replay": ["replay.beta=0.1"], "sdpo": SDPO_BEFORE_BUDGET, "full": ["replay.beta=0.1", *SDPO_BEFORE_BUDGET]},
-          "per-second": {"sdpo": SDPO_BEFORE_BUDGET, "full": SDPO_BEFORE_BUDGET},
-          "budget": {"sdpo": SDPO_BUDGET, "full": SDPO_BUDGET}}
+WHOLE = ["learner.shared_prefix_tokens=0"]
+"""The learner as it ran before the trees round: every sequence forwarded and trained whole."""
+PINNED = {"": {"baseline": WHOLE, "replay": ["replay.beta=0.1", *WHOLE], "sdpo": [*SDPO_BEFORE_BUDGET, *WHOLE],
+               "full": ["replay.beta=0.1", *SDPO_BEFORE_BUDGET, *WHOLE], "replay-student": WHOLE},
+          "per-second": {"baseline": WHOLE, "replay": WHOLE, "sdpo": [*SDPO_BEFORE_BUDGET, *WHOLE],
+                         "full": [*SDPO_BEFORE_BUDGET, *WHOLE]},
+          "budget": {"baseline": WHOLE, "sdpo": [*SDPO_BUDGET, *WHOLE], "full": [*SDPO_BUDGET, *WHOLE]},
+          "trees": {}}
 """round -> config -> the round's settings that differ from the config's (replay's weight is 0.03
 there now, the better setting the first round found; the shared prefixes of SDPO's teacher came
-after the per-second round; the budget round's SDPO selection did not become the configs'), so
-that every round's arms run as they did (an arm's own overrides come after these)."""
+after the per-second round; the budget round's SDPO selection did not become the configs'; the
+learner's prefix trees came after the budget round), so that every round's arms run as they did
+(an arm's own overrides come after these)."""
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 

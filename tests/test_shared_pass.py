@@ -129,7 +129,9 @@ def test_the_shared_pass_gives_the_gradients_of_separate_passes(model_path, micr
         assert o.keys() == e.keys()
         for k in e:
             if k not in ("seconds", "pass_share"):
-                assert o[k] == pytest.approx(e[k], rel=1e-5, abs=1e-7), k
+                # abs: DPO's rewards at the initial weights are differences of equal log-prob sums (0 up to
+                # float32 rounding, which differs where the passes lay shared prefixes as trees)
+                assert o[k] == pytest.approx(e[k], rel=1e-5, abs=1e-6), k
     assert got[2]["num_pairs"] == 2 and got[1]["num_tokens"] == 15
     assert [e["pass_share"] for e in expected] == [1.0, 1.0, 1.0]  # a pass of its own
     # the rows each part adds to those before it: the 5 trajectories (95 input tokens); the SDPO site
