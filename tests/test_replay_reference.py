@@ -104,7 +104,9 @@ def test_precomputed_references_equal_the_learners_and_dpo_on_them_loads_no_froz
     for k in ("reward_margin", "chosen_reward", "rejected_reward"):
         assert out[k] == pytest.approx(reference[k], abs=1e-5)
     for a, p in zip(grads, fresh.model.parameters()):
-        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-7)
+        # atol: the learner's frozen forward lays the pairs' shared prompts as trees, the reference
+        # sums above ran whole sequences; they agree to float32 rounding (about 1e-6 nats)
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_step_never_mixes_precomputed_and_learner_references():
