@@ -628,6 +628,12 @@ def ablation_budget(d: dict) -> str:
     return _ablation(d, "ablation-budget", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
 
 
+@renders("ablation-trees", "python benchmarks/ablation.py --round trees --tasks arithmetic",
+         "Ablation, per second, with the learner's prefix trees (each shared prefix forwarded and trained once)")
+def ablation_trees(d: dict) -> str:
+    return _ablation(d, "ablation-trees", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
+
+
 def _ablation(d: dict, name: str, targets: dict, full_mean: float | None, target_text: str) -> str:
     parts = []
     for task, t in d["tasks"].items():
