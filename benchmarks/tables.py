@@ -485,6 +485,22 @@ def term_cost(d: dict) -> str:
             + _precomputed_dpo(d))
 
 
+@renders("prefix_trees", "python benchmarks/prefix_trees.py",
+         "The learner's pass with shared prefixes as trees, against every sequence whole", flags=("reps",))
+def prefix_trees(d: dict) -> str:
+    labels = {"policy_gradient": "policy gradient alone (the baseline's pass)",
+              "all_terms": "policy gradient, SDPO and DPO in one shared pass (the full step's)",
+              "dpo_reference": "the frozen reference's forward of the DPO pairs"}
+    med, positions = d["medians_s"], d["decoder_positions"]
+    rows = [[label, f"{positions['whole/' + w]:,} → {positions['trees/' + w]:,}", num(med["whole/" + w], 2, " s"),
+             num(med["trees/" + w], 2, " s"), num(d["trees_vs_whole"][w], 2, "x")] for w, label in labels.items()]
+    return (f"The step of `term_cost` (8 prompts x 8 samples of arithmetic, 16 SDPO sites, 8 DPO pairs) on "
+            f"`{d['model']}` with the learner's defaults, `learner.shared_prefix_tokens` 0 (whole) and 16 (trees); "
+            f"medians of {d['reps']} interleaved repetitions. Positions: the model inputs the decoder ran, padding "
+            "included.\n\n"
+            + table(["pass", "decoder positions", "whole", "trees", "ratio"], rows))
+
+
 @renders("sdpo_teacher_cost", "python benchmarks/sdpo_teacher_cost.py",
          "SDPO's hinted teacher in the learner: each site forwarded whole, or the shared prefixes once", flags=("reps",))
 def sdpo_teacher_cost(d: dict) -> str:
