@@ -54,7 +54,7 @@ def long_tail_part(n: int, vocab: int, seed: int = 0):
 def positions(parts, cfg, row_tokens: int) -> int:
     """Decoder positions the policy forward runs over for ``parts`` under ``cfg`` at ``row_tokens``."""
     from meshrl import losses
-    from meshrl.training.batching import pack_rows
+    from meshrl.training.prefix_trees import pack_rows
     from meshrl.training.shared_pass import pack_shared
 
     per_item = [losses.get_loss(p.loss_fn).datums_per_item for p in parts]

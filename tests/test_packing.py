@@ -7,7 +7,7 @@ import torch
 
 from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
-from meshrl.training.batching import pack_rows
+from meshrl.training.prefix_trees import pack_rows
 from meshrl.training.policy import PolicyTrainer
 from meshrl.types import Datum, LossPart
 
@@ -177,7 +177,7 @@ def test_packed_topk_and_custom_loss_equal_padded(model_path):
 
     datums = _datums()
     padded, packed = _trainer(model_path, 0), _trainer(model_path, 64)
-    for a, b in zip(padded._topk_in_micro_batches(datums, 5, False), packed._topk_in_micro_batches(datums, 5, False)):
+    for a, b in zip(padded.topk_logprobs(datums, 5), packed.topk_logprobs(datums, 5)):
         torch.testing.assert_close(b[1], a[1], rtol=0, atol=2e-5)
         torch.testing.assert_close(b[2], a[2], rtol=0, atol=2e-5)
         assert torch.equal(a[0], b[0])

@@ -7,7 +7,7 @@ import torch
 
 from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
-from meshrl.training.batching import pack_rows
+from meshrl.training.prefix_trees import pack_rows
 from meshrl.training.policy import PolicyTrainer
 from meshrl.training.shared_pass import pack_shared
 from meshrl.types import Datum, LossPart

@@ -279,7 +279,13 @@ class MeshGroup:
         for name in [n for n in self.proc_meshes if self._group(n) in lost]:
             log.warning("abandoning mesh '%s': one of its hosts is lost (stopping it would hang)", name)
             self.proc_meshes.pop(name)
-        futures = [(name, pm.stop()) for name, pm in self.proc_meshes.items()] + self._stopping
+        stopping = []
+        for name, fut in self._stopping:  # a replaced mesh whose host was seen lost only after its stop began
+            if self._group(name) in lost:
+                log.warning("abandoning the stop of replaced mesh '%s': one of its hosts is lost", name)
+            else:
+                stopping.append((name, fut))
+        futures = [(name, pm.stop()) for name, pm in self.proc_meshes.items()] + stopping
         for name, fut in futures:
             try:
                 fut.get(timeout=timeout_s)

@@ -21,12 +21,12 @@ import torch
 from meshrl import losses
 from meshrl.config.learner import LearnerConfig
 from meshrl.logprobs import token_logprobs_and_entropy, topk_logprobs
-from meshrl.training.batching import MicroBatch, PackedRows, pack_rows, pad_datums, split_micro_batches
+from meshrl.training.batching import MicroBatch, pad_datums, split_micro_batches
 from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack_shared
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
-from meshrl.training.prefix_scoring import prefix_groups, topk_at_positions
+from meshrl.training.prefix_trees import layout
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -56,10 +56,11 @@ class MicroBatchPass:
     """One padded micro-batch on the device; implements :class:`meshrl.losses.ForwardPass`."""
 
     def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None, temperature: float = 1.0,
-                 shared: SharedForward | None = None, rows: list[int] | None = None):
+                 shared: SharedForward | None = None, rows: list[int] | None = None, min_prefix: int | None = None):
         """``shared``: the micro-batch is a view of a shared forward (meshrl.training.shared_pass)
-        whose row ``rows[b]`` holds datum b's sequence (or a longer one it is a prefix of)."""
-        self.trainer, self.mb, self.temperature = trainer, mb, temperature
+        whose row ``rows[b]`` holds datum b's sequence (or a longer one it is a prefix of).
+        ``min_prefix``: the shared prefixes run once (`PolicyTrainer.valid_logits`)."""
+        self.trainer, self.mb, self.temperature, self.min_prefix = trainer, mb, temperature, min_prefix
         self.inputs = {k: v.to(trainer.device) for k, v in mb.inputs.items()}
         key = self.inputs.get(valid_key) if valid_key else None
         self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
@@ -74,7 +75,7 @@ class MicroBatchPass:
             if self.shared is not None:
                 self._logits = self.shared.logits(self.trainer.valid_logits, self.view)
             else:
-                self._logits = self.trainer.valid_logits(self.mb, self.valid)
+                self._logits = self.trainer.valid_logits(self.mb, self.valid, min_prefix=self.min_prefix)
         return self._logits
 
     def _scatter(self, rows: torch.Tensor) -> torch.Tensor:
@@ -167,15 +168,18 @@ class PolicyTrainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def valid_logits(self, mb: MicroBatch, *valid: torch.Tensor, model=None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def valid_logits(self, mb: MicroBatch, *valid: torch.Tensor, model=None,
+                     min_prefix: int | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits [N, V] of ``model`` (a :class:`ValidLogits`; default: the policy) at the N valid model_input positions
         (row-major over batch, position). The vocabulary projection runs only there, in the
         autocast dtype. Several ``valid`` (masks or flat position indices): one decoder forward,
-        a logits tensor for each. With `learner.packed_row_tokens` the decoder runs on the
-        sequences packed end to end instead of padded (the logits are the same, in the same order)
-        where that puts two or more in a row."""
+        a logits tensor for each. The sequences' shared prefixes of at least ``min_prefix`` tokens
+        (default `learner.shared_prefix_tokens`) run once, as trees, and with
+        `learner.packed_row_tokens` the sequences run packed end to end instead of padded
+        (meshrl.training.prefix_trees); the logits are the same, in the same order."""
         module = self.logits_module if model is None else model
-        packed = self._layout(mb)
+        packed = layout(mb.input_ids, mb.lengths, self.cfg.shared_prefix_tokens if min_prefix is None else min_prefix,
+                        self.cfg.packed_row_tokens)
         ids = mb.input_ids.to(self.device)
         with self._autocast():
             if packed is None:
@@ -183,20 +187,6 @@ class PolicyTrainer:
             mask = None if packed.mask is None else packed.mask.to(self.device)
             return module(packed.input_ids(ids, self.pad_id), mask, *(packed.index(v) for v in valid),
                           position_ids=packed.position_ids.to(self.device))
-
-    def _layout(self, mb: MicroBatch) -> PackedRows | None:
-        """How the decoder runs ``mb``: its shared prefixes as trees (`learner.shared_prefix_tokens`)
-        and its sequences packed end to end (`learner.packed_row_tokens`), or None (padded) where
-        neither leaves fewer positions than padding."""
-        trees = None
-        if self.cfg.shared_prefix_tokens and len(mb.lengths) > 1:
-            rows = [row[:n].tolist() for row, n in zip(mb.input_ids, mb.lengths)]
-            trees = [(g.prefix, g.members) for g in prefix_groups(rows, mb.lengths, self.cfg.shared_prefix_tokens)
-                     if g.prefix]
-        if not (self.cfg.packed_row_tokens or trees):
-            return None
-        packed = pack_rows(mb.lengths, mb.input_ids.shape[1], self.cfg.packed_row_tokens, trees)
-        return packed if packed.source.numel() < mb.input_ids.numel() else None
 
     @contextlib.contextmanager
     def reference_model(self):
@@ -218,20 +208,22 @@ class PolicyTrainer:
         yield self._frozen_copy
 
     def _passes(self, datums: list[Datum], valid_key: str | None, per_item: int = 1, padding: bool = False,
-                temperature: float = 1.0):
+                temperature: float = 1.0, min_prefix: int | None = None):
         """``(group, pass, scale)`` per micro-batch (its log-probabilities at ``temperature``); the
         caller multiplies the loss by ``scale`` and
         drops the outputs of passes whose scale is 0. Those are ``padding`` datums (sent to a
         data-parallel rank only to keep it in step) and, under FSDP2, repeats of a rank's last
         micro-batch until it has run as many passes as the busiest rank (the collectives match)."""
+        min_prefix = self.cfg.shared_prefix_tokens if min_prefix is None else min_prefix
         groups = split_micro_batches(datums, self.cfg.micro_batch_size, per_item, self.cfg.micro_batch_tokens,
-                                     self.cfg.shared_prefix_tokens > 0) if datums else []
+                                     min_prefix > 0) if datums else []
         extra = self.dp.padding_passes(len(groups))
         if extra and not groups:
             raise ValueError("a data-parallel learner rank got no datums while others did: send it padding datums")
         real = 0 if padding else len(groups)
         for i, group in enumerate(groups + [groups[-1]] * extra):
-            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key, temperature), float(i < real)
+            yield group, MicroBatchPass(self, pad_datums(group, self.pad_id), valid_key, temperature,
+                                        min_prefix=min_prefix), float(i < real)
 
     # ---- Tinker-style API ----------------------------------------------------------------
     def forward_backward(self, datums: list[Datum], loss_fn: str, loss_fn_config: dict | None = None,
@@ -356,34 +348,11 @@ class PolicyTrainer:
         """Per datum, the current policy's top-``k`` (indices int32, log-probs float32; ``k = 0``:
         indices None and the full vocabulary) at its non-zero `mask` positions, and the log-probs
         of its own target tokens there (float32), without grad: the next-token distributions that
-        predict those target tokens (SDPO's hinted teacher scored in the learner's processes).
-        The mask must be one run of positions. Datums whose sequences share at least
-        ``min_prefix`` leading tokens before their runs have that prefix forwarded once
-        (meshrl.training.prefix_scoring); under FSDP2, whose forward gathers the sharded weights
-        in step with the other ranks, every datum is forwarded whole in the learner's micro-batches."""
-        if self.dp.mode == "fsdp2":
-            return self._topk_in_micro_batches(datums, k, padding)
-        if padding or not datums:
-            return []
-        sequences, starts, lengths = [], [], []
-        for d in datums:
-            where = (d.loss_fn_inputs["mask"] != 0).nonzero().flatten().tolist()
-            if not where or where[-1] - where[0] + 1 != len(where):
-                raise ValueError("topk_logprobs: each datum's mask must be one run of positions")
-            inputs, targets = d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist()
-            if inputs[1:] != targets[:-1]:
-                raise ValueError("topk_logprobs: each datum's targets must be its model input shifted by one")
-            sequences.append(inputs + targets[-1:])
-            starts.append(where[0] + 1)
-            lengths.append(len(where))
-        with self._autocast():
-            return topk_at_positions(self.model, sequences, starts, lengths, k, pad_id=self.pad_id,
-                                     max_rows=self.cfg.micro_batch_size, min_prefix=min_prefix, device=self.device)
-
-    def _topk_in_micro_batches(self, datums: list[Datum], k: int, padding: bool) -> list[tuple]:
-        """`topk_logprobs` in the learner's micro-batches (each datum forwarded whole)."""
+        predict those target tokens (SDPO's hinted teacher scored in the learner's processes). In
+        the learner's micro-batches, grouped by their tokens; the prefixes of at least
+        ``min_prefix`` tokens that datums share run once, as trees (`valid_logits`)."""
         out: dict[int, tuple] = {}
-        for group, fp, scale in self._passes(datums, "mask", padding=padding):
+        for group, fp, scale in self._passes(datums, "mask", padding=padding, min_prefix=min_prefix):
             logp = torch.log_softmax(fp.logits().float(), dim=-1)
             indices, values = topk_logprobs(logp, k)  # a log-softmax of log-probabilities is themselves
             own = logp.gather(-1, fp.inputs["target_tokens"][fp.valid][:, None])
