@@ -7,7 +7,7 @@ import torch
 
 from meshrl.config.learner import LearnerConfig
 from meshrl.models.provision import resolve_model
-from meshrl.training.prefix_trees import pack_rows
+from meshrl.training.prefix_trees import PrefixGroup, affordable_trees, pack_rows
 from meshrl.training.policy import PolicyTrainer
 from meshrl.training.shared_pass import pack_shared
 from meshrl.types import Datum, LossPart
@@ -146,3 +146,16 @@ def test_by_tokens_the_shared_pass_puts_a_prompts_rows_together():
     assert sorted(sorted({prompt_of[id(d)] for d, _ in b.views[0]}) for b in by_tokens) == [[0], [1], [2]]
     by_length = pack_shared([datums], [1], size=4)
     assert [len({prompt_of[id(d)] for d, _ in b.views[0]}) for b in by_length] == [3, 3, 3]
+
+
+def test_a_tree_is_kept_only_where_it_costs_less_than_its_members_whole():
+    """With 100 attention pairs costing one token (cost(W) = W + W^2 / 100): three sequences of 25
+    sharing 20 tokens make one tree (each member adds 7.75 and 8.25 against 31.25 alone); two of
+    64 sharing 4 do not (the second would add 172.8 against 104.96 alone); a long group splits."""
+    assert affordable_trees([PrefixGroup(20, [0, 1, 2])], [25, 25, 25], 100.0) == [(20, [0, 1, 2])]
+    assert affordable_trees([PrefixGroup(4, [0, 1])], [64, 64], 100.0) == []
+    # 40 shared, rests of 30: members add 81, 99 and 117 to the tree, the fifth would add 135 against
+    # cost(70) = 119 in a new tree of its own
+    split = affordable_trees([PrefixGroup(40, list(range(6)))], [70] * 6, 100.0)
+    assert split == [(40, [0, 1, 2, 3]), (40, [4, 5])]
+    assert affordable_trees([PrefixGroup(0, [0, 1])], [9, 9], 100.0) == []

@@ -26,7 +26,7 @@ from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
-from meshrl.training.prefix_trees import layout
+from meshrl.training.prefix_trees import attention_tokens, layout
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
 from meshrl.transport.shards import Shard, layer_group
@@ -179,7 +179,7 @@ class PolicyTrainer:
         (meshrl.training.prefix_trees); the logits are the same, in the same order."""
         module = self.logits_module if model is None else model
         packed = layout(mb.input_ids, mb.lengths, self.cfg.shared_prefix_tokens if min_prefix is None else min_prefix,
-                        self.cfg.packed_row_tokens)
+                        self.cfg.packed_row_tokens, attention_tokens(self.model.config))
         ids = mb.input_ids.to(self.device)
         with self._autocast():
             if packed is None:

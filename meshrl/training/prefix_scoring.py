@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from meshrl.logprobs import topk_logprobs
-from meshrl.training.prefix_trees import layout, right_padded
+from meshrl.training.prefix_trees import attention_tokens, layout, right_padded
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def topk_at_positions(model, sequences: list[list[int]], starts: list[int], leng
         ids, mask = right_padded(rows, width, pad_id)
         flat = torch.cat([b * width + torch.arange(starts[i] - 1, starts[i] - 1 + lengths[i])
                           for b, i in enumerate(members)])
-        packed = layout(ids, [len(r) for r in rows], min_prefix, 0)
+        packed = layout(ids, [len(r) for r in rows], min_prefix, 0, attention_tokens(model.config))
         if packed is None:
             hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         else:

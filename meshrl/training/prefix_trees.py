@@ -178,17 +178,53 @@ def pack_rows(lengths: list[int], width: int, row_tokens: int,
     return PackedRows(source, positions, target, width, mask)
 
 
-def layout(input_ids: torch.Tensor, lengths: list[int], min_prefix: int, row_tokens: int) -> PackedRows | None:
+def affordable_trees(groups: list[PrefixGroup], lengths: list[int], attention_tokens: float) -> list[tuple[int, list[int]]]:
+    """``groups``' members (with a shared prefix) as trees no costlier than their sequences whole.
+    A row of W positions costs W tokens of the linear layers plus W x W / ``attention_tokens`` of
+    attention (the masked pairs are computed too), so a wide tree can cost more than its members
+    run whole (long episodes with a short shared prompt). Members join a group's current tree, in
+    order, while that adds less than starting a new tree of the same prefix with them; a tree of
+    one member is no tree."""
+    def cost(width: int) -> float:
+        return width + width * width / attention_tokens
+
+    trees = []
+    for g in groups:
+        if not g.prefix:
+            continue
+        chunks: list[list[int]] = []
+        width = 0
+        for b in g.members:
+            rest = lengths[b] - g.prefix
+            if chunks and cost(width + rest) - cost(width) <= cost(g.prefix + rest):
+                chunks[-1].append(b)
+                width += rest
+            else:
+                chunks.append([b])
+                width = g.prefix + rest
+        trees += [(g.prefix, chunk) for chunk in chunks if len(chunk) > 1]
+    return trees
+
+
+def layout(input_ids: torch.Tensor, lengths: list[int], min_prefix: int, row_tokens: int,
+           attention_tokens: float) -> PackedRows | None:
     """How the decoder runs the right-padded ``input_ids`` ([B, T], sequences of ``lengths``): the
-    prefixes of at least ``min_prefix`` tokens they share as trees (0: none), and (``row_tokens``
-    > 0) trees and sequences packed end to end (`pack_rows`); None (padded) where neither leaves
-    fewer positions than padding."""
+    prefixes of at least ``min_prefix`` tokens they share as trees where that costs less
+    (`affordable_trees`; ``attention_tokens``: how many query-key pairs of attention cost as much
+    as one token through the linear layers, about 6 x the hidden size; ``min_prefix`` 0: no
+    trees), and (``row_tokens`` > 0) trees and sequences packed end to end (`pack_rows`); None
+    (padded) where neither leaves fewer positions than padding."""
     trees = None
     if min_prefix and len(lengths) > 1:
         rows = [row[:n].tolist() for row, n in zip(input_ids, lengths)]
-        trees = [(g.prefix, g.members) for g in prefix_groups(rows, lengths, min_prefix) if g.prefix]
+        trees = affordable_trees(prefix_groups(rows, lengths, min_prefix), lengths, attention_tokens)
     if not (row_tokens or trees):
         return None
     packed = pack_rows(lengths, input_ids.shape[1], row_tokens, trees)
     return packed if packed.source.numel() < input_ids.numel() else None
 
+
+def attention_tokens(config) -> float:
+    """`layout`'s ``attention_tokens`` for an HF model ``config``: a token's linear layers take
+    about 12 x hidden^2 multiply-adds a layer, one query-key pair's attention about 2 x hidden."""
+    return 6.0 * config.hidden_size
