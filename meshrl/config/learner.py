@@ -76,6 +76,8 @@ class LearnerConfig(Section):
     prefix once, then each sequence's rest, attending to the prefix and to itself (a tree
     attention mask; position ids continue from the prefix). The decoder computes each shared
     prefix once, forward and backward; every loss reads the values a separate forward would give.
+    A tree's attention covers every pair of its positions, so sequences join a tree only where
+    that costs less than running them whole (a short prompt in front of long episodes does not).
     The shared pass then groups sequences into micro-batches by their tokens, so a prompt's
     samples share one. 0: every sequence runs whole (right-padded, or packed end to end with
     `packed_row_tokens`, which also lays trees end to end)."""

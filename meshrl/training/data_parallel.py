@@ -61,9 +61,10 @@ class ValidLogits(torch.nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits at each selection's positions: a [B, T] bool mask or flat indices into the
         B x T positions (row-major); one tensor for one selection, else one per selection (the
-        decoder runs once for all of them). Packed rows (meshrl.training.batching.PackedRows)
-        come with no ``attention_mask`` and ``position_ids`` that restart at each sequence; no KV
-        cache is kept (with one, the decoder would ignore the packing in ``position_ids``)."""
+        decoder runs once for all of them). Packed rows (meshrl.training.prefix_trees.PackedRows)
+        come with ``position_ids`` that restart at each sequence and no ``attention_mask``, or,
+        laid as trees, with a [R, 1, W, W] boolean ``attention_mask``; no KV cache is kept (with
+        one, the decoder would ignore the packing in ``position_ids``)."""
         hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                           position_ids=position_ids, use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])
