@@ -80,21 +80,25 @@ def steps(tokenizer, seed: int = 0) -> dict[str, list]:
 
 def main() -> None:
     from benchmarks.common import learner_benchmark, write_result
+    from benchmarks.term_cost import padded_tokens
     from meshrl.terms.sdpo import teacher_datum
+    from meshrl.training.prefix_trees import prefix_groups
 
     args, trainer, tokenizer = learner_benchmark(__doc__)
     rows = trainer.cfg.micro_batch_size
-    forwarded: list[int] = []
-    trainer.model.get_input_embeddings().register_forward_hook(lambda _m, args, _o: forwarded.append(args[0].numel()))
     result = {"model": args.model, "reps": args.reps, "top_k": TOP_K, "micro_batch_size": rows, "steps": {}}
     for name, sites in steps(tokenizer).items():
         datums = [teacher_datum(s) for s in sites]
         sequences = [s.teacher_tokens for s in sites]
         tokens = {}
-        for min_prefix in (0, 16):  # the decoder's positions (padding included), counted as it runs; a warm-up
-            forwarded.clear()
-            trainer.topk_logprobs(datums, TOP_K, min_prefix=min_prefix)
-            tokens[min_prefix] = sum(forwarded)
+        for min_prefix in (0, 16):  # the decoder's positions, as topk_at_positions batches them
+            groups = prefix_groups(sequences, [s.teacher_start - 1 for s in sites], min_prefix)
+            shared = [g for g in groups if g.prefix]
+            rests = sorted(len(sequences[i]) - g.prefix for g in shared for i in g.members)
+            lone = sorted(len(sequences[i]) for g in groups if not g.prefix for i in g.members)
+            tokens[min_prefix] = len(shared) * max((g.prefix for g in shared), default=0) + padded_tokens(
+                [w[i : i + rows] for w in (rests, lone) for i in range(0, len(w), rows)])
+        trainer.topk_logprobs(datums, TOP_K, min_prefix=16)  # warm-up
         seconds: dict[int, list[float]] = {0: [], 16: []}
         for rep in range(args.reps):
             for min_prefix in ((0, 16) if rep % 2 == 0 else (16, 0)):

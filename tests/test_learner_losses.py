@@ -300,8 +300,9 @@ def test_sdpo_full_vocabulary_equals_the_top_k_path_with_every_token(model_path)
 
 def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path):
     """SDPO's teacher in the learner's processes (`sdpo.teacher: learner`) scores a site as the
-    teacher mesh's HF engine does, with the sites' shared prefixes forwarded once or not:
-    same top-k indices, log-probs (and the site tokens' own) equal to float32 rounding."""
+    teacher mesh's HF engine does, and as the learner's micro-batched path (under FSDP2, its
+    shared prefixes as trees) does: same top-k indices, log-probs (and the site tokens' own)
+    equal to float32 rounding."""
     from meshrl.config.generation import GeneratorConfig
     from meshrl.engines.hf_engine import HFEngine
     from meshrl.sdpo.sites import ErrorSite
@@ -313,7 +314,7 @@ def test_learner_topk_equals_the_teacher_engines_on_the_same_weights(model_path)
              for i, (n, start) in enumerate([(20, 12), (9, 3), (31, 30)])]
     datums = [teacher_datum(s) for s in sites]
     learner = trainer.topk_logprobs(datums, 5)
-    micro_batched = trainer.topk_logprobs(datums, 5, min_prefix=16)
+    micro_batched = trainer._topk_in_micro_batches(datums, 5, padding=False, min_prefix=16)
     reference = engine.topk_logprobs([s.teacher_tokens for s in sites], [s.teacher_start for s in sites],
                                      [s.length for s in sites], 5)
     for site, got, other, ref in zip(sites, learner, micro_batched, reference):

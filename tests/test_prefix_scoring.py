@@ -1,6 +1,6 @@
 """Scoring continuations of shared contexts with each shared prefix forwarded once
-(meshrl.training.prefix_scoring, on meshrl.training.prefix_trees): the groups, the values (those of
-whole forwards), the positions the decoder runs, and the learner's SDPO teacher call."""
+(meshrl.training.prefix_scoring): the groups, the values (those of whole forwards), the tokens the
+decoder runs, and the learner's SDPO teacher call on it."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from meshrl.models.provision import resolve_model
 from meshrl.training.policy import PolicyTrainer
 from meshrl.training.prefix_scoring import topk_at_positions
 from meshrl.training.prefix_trees import PrefixGroup, common_prefix, prefix_groups
+from meshrl.types import Datum
 
 V = 49152
 
@@ -72,30 +73,37 @@ def _whole(model, seqs, starts, lengths, k):
 
 
 def test_shared_prefixes_give_the_values_of_whole_forwards_and_forward_fewer_tokens(model):
-    """One forward of all eleven sites (max_rows 11): without sharing, 11 rows padded to the longest
-    (40 + 14 + 20 tokens); with it, three rows as wide as the widest tree: each prompt once (40,
-    35) and its five samples' hints and responses after it (18 + 22 + 26 + 30 + 34 tokens), and
-    the lone site. The values are those of whole forwards, in chunks of 3 rows (prompts split
-    across chunks) too."""
     seqs, starts, lengths = _sites()
     whole = _whole(model, seqs, starts, lengths, 8)
-    forwarded = []
+    forwarded, totals = [], {}
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].numel()))
-    positions = {}
     try:
-        for min_prefix, max_rows in ((0, 11), (16, 11), (16, 3)):
+        for min_prefix in (0, 16):
             forwarded.clear()
-            got = topk_at_positions(model, seqs, starts, lengths, 8, pad_id=0, max_rows=max_rows,
-                                    min_prefix=min_prefix, device=torch.device("cpu"))
+            got = topk_at_positions(model, seqs, starts, lengths, 8, pad_id=0, max_rows=3, min_prefix=min_prefix,
+                                    device=torch.device("cpu"))
             for (idx, lp, own), (ref_idx, ref_lp, ref_own) in zip(got, whole):
                 assert torch.equal(idx.long(), ref_idx) and idx.dtype == torch.int32
                 torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
                 torch.testing.assert_close(own, ref_own, rtol=0, atol=1e-5)
-            positions[min_prefix, max_rows] = sum(forwarded)
+            groups = prefix_groups(seqs, [s - 1 for s in starts], min_prefix)
+            if min_prefix:  # each prompt once, its samples' rest on top of it; the lone one whole
+                assert sorted((g.prefix, sorted(g.members)) for g in groups) == [(0, [10]), (35, [5, 6, 7, 8, 9]),
+                                                                                (40, [0, 1, 2, 3, 4])]
+            else:
+                assert [(g.prefix, len(g.members)) for g in groups] == [(0, 11)]
+            shared = [g for g in groups if g.prefix]
+            rests = sorted(len(seqs[i]) - g.prefix for g in shared for i in g.members)
+            lone = sorted(len(seqs[i]) for g in groups if not g.prefix for i in g.members)
+            # the prefixes together, padded to the longest; then the rests, then the lone, in chunks of 3 rows
+            expected = len(shared) * max((g.prefix for g in shared), default=0)
+            for widths in (rests, lone):
+                expected += sum(len(widths[i : i + 3]) * widths[i : i + 3][-1] for i in range(0, len(widths), 3))
+            assert sum(forwarded) == expected
+            totals[min_prefix] = expected
     finally:
         hook.remove()
-    assert positions[0, 11] == 11 * 74
-    assert positions[16, 11] == 3 * (40 + 130)
+    assert totals[16] < 0.7 * totals[0]
     full = topk_at_positions(model, seqs[:2], starts[:2], lengths[:2], 0, pad_id=0, max_rows=4, min_prefix=16,
                              device=torch.device("cpu"))
     assert full[0][0] is None and full[0][1].shape == (lengths[0], model.config.vocab_size)
@@ -110,9 +118,9 @@ def test_a_span_outside_its_sequence_is_refused(model):
                           device=torch.device("cpu"))
 
 
-def test_the_learner_scores_shared_prefixes_once_with_the_values_of_whole_sites():
+def test_the_learner_scores_shared_prefixes_once_with_the_values_of_its_micro_batches():
     """`PolicyTrainer.topk_logprobs` (SDPO's teacher in the learner) shares the prompts of one
-    group's sites; its values equal those of every site forwarded whole, in bf16 autocast too."""
+    group's sites; its values equal the micro-batched path's (FSDP2's), in bf16 autocast too."""
     from meshrl.sdpo.sites import ErrorSite
     from meshrl.terms.sdpo import teacher_datum
 
@@ -123,16 +131,18 @@ def test_the_learner_scores_shared_prefixes_once_with_the_values_of_whole_sites(
     for bf16, atol in ((False, 1e-5), (True, 0.1)):
         trainer = PolicyTrainer(resolve_model("tiny"), LearnerConfig(torch_threads=1, micro_batch_size=4,
                                                                        autocast_bf16=bf16))
-        forwarded = []
-        trainer.model.get_input_embeddings().register_forward_hook(
-            lambda m, args, out: forwarded.append(args[0].numel()))
         shared = trainer.topk_logprobs(datums, 6, min_prefix=16)
-        shared_positions = sum(forwarded)
-        forwarded.clear()
-        whole = trainer.topk_logprobs(datums, 6, min_prefix=0)
-        assert shared_positions < 0.8 * sum(forwarded)  # micro-batches of 4 split each prompt's five sites
+        whole = trainer._topk_in_micro_batches(datums, 6, padding=False, min_prefix=0)
         for a, b in zip(shared, whole):
             torch.testing.assert_close(a[1], b[1], rtol=0, atol=atol)
             torch.testing.assert_close(a[2], b[2], rtol=0, atol=atol)
             if not bf16:
                 assert torch.equal(a[0], b[0])
+    bad = Datum(datums[0].model_input, {**datums[0].loss_fn_inputs,
+                                        "target_tokens": torch.zeros_like(datums[0].loss_fn_inputs["target_tokens"])})
+    with pytest.raises(ValueError, match="targets must be its model input shifted by one"):
+        trainer.topk_logprobs([bad], 6)
+    gap = teacher_datum(sites[0])
+    gap.loss_fn_inputs["mask"][-3] = 0.0
+    with pytest.raises(ValueError, match="mask must be one run of positions"):
+        trainer.topk_logprobs([gap], 6)

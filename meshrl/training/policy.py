@@ -26,6 +26,7 @@ from meshrl.training.shared_pass import SharedForward, first_reader_tokens, pack
 from meshrl.training.data_parallel import DataParallel, DataParallelSpec, ValidLogits, local_value
 from meshrl.training.gpu_budget import claim_device
 from meshrl.training.memory import release_free_heap, reset_peak, resident_gib, set_mmap_threshold
+from meshrl.training.prefix_scoring import topk_at_positions
 from meshrl.training.prefix_trees import attention_tokens, layout
 from meshrl.training.optimizers import ADAMW, make_optimizer, set_step_params
 from meshrl.training.tenants import LoraTenants, TrainState
@@ -348,9 +349,34 @@ class PolicyTrainer:
         """Per datum, the current policy's top-``k`` (indices int32, log-probs float32; ``k = 0``:
         indices None and the full vocabulary) at its non-zero `mask` positions, and the log-probs
         of its own target tokens there (float32), without grad: the next-token distributions that
-        predict those target tokens (SDPO's hinted teacher scored in the learner's processes). In
-        the learner's micro-batches, grouped by their tokens; the prefixes of at least
-        ``min_prefix`` tokens that datums share run once, as trees (`valid_logits`)."""
+        predict those target tokens (SDPO's hinted teacher scored in the learner's processes).
+        The mask must be one run of positions. Datums whose sequences share at least
+        ``min_prefix`` leading tokens before their runs have that prefix forwarded once, its keys
+        and values cached (meshrl.training.prefix_scoring); under FSDP2, whose forward gathers the
+        sharded weights in step with the other ranks, in the learner's micro-batches with the
+        shared prefixes as trees."""
+        if self.dp.mode == "fsdp2":
+            return self._topk_in_micro_batches(datums, k, padding, min_prefix)
+        if padding or not datums:
+            return []
+        sequences, starts, lengths = [], [], []
+        for d in datums:
+            where = (d.loss_fn_inputs["mask"] != 0).nonzero().flatten().tolist()
+            if not where or where[-1] - where[0] + 1 != len(where):
+                raise ValueError("topk_logprobs: each datum's mask must be one run of positions")
+            inputs, targets = d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist()
+            if inputs[1:] != targets[:-1]:
+                raise ValueError("topk_logprobs: each datum's targets must be its model input shifted by one")
+            sequences.append(inputs + targets[-1:])
+            starts.append(where[0] + 1)
+            lengths.append(len(where))
+        with self._autocast():
+            return topk_at_positions(self.model, sequences, starts, lengths, k, pad_id=self.pad_id,
+                                     max_rows=self.cfg.micro_batch_size, min_prefix=min_prefix, device=self.device)
+
+    def _topk_in_micro_batches(self, datums: list[Datum], k: int, padding: bool, min_prefix: int) -> list[tuple]:
+        """`topk_logprobs` in the learner's micro-batches, grouped by their tokens, the prefixes
+        of at least ``min_prefix`` tokens they share laid as trees (`valid_logits`)."""
         out: dict[int, tuple] = {}
         for group, fp, scale in self._passes(datums, "mask", padding=padding, min_prefix=min_prefix):
             logp = torch.log_softmax(fp.logits().float(), dim=-1)
