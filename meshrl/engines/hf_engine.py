@@ -191,7 +191,7 @@ class HFEngine:
         distribution (temperature 1) at the positions predicting ``seq[start:start+length]``, and
         the log-probs of those tokens themselves; ``k = 0`` returns the full vocabulary's log-probs
         with indices None. One batched forward, each prefix of at least ``min_prefix`` tokens
-        that sequences share forwarded once, as a tree (meshrl.training.prefix_scoring); the vocabulary
+        that sequences share forwarded once (meshrl.training.prefix_scoring); the vocabulary
         projection, log-softmax and top-k run on the device, at the scored positions only."""
         return topk_at_positions(self.model, sequences, starts, lengths, k, pad_id=self.pad_id,
                                  max_rows=max(len(sequences), 1), min_prefix=min_prefix, device=self.device)
