@@ -73,9 +73,8 @@ def test_forward_backward_equals_the_core_losses_on_the_same_data(service):
     expected_ce = -sum(float((d.loss_fn_inputs["weights"] * lp).sum()) for d, lp in zip(sl, logp))
     fb = client.forward_backward(sl, "cross_entropy").result(timeout=120)
     assert fb.metrics["loss:sum"] == pytest.approx(expected_ce, abs=1e-5)
-    for o, lp in zip(fb.loss_fn_outputs, logp):  # same weights: same logprobs where the loss reads them
-        w = o["logprobs"] != 0
-        assert torch.allclose(o["logprobs"][w], lp[w], atol=1e-5)
+    for o, lp in zip(fb.loss_fn_outputs, logp):  # both return every position's logprob, the same ones
+        assert bool((o["logprobs"] != 0).all()) and torch.allclose(o["logprobs"], lp, atol=1e-5)
 
     rl_logp = [o["logprobs"] for o in client.forward(rl, "ppo").result(timeout=120).loss_fn_outputs]
     cat = lambda key: torch.cat([d.loss_fn_inputs[key] for d in rl])  # noqa: E731

@@ -101,6 +101,29 @@ def test_micro_batch_size_does_not_change_the_gradient(model_path, name):
     _assert_same_grads(reference, _grads(capped))
 
 
+def test_outputs_give_every_positions_logprob_from_the_losss_one_forward(model_path):
+    datums = _rl_datums(4)  # ppo reads the last 4 positions of each (its mask)
+    trainer = _trainer(model_path, micro_batch_size=2)
+    whole = trainer.forward(datums)
+    plain = trainer.forward_backward(datums, "ppo")
+    expected_grads = _grads(trainer)
+    calls = []
+    hook = trainer.model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        forward_only = trainer.forward_backward(datums, "ppo", outputs=True, backward=False)
+        assert len(calls) == 2  # one decoder forward per micro-batch of 2, none more for the outputs
+        assert all(p.grad is None for p in trainer.model.parameters())
+        trained = trainer.forward_backward(datums, "ppo", outputs=True)
+    finally:
+        hook.remove()
+    _assert_same_grads(expected_grads, _grads(trainer))  # the outputs' extra positions carry no gradient
+    for out in (forward_only, trained):
+        assert out["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+        for lp, ref, d in zip(out["logprobs"], whole, datums):
+            assert len(lp) == d.length and all(v != 0 for v in lp)  # the prompt's positions too
+            torch.testing.assert_close(torch.tensor(lp), ref, rtol=0, atol=1e-5)
+
+
 def test_ppo_on_a_tinker_datum_reports_the_kl_of_the_reply_only(model_path):
     """The cookbook's datum: sampler logprobs 0 on the prompt and real on the reply, advantage 0 on
     the prompt; mapped as `meshrl serve` maps it (weight 1 everywhere). When the sampler agrees with

@@ -57,14 +57,19 @@ class MicroBatchPass:
     """One padded micro-batch on the device; implements :class:`meshrl.losses.ForwardPass`."""
 
     def __init__(self, trainer: "PolicyTrainer", mb: MicroBatch, valid_key: str | None, temperature: float = 1.0,
-                 shared: SharedForward | None = None, rows: list[int] | None = None, min_prefix: int | None = None):
+                 shared: SharedForward | None = None, rows: list[int] | None = None, min_prefix: int | None = None,
+                 valid: torch.Tensor | None = None):
         """``shared``: the micro-batch is a view of a shared forward (meshrl.training.shared_pass)
         whose row ``rows[b]`` holds datum b's sequence (or a longer one it is a prefix of).
-        ``min_prefix``: the shared prefixes run once (`PolicyTrainer.valid_logits`)."""
+        ``min_prefix``: the shared prefixes run once (`PolicyTrainer.valid_logits`). ``valid``:
+        the positions read, instead of those ``valid_key`` (else the attention mask) gives."""
         self.trainer, self.mb, self.temperature, self.min_prefix = trainer, mb, temperature, min_prefix
         self.inputs = {k: v.to(trainer.device) for k, v in mb.inputs.items()}
         key = self.inputs.get(valid_key) if valid_key else None
-        self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
+        if valid is not None:
+            self.valid = valid
+        else:
+            self.valid = (key != 0) if key is not None else mb.attention_mask.to(trainer.device) > 0
         self.shared = shared
         self.view = shared.add(rows, self.valid) if shared is not None else 0
         self._logits: torch.Tensor | None = None
@@ -232,10 +237,11 @@ class PolicyTrainer:
                          backward: bool = True) -> dict:
         """Accumulate gradients of the registered, sum-reduced ``loss_fn`` over all datums
         (micro-batched); returns its summed ``loss`` and combined metrics, and with ``outputs``
-        each datum's target-token logprobs (``logprobs``: a list per datum, 0 where the loss reads
-        nothing). ``temperature``: the log-probabilities (and the entropy) are those of
-        softmax(logits / temperature), the distribution the datums' tokens were sampled from (the
-        sampler's recorded `logprobs` are of that distribution). Without ``backward``: the loss
+        each datum's target-token logprobs (``logprobs``: a list per datum, at every position, also
+        those the loss reads nothing at, from the loss's one decoder forward). ``temperature``: the
+        log-probabilities (and the entropy) are those of softmax(logits / temperature), the
+        distribution the datums' tokens were sampled from (the sampler's recorded `logprobs` are of
+        that distribution). Without ``backward``: the loss
         and its metrics only, no gradient (a forward-only loss). One loss of
         :meth:`forward_backward_parts`, which says the rest."""
         part = LossPart(datums, loss_fn, dict(loss_fn_config or {}), temperature)
@@ -281,6 +287,8 @@ class PolicyTrainer:
                                                               specs[k].valid_key, parts[k].temperature, shared,
                                                               [r for _, r in view]))
                      for k, view in enumerate(batch.views) if view]
+            unread = {k: self._unread_view(fp, shared, [r for _, r in batch.views[k]])
+                      for k, _, fp in views} if outputs else {}
             outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
             total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
             if backward:
@@ -291,6 +299,9 @@ class PolicyTrainer:
             for k, group, fp, out in outs:
                 if outputs:
                     logp = fp.logprobs().detach().float().cpu()
+                    if unread[k] is not None:
+                        with torch.no_grad():
+                            logp += unread[k].logprobs().float().cpu()
                     per_datum.update((id(d), logp[row, : d.length].tolist()) for row, d in enumerate(group))
                 signal = fp.valid if out.signal is None else out.signal
                 n_signal = int(signal.sum())
@@ -312,6 +323,15 @@ class PolicyTrainer:
                 result["logprobs"] = [per_datum[id(d)] for d in part.datums]
             results.append(result)
         return results
+
+    def _unread_view(self, fp: MicroBatchPass, shared: SharedForward, rows: list[int]) -> MicroBatchPass | None:
+        """A view of ``fp``'s rows at the positions its loss does not read (None if it reads them
+        all), registered on the same shared forward: the outputs' logprobs there come from the
+        loss's one decoder forward."""
+        rest = (fp.mb.attention_mask.to(self.device) > 0) & ~fp.valid
+        if not bool(rest.any()):
+            return None
+        return MicroBatchPass(self, fp.mb, None, fp.temperature, shared, rows, valid=rest)
 
     def forward_backward_custom(self, datums: list[Datum], fn: CustomLoss, padding: bool = False) -> dict:
         """Accumulate gradients of an arbitrary ``fn(datums, logprobs) -> (loss, metrics)`` over
