@@ -192,7 +192,8 @@ class LaunchConfig(Section):
 
     host_loss_timeout_s: float = Field(60.0, gt=0)
     """A host that sends no process status for this long is lost: its calls fail and its meshes are
-    replaced (Monarch's HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE)."""
+    replaced (Monarch's HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE, set from this over any value in
+    the environment)."""
 
     on_host_loss: Literal["survivors", "fail"] = "survivors"
     """`survivors`: a mesh that lost a host is respawned on the surviving hosts of its host mesh

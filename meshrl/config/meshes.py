@@ -90,7 +90,9 @@ class MeshesConfig(Section):
     chunks balance better, fewer batch better; a mesh of one process gets the batch in one call."""
 
     supervision_poll_s: float = Field(0.5, gt=0)
-    """How often Monarch polls child processes for failure (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY)."""
+    """How often Monarch polls child processes for failure (HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY,
+    set from this over any value in the environment; a process that imported Monarch before keeps
+    its own, logged)."""
 
     spawn_timeout_s: float = Field(300.0, gt=0)
     """Deadline for a mesh to spawn and finish its actors' setup (model load, engine start)."""

@@ -5,22 +5,56 @@ how per-run settings (vLLM CPU knobs, offline HF) reach actors."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import sys
 
 from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import MeshesConfig
+
+log = logging.getLogger("meshrl")
+
+POLL = "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"
+HOST_IDLE = "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE"
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def _duration(seconds: float) -> str:
     return f"{int(seconds * 1000)}ms"
 
 
+def _seconds(duration: str) -> float:
+    """Seconds in a Monarch duration (``500ms``, ``1m``, ``1m 30s``)."""
+    return sum(float(n) * _UNITS[unit] for n, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)\b", duration))
+
+
+def _kept(key: str, seconds: float, variable: str, value: str) -> None:
+    log.warning("%s = %s s reaches only the processes started from now on: this one imported Monarch with "
+                "%s = %s", key, seconds, variable, value)
+
+
 def prepare_environment(meshes: MeshesConfig, launch: LaunchConfig | None = None) -> None:
     """Set the supervision knobs (process poll period; with ``launch``, how long a silent host
-    lasts before it counts as lost) and offline Hugging Face defaults."""
-    os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", _duration(meshes.supervision_poll_s))
+    lasts before it counts as lost) over any value the environment had: the config decides. In a
+    process that imported Monarch already, the host-loss timeout goes through Monarch's runtime
+    configuration, which holds unless that import read another value from the environment; the
+    poll period has no runtime setting. A knob this process keeps at another value is logged: it
+    reaches the processes started from now on. Also offline Hugging Face defaults."""
+    imported = "monarch" in sys.modules
+    before = os.environ.get(POLL)
+    os.environ[POLL] = _duration(meshes.supervision_poll_s)
+    if imported and (before is None or _seconds(before) != meshes.supervision_poll_s):
+        _kept("meshes.supervision_poll_s", meshes.supervision_poll_s, POLL, before or "Monarch's default")
     if launch is not None:
-        os.environ.setdefault("HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE", _duration(launch.host_loss_timeout_s))
+        os.environ[HOST_IDLE] = _duration(launch.host_loss_timeout_s)
+        if imported:
+            from monarch.config import configure, get_global_config
+
+            configure(get_proc_state_max_idle=os.environ[HOST_IDLE])
+            held = get_global_config()["get_proc_state_max_idle"]
+            if _seconds(held) != launch.host_loss_timeout_s:
+                _kept("launch.host_loss_timeout_s", launch.host_loss_timeout_s, HOST_IDLE, held)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
