@@ -183,12 +183,13 @@ class _WorkerClock:
         self.start_call()
 
     def start_call(self) -> None:
-        self.call = (time.monotonic(), self.channel.runqueue_wait_s(), self.channel.program_cpu_s())
+        self.call = (time.monotonic(), *self.channel.times_s())
 
     def used_now(self) -> float:
         started, waited, ran = self.call
-        in_flight = time.monotonic() - started - (self.channel.runqueue_wait_s() - waited)
-        return self.used + max(in_flight, self.channel.program_cpu_s() - ran)
+        now = time.monotonic()
+        waited_now, ran_now = self.channel.times_s()
+        return self.used + max(now - started - (waited_now - waited), ran_now - ran)
 
     def left(self) -> float:
         return self.limit - self.used_now()

@@ -85,17 +85,15 @@ class Channel:
         if pid is not None:
             self._threads.append(f"/proc/{pid}/schedstat")
 
-    def runqueue_wait_s(self) -> float:
-        """Seconds the conversation's three threads (the program's main thread, the I/O loop's
-        and the conversation's, once ``locate_program`` ran) have spent ready to run but waiting
-        for a CPU, by the kernel's count (``schedstat``): time the host's load took from the
-        conversation. A thread that is gone, or a kernel that does not count, adds 0.0."""
-        return sum(_schedstat(path)[1] for path in self._threads)
-
-    def program_cpu_s(self) -> float:
-        """Seconds the program's main thread has run on a CPU, by the kernel's count (0.0 when
-        not located, gone, or not counted)."""
-        return _schedstat(f"/proc/{self.program_pid}/schedstat")[0] if self.program_pid is not None else 0.0
+    def times_s(self) -> tuple[float, float]:
+        """By the kernel's count (``schedstat``, each thread's file read once): the seconds the
+        conversation's three threads (the program's main thread, the I/O loop's and the
+        conversation's, once ``locate_program`` ran) have spent ready to run but waiting for a
+        CPU, i.e. time the host's load took from the conversation; and the seconds the program's
+        main thread has run on a CPU (0.0 when not located). A thread that is gone, or a kernel
+        that does not count, adds 0.0."""
+        stats = [_schedstat(path) for path in self._threads]
+        return sum(waited for _, waited in stats), stats[-1][0] if self.program_pid is not None else 0.0
 
     # ---------------------------------------------------------------- the conversation's side
     def send(self, line: bytes, timeout_s: float) -> None:
