@@ -288,7 +288,7 @@ class PolicyTrainer:
                                                               [r for _, r in view]))
                      for k, view in enumerate(batch.views) if view]
             unread = {k: self._unread_view(fp, shared, [r for _, r in batch.views[k]])
-                      for k, _, fp in views} if outputs else {}
+                      for k, _, fp in views} if outputs and i < real else {}
             outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
             total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
             if backward:
@@ -312,7 +312,7 @@ class PolicyTrainer:
                 metrics[k].append((float(weight), values))
                 tokens[k] += n_signal
             if self.cfg.release_heap_each_micro_batch:
-                del shared, views, outs, total, fp, out, signal  # this micro-batch's logits and activations
+                del shared, views, unread, outs, total, fp, out, signal  # this micro-batch's logits and activations
                 release_free_heap()
         seconds = time.perf_counter() - started
         results = []
