@@ -135,7 +135,7 @@ class Learner(MeshrlActor):
                          padding: bool = False, outputs: bool = False, temperature: float = 1.0) -> dict:
         """Accumulate the gradients of the registered loss ``loss_fn`` (meshrl.losses) over
         ``datums``, their log-probabilities at the sampling ``temperature``; with ``outputs`` also
-        each datum's target-token logprobs."""
+        each datum's target-token logprobs at every position."""
         self.fault_point("forward_backward")
         return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs, temperature)
 

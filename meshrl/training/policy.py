@@ -241,9 +241,8 @@ class PolicyTrainer:
         those the loss reads nothing at, from the loss's one decoder forward). ``temperature``: the
         log-probabilities (and the entropy) are those of softmax(logits / temperature), the
         distribution the datums' tokens were sampled from (the sampler's recorded `logprobs` are of
-        that distribution). Without ``backward``: the loss
-        and its metrics only, no gradient (a forward-only loss). One loss of
-        :meth:`forward_backward_parts`, which says the rest."""
+        that distribution). Without ``backward``: the loss and its metrics only, no gradient (a
+        forward-only loss). One loss of :meth:`forward_backward_parts`, which says the rest."""
         part = LossPart(datums, loss_fn, dict(loss_fn_config or {}), temperature)
         return self.forward_backward_parts([part], padding, outputs, backward)[0]
 
@@ -258,11 +257,11 @@ class PolicyTrainer:
         positions that carry its training signal (the loss's ``signal``, else every position it
         reads): the policy entropy is their mean, and the micro-batches' metrics are weighted by
         them; ``seconds`` is the whole call's and ``pass_share`` the part's share of it (the tokens
-        of the rows it adds to the parts before it, over all rows'). ``padding`` datums add nothing (see
-        :meth:`_passes`); with ``outputs`` each datum's target-token logprobs (``logprobs``). With
-        `learner.release_heap_each_micro_batch` the free heap goes back to the kernel after each
-        micro-batch. Without ``backward`` the same losses and metrics, computed without grad and
-        nothing accumulated."""
+        of the rows it adds to the parts before it, over all rows'). ``padding`` datums add nothing
+        (see :meth:`_passes`); with ``outputs`` each datum's target-token logprobs at every position
+        (``logprobs``). With `learner.release_heap_each_micro_batch` the free heap goes back to the
+        kernel after each micro-batch. Without ``backward`` the same losses and metrics, computed
+        without grad and nothing accumulated."""
         with contextlib.nullcontext() if backward else torch.no_grad():
             return self._train_parts(parts, padding, outputs, backward)
 
