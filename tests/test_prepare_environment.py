@@ -1,7 +1,8 @@
 """The supervision knobs are the config's: `prepare_environment` puts `meshes.supervision_poll_s` and
 `launch.host_loss_timeout_s` over whatever the environment held, sets the host-loss timeout through
 Monarch's runtime configuration in a process that imported Monarch already, and logs a knob that
-process keeps at another value. Each case runs in a fresh interpreter, so that what this test
+process keeps at another value (a setting is kept to the millisecond, 7.0004 s as 7 s, and that
+is no other value). Each case runs in a fresh interpreter, so that what this test
 process imported decides nothing."""
 
 import json
@@ -24,7 +25,7 @@ if sys.argv[1] == "after":
 from meshrl.config.launch import LaunchConfig
 from meshrl.config.meshes import MeshesConfig
 from meshrl.meshes.local import prepare_environment
-prepare_environment(MeshesConfig(supervision_poll_s=0.25), LaunchConfig(host_loss_timeout_s=7))
+prepare_environment(MeshesConfig(supervision_poll_s=0.25), LaunchConfig(host_loss_timeout_s=7.0004))
 from monarch.config import get_global_config
 print(json.dumps({"poll": os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"],
                   "idle": os.environ["HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE"],

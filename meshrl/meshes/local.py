@@ -17,16 +17,17 @@ log = logging.getLogger("meshrl")
 
 POLL = "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"
 HOST_IDLE = "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE"
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 
 
 def _duration(seconds: float) -> str:
     return f"{int(seconds * 1000)}ms"
 
 
-def _seconds(duration: str) -> float:
-    """Seconds in a Monarch duration (``500ms``, ``1m``, ``1m 30s``)."""
-    return sum(float(n) * _UNITS[unit] for n, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)\b", duration))
+def _milliseconds(duration: str) -> int:
+    """Whole milliseconds in a Monarch duration (``500ms``, ``1m``, ``1s 234ms``): what
+    `_duration` of a setting keeps of it, so the two compare exactly."""
+    return round(sum(float(n) * _UNITS[unit] for n, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)\b", duration)))
 
 
 def _kept(key: str, seconds: float, variable: str, value: str) -> None:
@@ -44,7 +45,7 @@ def prepare_environment(meshes: MeshesConfig, launch: LaunchConfig | None = None
     imported = "monarch" in sys.modules
     before = os.environ.get(POLL)
     os.environ[POLL] = _duration(meshes.supervision_poll_s)
-    if imported and (before is None or _seconds(before) != meshes.supervision_poll_s):
+    if imported and (before is None or _milliseconds(before) != _milliseconds(os.environ[POLL])):
         _kept("meshes.supervision_poll_s", meshes.supervision_poll_s, POLL, before or "Monarch's default")
     if launch is not None:
         os.environ[HOST_IDLE] = _duration(launch.host_loss_timeout_s)
@@ -53,7 +54,7 @@ def prepare_environment(meshes: MeshesConfig, launch: LaunchConfig | None = None
 
             configure(get_proc_state_max_idle=os.environ[HOST_IDLE])
             held = get_global_config()["get_proc_state_max_idle"]
-            if _seconds(held) != launch.host_loss_timeout_s:
+            if _milliseconds(held) != _milliseconds(os.environ[HOST_IDLE]):
                 _kept("launch.host_loss_timeout_s", launch.host_loss_timeout_s, HOST_IDLE, held)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
