@@ -6,7 +6,8 @@ episode's sites its opening turns).
 common prefix is long enough to be worth sharing. `topk_at_positions` runs the groups' prefixes
 through the decoder once, together, keeps their keys and values, and runs every member's remaining
 tokens on top of its group's (right-padded micro-batches that mix the groups); the vocabulary
-projection runs only at the positions asked for. A sequence with no partner is forwarded whole, batched with the others like it.
+projection runs only at the positions asked for. A sequence with no partner is forwarded whole,
+batched with the others like it.
 
 Unlike the training pass's trees (meshrl.training.prefix_trees), a rest attends to its prefix's
 cached keys and values without a mask over a whole tree's row: for long multi-turn contexts that
