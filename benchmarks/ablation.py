@@ -52,7 +52,9 @@ ROUNDS = {"": "the first round (the channels as they were: a learner pass per te
           "budget": "the round of SDPO's budget (the hinted teacher's shared prefixes forwarded once, twice the "
                     "sites scored and the most informative trained, a budget that follows the channel's cost)",
           "trees": "the round of the learner's shared prefixes (a prompt's samples, a DPO pair's two sides: the "
-                   "prefix forwarded and trained once, as a tree)"}
+                   "prefix forwarded and trained once, as a tree)",
+          "pairs": "the round of fewer replay pairs (4 failed traces a step to the teachers and at most 4 pairs "
+                   "trained, not 8: half the DPO rows on the learner and half the reference's scoring)"}
 """A round of the ablation -> what it measured. Each round keeps its run files in
 benchmarks/results/ablation[-<round>]/ and its summary in ablation[-<round>].json/.png, so a later
 round never overwrites the runs an earlier one made (the earlier round is the "before")."""
@@ -60,6 +62,8 @@ SDPO_BEFORE_BUDGET = ["sdpo.candidates_per_site=1", "sdpo.cost_share=0", "sdpo.m
 """SDPO as it ran before the budget round: every site it found trained, each forwarded whole."""
 SDPO_BUDGET = ["sdpo.candidates_per_site=2", "sdpo.cost_share=0.1"]
 """SDPO in the budget round: twice the sites scored, the most informative trained, a tenth of the step's cost."""
+FOUR_PAIRS = ["replay.traces_per_step=4", "replay.max_pairs_per_step=4"]
+"""Replay in the pairs round: half the traces replayed and pairs trained a step."""
 WHOLE = ["learner.shared_prefix_tokens=0"]
 """The learner as it ran before the trees round: every sequence forwarded and trained whole."""
 PINNED = {"": {"baseline": WHOLE, "replay": ["replay.beta=0.1", *WHOLE], "sdpo": [*SDPO_BEFORE_BUDGET, *WHOLE],
@@ -67,7 +71,7 @@ PINNED = {"": {"baseline": WHOLE, "replay": ["replay.beta=0.1", *WHOLE], "sdpo":
           "per-second": {"baseline": WHOLE, "replay": WHOLE, "sdpo": [*SDPO_BEFORE_BUDGET, *WHOLE],
                          "full": [*SDPO_BEFORE_BUDGET, *WHOLE]},
           "budget": {"baseline": WHOLE, "sdpo": [*SDPO_BUDGET, *WHOLE], "full": [*SDPO_BUDGET, *WHOLE]},
-          "trees": {}}
+          "trees": {}, "pairs": {"replay": FOUR_PAIRS, "full": FOUR_PAIRS}}
 """round -> config -> the round's settings that differ from the config's (replay's weight is 0.03
 there now, the better setting the first round found; the shared prefixes of SDPO's teacher came
 after the per-second round; the budget round's SDPO selection did not become the configs'; the

@@ -650,6 +650,12 @@ def ablation_trees(d: dict) -> str:
     return _ablation(d, "ablation-trees", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
 
 
+@renders("ablation-pairs", "python benchmarks/ablation.py --round pairs --arms baseline replay full --tasks arithmetic",
+         "Ablation, per second, with fewer replay pairs (4 traces replayed and at most 4 pairs trained a step, not 8)")
+def ablation_pairs(d: dict) -> str:
+    return _ablation(d, "ablation-pairs", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
+
+
 def _ablation(d: dict, name: str, targets: dict, full_mean: float | None, target_text: str) -> str:
     parts = []
     for task, t in d["tasks"].items():
