@@ -282,12 +282,11 @@ class PolicyTrainer:
         per_datum: dict[int, list[float]] = {}
         for i, batch in enumerate(batches + [batches[-1]] * extra):
             shared = SharedForward(batch.rows, self.pad_id, self.device)
-            views = [(k, [d for d, _ in view], MicroBatchPass(self, pad_datums([d for d, _ in view], self.pad_id),
-                                                              specs[k].valid_key, parts[k].temperature, shared,
-                                                              [r for _, r in view]))
-                     for k, view in enumerate(batch.views) if view]
-            unread = {k: self._unread_view(fp, shared, [r for _, r in batch.views[k]])
-                      for k, _, fp in views} if outputs and i < real else {}
+            taken = [(k, [d for d, _ in view], [r for _, r in view]) for k, view in enumerate(batch.views) if view]
+            views = [(k, group, MicroBatchPass(self, pad_datums(group, self.pad_id), specs[k].valid_key,
+                                               parts[k].temperature, shared, rows)) for k, group, rows in taken]
+            unread = {k: self._unread_view(fp, shared, rows) for (k, _, rows), (_, _, fp) in zip(taken, views)
+                      } if outputs and i < real else {}
             outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
             total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
             if backward:
@@ -311,7 +310,7 @@ class PolicyTrainer:
                 metrics[k].append((float(weight), values))
                 tokens[k] += n_signal
             if self.cfg.release_heap_each_micro_batch:
-                del shared, views, unread, outs, total, fp, out, signal  # this micro-batch's logits and activations
+                del shared, taken, views, unread, outs, total, fp, out, signal  # the micro-batch's activations
                 release_free_heap()
         seconds = time.perf_counter() - started
         results = []
