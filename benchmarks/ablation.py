@@ -75,8 +75,8 @@ PINNED = {"": {"baseline": WHOLE, "replay": ["replay.beta=0.1", *WHOLE], "sdpo":
 """round -> config -> the round's settings that differ from the config's (replay's weight is 0.03
 there now, the better setting the first round found; the shared prefixes of SDPO's teacher came
 after the per-second round; the budget round's SDPO selection did not become the configs'; the
-learner's prefix trees came after the budget round), so that every round's arms run as they did
-(an arm's own overrides come after these)."""
+learner's prefix trees came after the budget round; the pairs round's 4 pairs a step did not become
+the configs'), so that every round's arms run as they did (an arm's own overrides come after these)."""
 RUNS = Path("benchmarks/results/runs")
 TEACHER_PORT = 8001  # the port the ablation configs' teachers point at
 
