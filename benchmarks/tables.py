@@ -25,6 +25,7 @@ benchmarks/common.py). Standard library only, so it runs anywhere in a second.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -632,30 +633,6 @@ PER_SECOND_TEXT = (f"target: full ≤ {PER_SECOND_FULL_MEAN:g} of the baseline's
                    f"{PER_SECOND_TARGETS['sdpo'][1]:g} of the time in every seed")
 
 
-@renders("ablation-per-second", "python benchmarks/ablation.py --round per-second",
-         "Ablation, per second: the channels with one shared learner pass")
-def ablation_per_second(d: dict) -> str:
-    return _ablation(d, "ablation-per-second", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
-
-
-@renders("ablation-budget", "python benchmarks/ablation.py --round budget --arms baseline sdpo full --tasks arithmetic",
-         "Ablation, per second, with SDPO's budget: shared prefixes, the most informative sites, a cost share")
-def ablation_budget(d: dict) -> str:
-    return _ablation(d, "ablation-budget", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
-
-
-@renders("ablation-trees", "python benchmarks/ablation.py --round trees --tasks arithmetic",
-         "Ablation, per second, with the learner's prefix trees (each shared prefix forwarded and trained once)")
-def ablation_trees(d: dict) -> str:
-    return _ablation(d, "ablation-trees", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
-
-
-@renders("ablation-pairs", "python benchmarks/ablation.py --round pairs --arms baseline replay full --tasks arithmetic",
-         "Ablation, per second, with fewer replay pairs (4 traces replayed and at most 4 pairs trained a step, not 8)")
-def ablation_pairs(d: dict) -> str:
-    return _ablation(d, "ablation-pairs", PER_SECOND_TARGETS, PER_SECOND_FULL_MEAN, PER_SECOND_TEXT)
-
-
 def _ablation(d: dict, name: str, targets: dict, full_mean: float | None, target_text: str) -> str:
     parts = []
     for task, t in d["tasks"].items():
@@ -685,6 +662,29 @@ def _ablation(d: dict, name: str, targets: dict, full_mean: float | None, target
             + f"\n\n{len(d['runs'])} runs at commits {', '.join(commits)}; 1-minute load during the runs "
               f"{min(loads):.1f}–{max(loads):.1f} (per run in benchmarks/results/{name}/)."
             + "".join(f"\n\nFault during {f}; that run's step time includes the recovery." for f in faults))
+
+
+PER_SECOND_ROUNDS = {
+    "ablation-per-second": ("python benchmarks/ablation.py --round per-second",
+                            "Ablation, per second: the channels with one shared learner pass"),
+    "ablation-budget": ("python benchmarks/ablation.py --round budget --arms baseline sdpo full --tasks arithmetic",
+                        "Ablation, per second, with SDPO's budget: shared prefixes, the most informative sites, a "
+                        "cost share"),
+    "ablation-trees": ("python benchmarks/ablation.py --round trees --tasks arithmetic",
+                       "Ablation, per second, with the learner's prefix trees (each shared prefix forwarded and "
+                       "trained once)"),
+    "ablation-pairs": ("python benchmarks/ablation.py --round pairs --arms baseline replay full --tasks arithmetic",
+                       "Ablation, per second, with fewer replay pairs (4 traces replayed and at most 4 pairs trained "
+                       "a step, not 8)"),
+}
+"""The ablation's rounds after the first (benchmarks/ablation.py `ROUNDS`): result -> (the command
+that writes it, its section's title). Each renders as the first round's table does, against the
+per-second targets."""
+
+for _result, (_command, _title) in PER_SECOND_ROUNDS.items():
+    renders(_result, _command, _title)(functools.partial(
+        _ablation, name=_result, targets=PER_SECOND_TARGETS, full_mean=PER_SECOND_FULL_MEAN,
+        target_text=PER_SECOND_TEXT))
 
 
 # ---------------------------------------------------------------------------------------- headline
