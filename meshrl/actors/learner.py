@@ -145,8 +145,8 @@ class Learner(MeshrlActor):
         """The registered loss ``loss_fn`` on ``datums`` without grad (nothing accumulates): its
         loss and metrics, and each datum's target-token logprobs at every position
         (``logprobs``; Tinker's `forward` returns them all, also where the loss reads none)."""
-        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, True, temperature,
-                                             backward=False)
+        return self.trainer.forward_backward(datums, loss_fn, loss_fn_config, padding, outputs=True,
+                                             temperature=temperature, backward=False)
 
     @endpoint
     def forward_backward_parts(self, parts: list[LossPart], padding: bool = False) -> list[dict]:
