@@ -116,6 +116,39 @@ def test_converse(sb):
     assert r.stdout == "None\n"
 
 
+_BURN = (
+    "import os, time\n"
+    "req = os.fdopen(int(os.environ['MESHRL_CALL_FD']), 'rb')\n"
+    "rep = os.fdopen(int(os.environ['MESHRL_REPLY_FD']), 'wb', buffering=0)\n"
+    "for line in req:\n"
+    "    end = time.process_time() + float(line)\n"
+    "    while time.process_time() < end:\n"
+    "        pass\n"
+    "    rep.write(b'done\\n')\n"
+)
+
+
+def test_the_programs_cpu_time_is_its_own_and_counted_once_located(sb):
+    """``times_s`` gives the program's CPU seconds only once ``locate_program`` found it (0.0
+    before), and they are the program's: 0.4 s burnt by it show as at least 0.3 s, while the
+    conversation's own threads, which only wait, add next to nothing."""
+    def talk(ch):
+        ch.send(b"0.01", 5.0)
+        assert ch.recv(5.0) == b"done"
+        unlocated = ch.times_s()[1]
+        ch.locate_program()
+        _, before = ch.times_s()
+        ch.send(b"0.4", 5.0)
+        assert ch.recv(10.0) == b"done"
+        _, after = ch.times_s()
+        return unlocated, before, after
+
+    (unlocated, before, after), r = sb.converse({"a.py": _BURN}, ["python", "a.py"], talk, timeout_s=20)
+    assert r.exit_code == 0, r.stderr
+    assert unlocated == 0.0 and before > 0.0
+    assert 0.3 <= after - before < 2.0
+
+
 def test_converse_silent_dead_and_stubborn_programs(sb):
     """A program that does not answer times the conversation out, one that exits closes it, and
     one still running when the conversation is over is killed within the grace."""
