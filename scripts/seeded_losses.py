@@ -2,6 +2,7 @@
 
     python scripts/seeded_losses.py --out before.json            # on one version
     python scripts/seeded_losses.py --out after.json --compare before.json   # on another
+    python scripts/seeded_losses.py --out after.json --compare before.json --override learner.x=0
 
 Arms (3 steps each, same seed, vowel-fraction toy reward so every group has signal):
   baseline  channel 1 only (ppo, token-mean)
@@ -79,10 +80,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="write the per-step metrics here (JSON)")
     parser.add_argument("--compare", type=Path, help="a JSON written by an earlier run to compare against")
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest accepted relative difference")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted config override added to every arm (repeatable), e.g. to compare "
+                             "a version with a setting off against one without the setting")
     args = parser.parse_args()
     before = load_arms(args.compare) if args.compare else None  # a bad file fails before the runs
     with tempfile.TemporaryDirectory() as tmp:
-        result = {name: run_arm(name, overrides, Path(tmp)) for name, overrides in ARMS.items()}
+        result = {name: run_arm(name, overrides + args.override, Path(tmp)) for name, overrides in ARMS.items()}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     if before is not None:
