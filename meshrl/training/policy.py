@@ -282,12 +282,12 @@ class PolicyTrainer:
         per_datum: dict[int, list[float]] = {}
         for i, batch in enumerate(batches + [batches[-1]] * extra):
             shared = SharedForward(batch.rows, self.pad_id, self.device)
-            taken = [(k, [d for d, _ in view], [r for _, r in view]) for k, view in enumerate(batch.views) if view]
-            views = [(k, group, MicroBatchPass(self, pad_datums(group, self.pad_id), specs[k].valid_key,
-                                               parts[k].temperature, shared, rows)) for k, group, rows in taken]
-            unread = {k: self._unread_view(fp, shared, rows) for (k, _, rows), (_, _, fp) in zip(taken, views)
+            views = [(k, [d for d, _ in view], [r for _, r in view]) for k, view in enumerate(batch.views) if view]
+            passes = {k: MicroBatchPass(self, pad_datums(group, self.pad_id), specs[k].valid_key,
+                                        parts[k].temperature, shared, rows) for k, group, rows in views}
+            unread = {k: self._unread_view(passes[k], shared, rows) for k, _, rows in views
                       } if outputs and i < real else {}
-            outs = [(k, group, fp, specs[k].fn(fp, **configs[k])) for k, group, fp in views]
+            outs = [(k, group, passes[k], specs[k].fn(passes[k], **configs[k])) for k, group, _ in views]
             total = sum(out.loss * parts[k].scale for k, _, _, out in outs)
             if backward:
                 (total * float(i < real)).backward()
@@ -310,7 +310,7 @@ class PolicyTrainer:
                 metrics[k].append((float(weight), values))
                 tokens[k] += n_signal
             if self.cfg.release_heap_each_micro_batch:
-                del shared, taken, views, unread, outs, total, fp, out, signal  # the micro-batch's activations
+                del shared, views, passes, unread, outs, total, fp, out, signal  # the micro-batch's activations
                 release_free_heap()
         seconds = time.perf_counter() - started
         results = []
