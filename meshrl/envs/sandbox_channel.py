@@ -49,8 +49,7 @@ class Channel:
         self.extra_lines = 0
         """Reply lines left unread when the conversation ended (nobody asked for them)."""
         self._started_pid: int | None = None
-        self._threads: list[str] = []  # schedstat files of the conversation's threads
-        self._program_stat: str | None = None  # the program's main thread's file, one of ``_threads``
+        self._threads: list[str] = []  # schedstat files of the I/O loop's and the conversation's threads
         self.program_pid: int | None = None
         """The program's own process, once ``locate_program`` found it."""
 
@@ -83,9 +82,6 @@ class Channel:
             pid = children[0]
         self.program_pid = pid
         self._threads = self._threads[:1] + [f"/proc/self/task/{threading.get_native_id()}/schedstat"]
-        self._program_stat = f"/proc/{pid}/schedstat" if pid is not None else None
-        if self._program_stat is not None:
-            self._threads.append(self._program_stat)
 
     def times_s(self) -> tuple[float, float]:
         """By the kernel's count (``schedstat``, each thread's file read once): the seconds the
@@ -94,9 +90,9 @@ class Channel:
         CPU, i.e. time the host's load took from the conversation; and the seconds the program's
         main thread has run on a CPU (0.0 when not located). A thread that is gone, or a kernel
         that does not count, adds 0.0."""
-        stats = {path: _schedstat(path) for path in self._threads}
-        ran = stats[self._program_stat][0] if self._program_stat is not None else 0.0
-        return sum(waited for _, waited in stats.values()), ran
+        ours = [_schedstat(path) for path in self._threads]
+        ran, waited = _schedstat(f"/proc/{self.program_pid}/schedstat") if self.program_pid is not None else (0.0, 0.0)
+        return waited + sum(w for _, w in ours), ran
 
     # ---------------------------------------------------------------- the conversation's side
     def send(self, line: bytes, timeout_s: float) -> None:
