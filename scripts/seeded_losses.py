@@ -2,7 +2,7 @@
 
     python scripts/seeded_losses.py --out before.json            # on one version
     python scripts/seeded_losses.py --out after.json --compare before.json   # on another
-    python scripts/seeded_losses.py --out after.json --compare before.json --override learner.x=0
+    python scripts/seeded_losses.py --out after.json --compare before.json --override learner.shared_prefix_tokens=0
 
 Arms (3 steps each, same seed, vowel-fraction toy reward so every group has signal):
   baseline  channel 1 only (ppo, token-mean)
